@@ -1,0 +1,6 @@
+"""`python -m swarm` runs the command line."""
+import sys
+
+from swarm.cli import main
+
+sys.exit(main())

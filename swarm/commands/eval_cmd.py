@@ -1,0 +1,44 @@
+"""`swarm eval`: the held-out metric of a checkpoint (mAP@0.5, or accuracy for classifiers)."""
+from __future__ import annotations
+
+import argparse
+
+from swarm.cli import positive_int
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint on held-out data",
+                       description="Evaluate a checkpoint on the held-out split of its data set.")
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint written by swarm train")
+    p.add_argument("--data", help="a YOLO-format folder (default: the data the checkpoint was trained on)")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarm.checkpoint import load_checkpoint
+    from swarm.data import open_datasets
+    from swarm.errors import SwarmError
+    from swarm.evaluate import evaluate
+    from swarm.trainer import set_threads
+    from swarm.zoo import build_model
+
+    set_threads(args.threads)
+    state = load_checkpoint(args.checkpoint)
+    config = state.get("config", {})
+    data = args.data if args.data is not None else config.get("data")
+    net, desc, _ = build_model(state["model_name"], state["img_size"], config.get("classes"), cfg_text=state.get("cfg"))
+    try:
+        net.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise SwarmError(f"{args.checkpoint}: weights do not fit {state['model_name']}: {exc}") from None
+    _, heldout = open_datasets(data, desc.img_size, desc.in_channels)
+    if len(heldout) == 0:
+        raise SwarmError("the held-out split is empty")
+    result = evaluate(net, desc, heldout)
+    print(f"{desc.name} at step {state['step']}: {result}")
+    if result.per_class is not None:
+        names = heldout.classes
+        print("  " + ", ".join(f"{names[c] if c < len(names) else c}: {ap:.3f}"
+                               for c, ap in enumerate(result.per_class) if ap == ap))
+    return 0

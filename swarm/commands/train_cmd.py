@@ -1,0 +1,95 @@
+"""`swarm train`: train a model (locally for now; across the swarm with other strategies)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from swarm.cli import non_negative_float, non_negative_int, positive_float, positive_int
+from swarm.errors import SwarmError
+from swarm.progress import format_seconds
+
+STRATEGIES = ("local",)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model", description=(
+        "Train a model. With no other device on the network (or --strategy local) it trains on "
+        "this machine; with no --data it uses the built-in synthetic shapes data set."))
+    p.add_argument("--model", help="yolov2-16 (default), yolov2, yolov2-tiny, vgg16, alexnet, lenet5, or a .cfg path")
+    p.add_argument("--img-size", type=positive_int, help="input size in pixels (default: the model's own; 128 for "
+                   "the YOLO models on the built-in data)")
+    p.add_argument("--data", help="a YOLO-format folder (images/, labels/); default: built-in synthetic shapes")
+    p.add_argument("--classes", type=positive_int, help="number of classes for a built-in model (default: the data's)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="local", help="how to split the work (default: local)")
+    p.add_argument("--batch-size", type=positive_int, help="samples per optimizer step (default: 16)")
+    p.add_argument("--microbatches", type=positive_int, help="micro-batches per step (default: 1)")
+    p.add_argument("--steps", type=positive_int, help="total optimizer steps (default: 300)")
+    p.add_argument("--epochs", type=positive_float, help="train for this many passes over the data instead")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), help="sgd (default, momentum 0.9) or adam")
+    p.add_argument("--lr", type=positive_float, help="learning rate (default: 0.001)")
+    p.add_argument("--momentum", type=non_negative_float, help="SGD momentum (default: 0.9)")
+    p.add_argument("--weight-decay", type=non_negative_float, help="weight decay on weights (default: 5e-4)")
+    p.add_argument("--warmup", type=non_negative_int, help="steps of learning-rate warm-up (default: 20)")
+    p.add_argument("--seed", type=non_negative_int, help="fixes initial weights and sample order (default: 0)")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.add_argument("--save", metavar="PATH", help="checkpoint path (default: swarm-MODEL.pt, or the --resume path)")
+    p.add_argument("--save-every", type=non_negative_int, default=0, metavar="N",
+                   help="also save every N steps (default: only at the end or when interrupted)")
+    p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; flags not given are taken from it")
+    p.add_argument("--metrics", metavar="FILE", help="append one JSON object per step to FILE")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    p.set_defaults(run=run)
+
+
+def training_config(args: argparse.Namespace):
+    """The TrainConfig: defaults, then the resumed checkpoint's settings, then explicit flags."""
+    from swarm.trainer import TrainConfig
+
+    cfg = TrainConfig()
+    state = None
+    if args.resume:
+        from swarm.checkpoint import load_checkpoint
+
+        state = load_checkpoint(args.resume)
+        saved = state.get("config", {})
+        for f in fields(TrainConfig):
+            if f.name in saved:
+                setattr(cfg, f.name, saved[f.name])
+        cfg.model = state["model_name"] if "model" not in saved else saved["model"]
+        if args.model and args.model != cfg.model:
+            raise SwarmError(f"--model {args.model} differs from the checkpoint's model {cfg.model}")
+        if args.img_size and args.img_size != state["img_size"]:
+            raise SwarmError(f"--img-size {args.img_size} differs from the checkpoint's {state['img_size']}")
+    for f in fields(TrainConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            setattr(cfg, f.name, value)
+    if args.steps is not None and args.epochs is not None:
+        raise SwarmError("give --steps or --epochs, not both")
+    if args.epochs is not None:
+        cfg.steps = None
+    return cfg, state
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarm.trainer import train
+
+    cfg, state = training_config(args)
+    save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    summary = train(cfg, state=state, save=save, metrics=args.metrics, threads=args.threads,
+                    evaluate_at_end=not args.no_eval, save_every=args.save_every, log=log)
+    first, last = summary["first_loss"], summary["last_loss"]
+    parts = [f"trained {cfg.model} for {summary['steps']} steps"]
+    if first is not None:
+        parts.append(f"in {format_seconds(summary['seconds'])} (loss {first:.3g} -> {last:.3g})")
+    if summary["eval"] is not None:
+        parts.append(str(summary["eval"]))
+    parts.append(f"checkpoint: {summary['checkpoint']}")
+    print("; ".join(parts))
+    if summary["interrupted"]:
+        print(f"resume with: swarm train --resume {save}", file=sys.stderr)
+        return 130
+    return 0

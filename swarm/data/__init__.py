@@ -1,0 +1,70 @@
+"""Data sets, the seeded order of samples, and turning samples into batches.
+
+    train, heldout = open_datasets(None, img_size=128, channels=3)   # built-in shapes
+    idx = step_indices(len(train), batch_size=16, step=5, seed=1)
+    images, targets = make_batch(train, idx)   # uint8 (B, C, S, S), float32 (B, N, 5)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from swarm.data.synthetic import SyntheticShapes
+from swarm.data.yolo_dir import open_yolo_directory
+from swarm.errors import SwarmError
+
+
+def open_datasets(data: str | None, img_size: int, channels: int):
+    """(train, held-out) for `--data` (None: the built-in synthetic shapes)."""
+    if data is None or data == "synthetic":
+        return SyntheticShapes("train", img_size, channels), SyntheticShapes("heldout", img_size, channels)
+    return open_yolo_directory(data, img_size, channels)
+
+
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Whole mini-batches in one pass over `n` samples (the last partial batch is dropped)."""
+    if batch_size > n:
+        raise SwarmError(f"--batch-size {batch_size} is larger than the data set ({n} samples)")
+    return n // batch_size
+
+
+def step_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """The sample indices of mini-batch `step`: a fresh seeded permutation every epoch."""
+    per_epoch = steps_per_epoch(n, batch_size)
+    epoch, k = divmod(step, per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    return perm[k * batch_size:(k + 1) * batch_size]
+
+
+def sample_keys(step: int, positions) -> list[int]:
+    """One integer per sample of a step, the same on every device (draws dropout masks)."""
+    return [step * (1 << 20) + int(p) for p in positions]
+
+
+def microbatch_bounds(batch_size: int, microbatches: int) -> list[tuple[int, int]]:
+    """Split a mini-batch into `microbatches` consecutive ranges, sizes differing by at most 1."""
+    if not 1 <= microbatches <= batch_size:
+        raise SwarmError(f"--microbatches must be between 1 and the batch size ({batch_size}), got {microbatches}")
+    base, extra = divmod(batch_size, microbatches)
+    bounds, start = [], 0
+    for m in range(microbatches):
+        size = base + (1 if m < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def make_batch(dataset, indices) -> tuple[np.ndarray, np.ndarray]:
+    """Images (B, C, S, S) uint8 and boxes (B, N, 5) float32, padded with class -1."""
+    images, boxes = zip(*(dataset.load(int(i)) for i in indices))
+    most = max(len(b) for b in boxes)
+    targets = np.full((len(indices), most, 5), -1.0, dtype=np.float32)
+    for k, b in enumerate(boxes):
+        targets[k, :len(b)] = b
+    return np.stack(images), targets
+
+
+def class_targets(targets: np.ndarray) -> np.ndarray:
+    """For classifiers: the class of the largest object in each image."""
+    area = np.where(targets[..., 0] >= 0, targets[..., 3] * targets[..., 4], -1.0)
+    best = area.argmax(axis=1)
+    return targets[np.arange(len(targets)), best, 0].astype(np.int64)

@@ -1,0 +1,268 @@
+"""The local reference trainer: the answer every distributed plan must reproduce.
+
+One step takes the seeded mini-batch for that step, splits it into micro-batches, runs
+forward and backward on each (BatchNorm statistics per micro-batch, gradients
+accumulated, loss = sum over samples / mini-batch size), then takes one optimizer step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from swarm.checkpoint import save_checkpoint
+from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datasets, sample_keys,
+                        step_indices, steps_per_epoch)
+from swarm.device import usable_cores
+from swarm.errors import SwarmError
+from swarm.progress import Progress
+from swarm.zoo import BUILTIN, build_model
+from swarm.zoo.loss import make_loss
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides the trained weights (and a few things that do not)."""
+
+    model: str = "yolov2-16"
+    img_size: int | None = None  # None: the model's own size ([net] width)
+    data: str | None = None  # None: the built-in synthetic shapes
+    batch_size: int = 16
+    microbatches: int = 1  # gradient accumulation; BatchNorm statistics per micro-batch
+    steps: int | None = None  # total optimizer steps (None: from epochs, or the default)
+    epochs: float | None = None
+    optimizer: str = "sgd"  # sgd (momentum, weight decay) or adam
+    lr: float | None = None  # None: 0.001 (SGD and Adam alike)
+    momentum: float = 0.9
+    weight_decay: float = 5e-4  # on conv and fully-connected weights only, as darknet does
+    warmup: int = 20  # steps of linear learning-rate warm-up
+    seed: int = 0  # initial weights and the order of samples
+    classes: int | None = None  # built-in models: None means the data set's number of classes
+
+    def resolved_lr(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return 0.001
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based): linear warm-up, then constant.
+        It depends on the step alone, so a resumed run follows the same schedule."""
+        base = self.resolved_lr()
+        if self.warmup > 0 and step < self.warmup:
+            return base * (step + 1) / self.warmup
+        return base
+
+
+DEFAULT_STEPS = 300
+DEFAULT_IMG_SIZE_SYNTHETIC = {"yolov2-16": 128, "yolov2": 128, "yolov2-tiny": 128, "vgg16": 64, "alexnet": 96}
+
+
+def decay_groups(named_params) -> list[dict]:
+    """Weight decay applies to conv and fully-connected weights, not biases or BN."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        (decay if p.dim() > 1 else no_decay).append(p)
+    return [{"params": decay, "decay": True}, {"params": no_decay, "decay": False}]
+
+
+def make_optimizer(named_params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    groups = decay_groups(named_params)
+    for g in groups:
+        g["weight_decay"] = cfg.weight_decay if g.pop("decay") else 0.0
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.resolved_lr(), momentum=cfg.momentum)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=cfg.resolved_lr())
+    raise SwarmError(f"unknown optimizer '{cfg.optimizer}'; use sgd or adam")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+class LocalTrainer:
+    """Holds the network, its optimizer and the data; `step()` trains one mini-batch."""
+
+    def __init__(self, cfg: TrainConfig, cfg_text: str | None = None, state: dict | None = None):
+        self.cfg = cfg
+        self.net, self.desc, self.cfg_text = build_model(cfg.model, cfg.img_size, cfg.classes, cfg.seed, cfg_text)
+        cfg.img_size = self.desc.img_size
+        self.net.train()
+        self.loss_fn = make_loss(self.desc)
+        self.optimizer = make_optimizer(self.net.named_parameters(), cfg)
+        self.step_count = 0
+        if state is not None:
+            try:
+                self.net.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+            except (RuntimeError, ValueError, KeyError) as exc:
+                raise SwarmError(f"the checkpoint does not fit model {cfg.model}: {exc}") from None
+            self.step_count = int(state["step"])
+
+    def state(self) -> dict:
+        return {
+            "model": self.net.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step_count,
+            "model_name": self.cfg.model if self.cfg.model in BUILTIN else self.desc.name,
+            "img_size": self.desc.img_size,
+            "config": {k: v for k, v in asdict(self.cfg).items() if v is not None},
+            "cfg": self.cfg_text,
+        }
+
+    def targets_for_loss(self, targets: np.ndarray) -> torch.Tensor:
+        if self.desc.loss == "region":
+            return torch.from_numpy(targets)
+        return torch.from_numpy(class_targets(targets))
+
+    def step(self, images: np.ndarray, targets: np.ndarray) -> float:
+        """One optimizer step on a mini-batch; returns the mini-batch loss."""
+        cfg = self.cfg
+        bsz = len(images)
+        total = 0.0
+        keys = sample_keys(self.step_count, range(bsz))
+        for lo, hi in microbatch_bounds(bsz, cfg.microbatches):
+            out = self.net(torch.from_numpy(images[lo:hi]), keys[lo:hi])
+            loss = self.loss_fn(out, self.targets_for_loss(targets[lo:hi]), bsz)
+            loss.backward()
+            total += float(loss.detach())
+        if not math.isfinite(total):
+            raise SwarmError(f"the loss became {total} at step {self.step_count + 1}; "
+                             f"try a smaller --lr (now {cfg.resolved_lr()}) or a longer --warmup")
+        set_lr(self.optimizer, cfg.lr_at(self.step_count))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return total
+
+
+def resolve_steps(cfg: TrainConfig, n_train: int) -> int:
+    per_epoch = steps_per_epoch(n_train, cfg.batch_size)
+    if cfg.steps is not None:
+        if cfg.steps < 1:
+            raise SwarmError(f"--steps must be at least 1, got {cfg.steps}")
+        return cfg.steps
+    if cfg.epochs is not None:
+        if cfg.epochs <= 0:
+            raise SwarmError(f"--epochs must be positive, got {cfg.epochs}")
+        return max(1, int(round(cfg.epochs * per_epoch)))
+    return DEFAULT_STEPS
+
+
+def set_threads(threads: int | None) -> int:
+    n = threads or usable_cores()
+    if n < 1:
+        raise SwarmError(f"--threads must be at least 1, got {n}")
+    torch.set_num_threads(n)
+    return n
+
+
+def check_classes(desc, cfg: TrainConfig, train) -> None:
+    have = desc.extra["classes"]
+    if train.num_classes > have:
+        raise SwarmError(f"the data has {train.num_classes} classes but model {cfg.model} predicts {have}; "
+                         f"give --classes {train.num_classes} or edit the .cfg")
+
+
+def prepare(cfg: TrainConfig, cfg_text: str | None = None):
+    """Fill in defaults that depend on the model and data; returns (cfg, train, heldout)."""
+    from swarm.zoo import describe_model
+
+    if cfg.img_size is None and cfg.data is None and cfg.model in DEFAULT_IMG_SIZE_SYNTHETIC:
+        cfg.img_size = DEFAULT_IMG_SIZE_SYNTHETIC[cfg.model]
+    desc0 = describe_model(cfg.model, cfg.img_size, None, cfg_text)
+    train_set, heldout = open_datasets(cfg.data, desc0.img_size, desc0.in_channels)
+    if cfg.classes is None and cfg.model in BUILTIN:
+        cfg.classes = train_set.num_classes
+    return cfg, train_set, heldout
+
+
+def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = None, metrics: str | None = None,
+          threads: int | None = None, evaluate_at_end: bool = True, save_every: int = 0, log=print) -> dict:
+    """Train locally; returns a summary dict (steps, losses, metric, checkpoint path)."""
+    from swarm.evaluate import evaluate
+
+    n_threads = set_threads(threads)
+    cfg_text = state.get("cfg") if state else None
+    cfg, train_set, heldout = prepare(cfg, cfg_text)
+    total_steps = resolve_steps(cfg, len(train_set))
+    trainer = LocalTrainer(cfg, cfg_text, state)
+    check_classes(trainer.desc, cfg, train_set)
+    skipped = getattr(train_set, "skipped", [])
+    if skipped:
+        shown = "\n  ".join(skipped[:5]) + (f"\n  ... and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        log(f"skipped {len(skipped)} unusable sample(s):\n  {shown}")
+    desc = trainer.desc
+    log(f"model {desc.name}: {len(desc.layers)} layers, {desc.params / 1e6:.2f} M parameters, "
+        f"{desc.img_size}x{desc.img_size} input, {desc.flops / 1e9:.2f} GFLOPs forward per sample")
+    log(f"data: {train_set.name}, {len(train_set)} images, {train_set.num_classes} classes; "
+        f"batch {cfg.batch_size} in {cfg.microbatches} micro-batch(es); {n_threads} thread(s); seed {cfg.seed}")
+    start = trainer.step_count
+    if start >= total_steps:
+        log(f"the checkpoint is already at step {start} of {total_steps}; nothing to train")
+    metrics_file = open(metrics, "a") if metrics else None  # noqa: SIM115 - closed in finally
+    progress = Progress(total_steps, start)
+    first_loss = last_loss = None
+    interrupted = False
+    t_start = time.monotonic()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-data")
+
+    def fetch(step: int):
+        return make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed))
+
+    old_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if _main_thread() else None
+    try:
+        pending = pool.submit(fetch, start) if start < total_steps else None
+        for step in range(start, total_steps):
+            images, targets = pending.result()
+            pending = pool.submit(fetch, step + 1) if step + 1 < total_steps else None
+            t0 = time.monotonic()
+            loss = trainer.step(images, targets)
+            dt = time.monotonic() - t0
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            progress.update(step + 1, loss, len(images))
+            if metrics_file:
+                metrics_file.write(json.dumps({"step": step + 1, "loss": loss, "samples_per_s": len(images) / dt,
+                                               "wall_s": time.monotonic() - t_start, "lr": cfg.lr_at(step)}) + "\n")
+                metrics_file.flush()
+            if save and save_every and (step + 1) % save_every == 0 and step + 1 < total_steps:
+                save_checkpoint(save, trainer.state())
+    except KeyboardInterrupt:
+        interrupted = True
+        progress.message(f"interrupted after step {trainer.step_count}")
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if metrics_file:
+            metrics_file.close()
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
+    elapsed = time.monotonic() - t_start
+    summary = {"steps": trainer.step_count, "first_loss": first_loss, "last_loss": last_loss,
+               "seconds": elapsed, "checkpoint": None, "eval": None, "interrupted": interrupted}
+    if save:
+        save_checkpoint(save, trainer.state())
+        summary["checkpoint"] = str(Path(save).resolve())
+    if evaluate_at_end and not interrupted:
+        result = evaluate(trainer.net, desc, heldout)
+        summary["eval"] = result
+    summary["trainer"] = trainer
+    return summary
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

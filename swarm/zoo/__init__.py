@@ -1,0 +1,147 @@
+"""The model zoo: built-in darknet .cfg files, custom .cfg paths, and building a network.
+
+    model, desc = build_model("yolov2-16", img_size=416, seed=1)
+"""
+from __future__ import annotations
+
+import math
+from importlib import resources
+from pathlib import Path
+
+from planner.model_desc import ModelDesc
+from swarm.errors import SwarmError
+from swarm.zoo.build import describe, make_modules
+from swarm.zoo.darknet import Section, parse_cfg
+
+BUILTIN = ("yolov2-16", "yolov2", "yolov2-tiny", "vgg16", "alexnet", "lenet5")
+MAX_IMG_SIZE = 2048
+
+
+def model_source(model: str) -> tuple[str, str, str]:
+    """(name, cfg text, where it came from) for a built-in name or a path to a .cfg."""
+    if model in BUILTIN:
+        text = resources.files("swarm.zoo").joinpath("cfg", f"{model}.cfg").read_text()
+        return model, text, f"{model}.cfg"
+    path = Path(model)
+    if path.suffix == ".cfg" or path.exists():
+        if not path.is_file():
+            raise SwarmError(f"model file {model} does not exist")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SwarmError(f"cannot read model file {model}: {exc}") from None
+        return path.stem, text, str(path)
+    raise SwarmError(f"unknown model '{model}'; built-in models are {', '.join(BUILTIN)}, "
+                     "or give a path to a darknet .cfg file")
+
+
+def native_size(sections: list[Section]) -> int:
+    return sections[0].get_int("width", 416)
+
+
+def _scale_anchors(desc: ModelDesc, sections: list[Section], name: str, classes: int | None) -> None:
+    """Anchors are written in grid cells at the [net] width; keep their size relative to the
+    image when training at another size."""
+    if desc.loss != "region":
+        return
+    native = native_size(sections)
+    if native == desc.img_size:
+        return
+    try:
+        ref, _ = describe(name, sections, native, classes)
+    except SwarmError:
+        return
+    factor = desc.extra["grid"][0] / ref.extra["grid"][0]
+    desc.extra["anchors"] = [(w * factor, h * factor) for w, h in desc.extra["anchors"]]
+
+
+def describe_model(model: str, img_size: int | None = None, classes: int | None = None,
+                   cfg_text: str | None = None) -> ModelDesc:
+    """The per-layer description only (no torch): shapes, parameters, FLOPs, bytes."""
+    return _prepare(model, img_size, classes, cfg_text)[0]
+
+
+def _prepare(model: str, img_size: int | None, classes: int | None, cfg_text: str | None):
+    if cfg_text is None:
+        name, text, source = model_source(model)
+    else:
+        name, text, source = Path(model).stem if model.endswith(".cfg") else model, cfg_text, model
+    sections = parse_cfg(text, source)
+    if img_size is None:
+        img_size = native_size(sections)
+    if classes is not None and classes < 1:
+        raise SwarmError(f"the number of classes must be at least 1, got {classes}")
+    check_img_size(name, sections, img_size, classes)
+    desc, plans = describe(name, sections, img_size, classes)
+    _scale_anchors(desc, sections, name, classes)
+    return desc, plans, text
+
+
+def build_model(model: str, img_size: int | None = None, classes: int | None = None, seed: int | None = None,
+                cfg_text: str | None = None):
+    """Build the torch network. With `seed`, the initial weights depend only on the seed.
+
+    Returns (net, desc, cfg_text)."""
+    import torch
+
+    from swarm.zoo.net import Net
+
+    desc, plans, text = _prepare(model, img_size, classes, cfg_text)
+    if seed is not None:
+        torch.manual_seed(seed)
+    net = Net(desc, make_modules(plans), {p.desc.index: p.probability for p in plans if p.desc.kind == "dropout"})
+    return net, desc, text
+
+
+def _size_ok(name: str, sections: list[Section], size: int, classes: int | None, stride: int | None) -> bool:
+    try:
+        describe(name, sections, size, classes)
+    except SwarmError:
+        return False
+    return stride is None or size % stride == 0
+
+
+def _region_stride(name: str, sections: list[Section], classes: int | None) -> int | None:
+    """A detection head's stride at the network's own size (416 / 26 = 16 for yolov2-16)."""
+    try:
+        desc, _ = describe(name, sections, native_size(sections), classes)
+    except SwarmError:
+        return None
+    if desc.loss != "region":
+        return None
+    return desc.extra.get("stride")
+
+
+def check_img_size(name: str, sections: list[Section], img_size: int, classes: int | None = None) -> None:
+    """Raise a SwarmError saying which sizes work when the network cannot take `img_size`.
+
+    A size works when every layer gets a map of at least one pixel, routed maps agree, and
+    (for detection) the size is a multiple of the head's stride so grid cells are whole pixels."""
+    stride = _region_stride(name, sections, classes)
+    if 1 <= img_size <= MAX_IMG_SIZE and _size_ok(name, sections, img_size, classes, stride):
+        return
+    valid = [s for s in range(1, MAX_IMG_SIZE + 1) if _size_ok(name, sections, s, classes, stride)]
+    if not valid:
+        # Report the network's own error at its native size: the .cfg itself is broken.
+        describe(name, sections, native_size(sections), classes)
+        raise SwarmError(f"{name} cannot take any image size up to {MAX_IMG_SIZE}")
+    raise SwarmError(f"{name} cannot take --img-size {img_size}: it takes {summarise_sizes(valid)}")
+
+
+def summarise_sizes(valid: list[int]) -> str:
+    """Describe a set of sizes briefly: "multiples of 32 from 64 to 2048" and the like."""
+    lo, hi = valid[0], valid[-1]
+    step = 0
+    for a, b in zip(valid, valid[1:]):
+        step = math.gcd(step, b - a)
+    if len(valid) == 1:
+        return f"only {lo}"
+    if valid == list(range(lo, hi + 1, step)):
+        upto = f" to {hi}" if hi < MAX_IMG_SIZE - step + 1 else ""
+        if step == 1:
+            return f"any size from {lo}{upto}"
+        if lo % step == 0:
+            return f"multiples of {step} from {lo}{upto}"
+        return f"{lo}, {lo + step}, {lo + 2 * step}, ... (steps of {step}){upto}"
+    shown = ", ".join(str(v) for v in valid[:8])
+    return f"sizes such as {shown}, ..."

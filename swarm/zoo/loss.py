@@ -1,0 +1,186 @@
+"""Losses at the end of a network: the YOLOv2 region loss, and softmax cross-entropy.
+
+Every loss here is a sum of per-sample terms divided by the size of the whole mini-batch,
+so micro-batches, data-parallel shares and pipeline stages add up to the same gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from planner.model_desc import ModelDesc
+
+
+def box_iou_cxcywh(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IoU between boxes a (..., N, 4) and b (..., M, 4) given as (cx, cy, w, h) -> (..., N, M)."""
+    a1, a2 = a[..., :2] - a[..., 2:] / 2, a[..., :2] + a[..., 2:] / 2
+    b1, b2 = b[..., :2] - b[..., 2:] / 2, b[..., :2] + b[..., 2:] / 2
+    lo = torch.maximum(a1.unsqueeze(-2), b1.unsqueeze(-3))
+    hi = torch.minimum(a2.unsqueeze(-2), b2.unsqueeze(-3))
+    inter = (hi - lo).clamp(min=0).prod(-1)
+    area_a = a[..., 2:].prod(-1).unsqueeze(-1)
+    area_b = b[..., 2:].prod(-1).unsqueeze(-2)
+    return inter / (area_a + area_b - inter).clamp(min=1e-12)
+
+
+class RegionLoss:
+    """YOLOv2's region loss (Redmon & Farhadi 2017, darknet's region_layer).
+
+    Each grid cell has `num` anchors; a prediction is (tx, ty, tw, th, to, class logits):
+    centre = cell + sigmoid(t), size = anchor * exp(t), objectness = sigmoid(to). A ground
+    truth box is assigned to the anchor of best shape in the cell holding its centre.
+    Terms: coordinates (scaled by 2 - w*h), objectness towards 1 (or the IoU with
+    `rescore`), objectness towards 0 for unassigned predictions that overlap no truth by
+    more than `thresh`, and class cross-entropy.
+    """
+
+    def __init__(self, head: dict):
+        self.classes = head["classes"]
+        self.num = head["num"]
+        self.anchors = torch.tensor(head["anchors"], dtype=torch.float32)  # (A, 2) in grid cells
+        self.object_scale = head["object_scale"]
+        self.noobject_scale = head["noobject_scale"]
+        self.class_scale = head["class_scale"]
+        self.coord_scale = head["coord_scale"]
+        self.thresh = head["thresh"]
+        self.rescore = head["rescore"]
+
+    def split(self, out: torch.Tensor):
+        """(B, A*(5+C), H, W) -> (B, A, H, W, 5+C)."""
+        b, _, h, w = out.shape
+        return out.view(b, self.num, 5 + self.classes, h, w).permute(0, 1, 3, 4, 2)
+
+    def boxes(self, p: torch.Tensor) -> torch.Tensor:
+        """Predicted boxes (B, A, H, W, 4) as normalised (cx, cy, w, h)."""
+        _, _, h, w, _ = p.shape
+        ys = torch.arange(h, dtype=p.dtype).view(1, 1, h, 1)
+        xs = torch.arange(w, dtype=p.dtype).view(1, 1, 1, w)
+        aw = self.anchors[:, 0].view(1, -1, 1, 1).to(p.dtype)
+        ah = self.anchors[:, 1].view(1, -1, 1, 1).to(p.dtype)
+        cx = (xs + torch.sigmoid(p[..., 0])) / w
+        cy = (ys + torch.sigmoid(p[..., 1])) / h
+        bw = torch.exp(p[..., 2].clamp(max=10)) * aw / w
+        bh = torch.exp(p[..., 3].clamp(max=10)) * ah / h
+        return torch.stack([cx, cy, bw, bh], dim=-1)
+
+    def __call__(self, out: torch.Tensor, targets: torch.Tensor, batch_total: int) -> torch.Tensor:
+        """out: (B, A*(5+C), H, W); targets: (B, N, 5) rows (class, cx, cy, w, h), class < 0
+        for padding; returns the summed loss of these samples divided by `batch_total`."""
+        p = self.split(out)
+        bsz, na, gh, gw, _ = p.shape
+        with torch.no_grad():
+            pred = self.boxes(p.detach())  # (B, A, H, W, 4)
+            valid = targets[..., 0] >= 0  # (B, N)
+            truth = targets[..., 1:5]
+            if targets.shape[1] > 0:
+                iou = box_iou_cxcywh(pred.view(bsz, -1, 4), truth)  # (B, A*H*W, N)
+                iou = iou.masked_fill(~valid.unsqueeze(1), 0.0)
+                best_iou = iou.max(dim=-1).values.view(bsz, na, gh, gw)
+            else:
+                best_iou = torch.zeros(bsz, na, gh, gw)
+            assigned = torch.zeros(bsz, na, gh, gw, dtype=torch.bool)
+            tbox = torch.zeros(bsz, na, gh, gw, 4)
+            tcls = torch.zeros(bsz, na, gh, gw, dtype=torch.long)
+            tscale = torch.zeros(bsz, na, gh, gw)
+            bi, ni = valid.nonzero(as_tuple=True)
+            if bi.numel():
+                t = targets[bi, ni]  # (T, 5)
+                gx = (t[:, 1] * gw).clamp(0, gw - 1e-4)
+                gy = (t[:, 2] * gh).clamp(0, gh - 1e-4)
+                tw_cells, th_cells = t[:, 3] * gw, t[:, 4] * gh
+                # best anchor by shape: IoU of boxes sharing a centre
+                inter = torch.minimum(tw_cells[:, None], self.anchors[None, :, 0]) * \
+                    torch.minimum(th_cells[:, None], self.anchors[None, :, 1])
+                union = tw_cells[:, None] * th_cells[:, None] + self.anchors.prod(-1)[None, :] - inter
+                ai = (inter / union).argmax(dim=1)
+                ci, cj = gx.long(), gy.long()
+                # Two truths on the same (cell, anchor): the later one wins, as in darknet.
+                flat = ((bi * na + ai) * gh + cj) * gw + ci
+                order = torch.arange(flat.numel())
+                last = torch.zeros(bsz * na * gh * gw, dtype=torch.long).scatter_reduce(
+                    0, flat, order, reduce="amax", include_self=False)
+                keep = last[flat] == order
+                bi, ai, cj, ci, t = bi[keep], ai[keep], cj[keep], ci[keep], t[keep]
+                gx, gy, tw_cells, th_cells = gx[keep], gy[keep], tw_cells[keep], th_cells[keep]
+                assigned[bi, ai, cj, ci] = True
+                tbox[bi, ai, cj, ci] = torch.stack([
+                    gx - ci, gy - cj,
+                    torch.log(tw_cells.clamp(min=1e-6) / self.anchors[ai, 0]),
+                    torch.log(th_cells.clamp(min=1e-6) / self.anchors[ai, 1])], dim=-1)
+                tcls[bi, ai, cj, ci] = t[:, 0].long()
+                tscale[bi, ai, cj, ci] = 2.0 - t[:, 3] * t[:, 4]
+            noobj = (~assigned) & (best_iou <= self.thresh)
+            if self.rescore:
+                obj_target = box_iou_cxcywh(pred[assigned].unsqueeze(-2),
+                                            truth_at(assigned, tbox, self.anchors, gh, gw).unsqueeze(-2)).view(-1)
+            else:
+                obj_target = torch.ones(int(assigned.sum()))
+
+        obj = torch.sigmoid(p[..., 4])
+        loss = self.noobject_scale * (obj[noobj] ** 2).sum()
+        loss = loss + self.object_scale * ((obj[assigned] - obj_target) ** 2).sum()
+        pa = p[assigned]  # (T, 5+C)
+        xy = torch.sigmoid(pa[:, :2])
+        coord = ((xy - tbox[assigned][:, :2]) ** 2).sum(-1) + ((pa[:, 2:4] - tbox[assigned][:, 2:]) ** 2).sum(-1)
+        loss = loss + self.coord_scale * (tscale[assigned] * coord).sum()
+        if pa.shape[0]:
+            loss = loss + self.class_scale * F.cross_entropy(pa[:, 5:], tcls[assigned], reduction="sum")
+        return loss / batch_total
+
+    @torch.no_grad()
+    def detections(self, out: torch.Tensor, conf_thresh: float = 0.005, nms_iou: float = 0.45,
+                   max_det: int = 100) -> list[torch.Tensor]:
+        """Per image, rows (class, score, cx, cy, w, h) after per-class non-maximum suppression."""
+        p = self.split(out)
+        boxes = self.boxes(p).flatten(1, 3)  # (B, A*H*W, 4)
+        obj = torch.sigmoid(p[..., 4]).flatten(1)  # (B, A*H*W)
+        probs = torch.softmax(p[..., 5:], dim=-1).flatten(1, 3)  # (B, A*H*W, C)
+        scores = obj.unsqueeze(-1) * probs
+        result = []
+        for b in range(p.shape[0]):
+            rows = []
+            idx, cls = (scores[b] > conf_thresh).nonzero(as_tuple=True)
+            for c in cls.unique():
+                sel = idx[cls == c]
+                keep = nms(boxes[b, sel], scores[b, sel, c], nms_iou)
+                sel = sel[keep]
+                rows.append(torch.cat([torch.full((sel.numel(), 1), float(c)), scores[b, sel, c].unsqueeze(1),
+                                       boxes[b, sel]], dim=1))
+            det = torch.cat(rows) if rows else torch.zeros(0, 6)
+            det = det[det[:, 1].argsort(descending=True)[:max_det]]
+            result.append(det)
+        return result
+
+
+def truth_at(assigned: torch.Tensor, tbox: torch.Tensor, anchors: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
+    """Normalised (cx, cy, w, h) of the truths at the assigned positions (for rescoring)."""
+    b, a, j, i = assigned.nonzero(as_tuple=True)
+    t = tbox[assigned]
+    return torch.stack([(i + t[:, 0]) / gw, (j + t[:, 1]) / gh,
+                        torch.exp(t[:, 2]) * anchors[a, 0] / gw, torch.exp(t[:, 3]) * anchors[a, 1] / gh], dim=-1)
+
+
+def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_thresh: float) -> torch.Tensor:
+    """Greedy non-maximum suppression; returns indices kept, best first."""
+    order = scores.argsort(descending=True)
+    boxes = boxes[order]
+    iou = box_iou_cxcywh(boxes, boxes)
+    keep = torch.ones(len(order), dtype=torch.bool)
+    for k in range(len(order)):
+        if keep[k]:
+            keep[k + 1:] &= iou[k, k + 1:] <= iou_thresh
+    return order[keep]
+
+
+class SoftmaxLoss:
+    """Cross-entropy for classifiers; the target is one class per sample."""
+
+    def __init__(self, head: dict):
+        self.classes = head["classes"]
+
+    def __call__(self, out: torch.Tensor, targets: torch.Tensor, batch_total: int) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(1), targets, reduction="sum") / batch_total
+
+
+def make_loss(desc: ModelDesc):
+    return RegionLoss(desc.extra) if desc.loss == "region" else SoftmaxLoss(desc.extra)

@@ -1,0 +1,74 @@
+"""The torch network built from a .cfg: a list of layers, some of which read earlier outputs."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from planner.model_desc import ModelDesc
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant for mixing dropout seeds
+_MASK64 = (1 << 64) - 1
+
+
+def dropout_seed(key: int, layer: int) -> int:
+    """A per-(sample, layer) seed, so a sample's dropout mask is the same whichever device,
+    micro-batch or position it is computed in."""
+    z = (key * _MIX + layer * 0xBF58476D1CE4E5B9 + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class Net(nn.Module):
+    """Layers in darknet order. `forward_range` runs any consecutive slice given the tensors
+    that cross into it, which is what a pipeline stage does."""
+
+    def __init__(self, desc: ModelDesc, modules: list[nn.Module], dropout_p: dict[int, float]):
+        super().__init__()
+        self.desc = desc
+        self.layers = nn.ModuleList(modules)
+        self.dropout_p = dropout_p
+
+    def forward(self, x: torch.Tensor, keys: list[int] | None = None) -> torch.Tensor:
+        """x: (B, C, S, S) uint8 image or float in [0, 1]; keys: one int per sample, used to
+        draw dropout masks (needed only when the net has dropout and is training)."""
+        out = self.forward_range(0, len(self.layers), {-1: x}, keys)
+        return out[len(self.layers) - 1]
+
+    def forward_range(self, first: int, last: int, live: dict[int, torch.Tensor],
+                      keys: list[int] | None = None) -> dict[int, torch.Tensor]:
+        """Run layers [first, last). `live` holds the outputs (by layer index, -1 for the
+        image) that this range reads from before `first`; returns those that layers at or
+        after `last` read (or the final output when `last` is the end)."""
+        outs = dict(live)
+        if -1 in outs and outs[-1].dtype == torch.uint8:
+            outs[-1] = outs[-1].float().div_(255.0)
+        layers = self.desc.layers
+        for i in range(first, last):
+            d = layers[i]
+            if d.kind == "route":
+                srcs = [outs[s] for s in d.inputs]
+                y = srcs[0] if len(srcs) == 1 else torch.cat(srcs, dim=1)
+            else:
+                x = outs[d.inputs[0]]
+                if d.kind == "connected" and x.dim() > 2:
+                    x = x.flatten(1)  # (B, C*H*W)
+                if d.kind == "dropout":
+                    y = self._dropout(x, i, keys)
+                else:
+                    y = self.layers[i](x)
+            outs[i] = y
+        wanted = self.desc.live_after(last) if last < len(layers) else (last - 1,)
+        return {k: outs[k] for k in wanted}
+
+    def _dropout(self, x: torch.Tensor, layer: int, keys: list[int] | None) -> torch.Tensor:
+        p = self.dropout_p[layer]
+        if not self.training or p == 0.0:
+            return x
+        if keys is None or len(keys) != x.shape[0]:
+            raise ValueError("training with dropout needs one key per sample")
+        masks = []
+        for key in keys:
+            gen = torch.Generator().manual_seed(dropout_seed(int(key), layer))
+            masks.append(torch.rand(x.shape[1:], generator=gen) >= p)
+        return x * torch.stack(masks).to(x.dtype) / (1.0 - p)

@@ -1,0 +1,30 @@
+"""Test set-up shared by every test: discovery pinned to loopback, small thread counts."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Discovery and connections never leave the machine in tests: every swarm command (and
+# every subprocess a test starts) sees this unless a test pins another interface itself.
+os.environ["SWARM_INTERFACE"] = "lo"
+
+
+@pytest.fixture(autouse=True)
+def _pin_interface(monkeypatch):
+    monkeypatch.setenv("SWARM_INTERFACE", os.environ.get("SWARM_TEST_INTERFACE", "lo"))
+
+
+def run_swarm(*args, cwd=None, env=None, timeout=600):
+    """Run the `swarm` command line in a fresh interpreter; returns CompletedProcess."""
+    import subprocess
+
+    full_env = dict(os.environ)
+    full_env.setdefault("PYTHONPATH", str(ROOT))
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "swarm", *map(str, args)], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)

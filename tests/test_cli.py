@@ -1,0 +1,71 @@
+"""The command line as a user meets it: the main job, identical reruns, resume, and mistakes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_swarm
+
+QUICK = ["--model", "yolov2-16", "--img-size", "64", "--batch-size", "4", "--seed", "1", "--threads", "1"]
+
+
+def _weights(path):
+    return torch.load(path, weights_only=True)["model"]
+
+
+def test_train_twice_identical_and_resume(tmp_path):
+    a = run_swarm("train", *QUICK, "--steps", "3", "--save", "a.pt", "--no-eval", cwd=tmp_path)
+    assert a.returncode == 0, a.stderr
+    assert "checkpoint: " in a.stdout and str(tmp_path / "a.pt") in a.stdout
+    b = run_swarm("train", *QUICK, "--steps", "3", "--save", "b.pt", "--no-eval", cwd=tmp_path)
+    assert b.returncode == 0, b.stderr
+    wa, wb = _weights(tmp_path / "a.pt"), _weights(tmp_path / "b.pt")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # resume: 3 steps then 2 more equals 5 straight; the flags come from the checkpoint
+    full = run_swarm("train", *QUICK, "--steps", "5", "--save", "full.pt", "--no-eval", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    res = run_swarm("train", "--resume", "a.pt", "--steps", "5", "--save", "r.pt", "--no-eval", "--threads", "1",
+                    cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    wf, wr = _weights(tmp_path / "full.pt"), _weights(tmp_path / "r.pt")
+    assert all(torch.equal(wf[k], wr[k]) for k in wf)
+
+
+def test_metrics_file_and_eval(tmp_path):
+    r = run_swarm("train", *QUICK, "--steps", "2", "--save", "m.pt", "--metrics", "m.jsonl", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "mAP@0.5 = " in r.stdout
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    assert all({"step", "loss", "samples_per_s", "wall_s"} <= set(x) for x in lines)
+    assert "step 2/2" in r.stderr  # progress
+    e = run_swarm("eval", "--checkpoint", "m.pt", "--threads", "1", cwd=tmp_path)
+    assert e.returncode == 0, e.stderr
+    assert "mAP@0.5 = " in e.stdout and "at step 2" in e.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--model", "yolov9"], "unknown model 'yolov9'"),
+    (["train", "--img-size", "100"], "takes multiples of 16"),
+    (["train", "--data", "/nonexistent/folder"], "does not exist"),
+    (["train", "--steps", "0"], "must be at least 1"),
+    (["train", "--batch-size", "x"], "is not a whole number"),
+    (["train", "--strategy", "bogus"], "invalid choice"),
+    (["train", "--resume", "missing.pt"], "does not exist"),
+    (["eval", "--checkpoint", "missing.pt"], "does not exist"),
+    (["train", "--steps", "2", "--epochs", "1"], "not both"),
+    (["bogus"], "invalid choice"),
+])
+def test_user_mistakes_get_a_message_not_a_traceback(tmp_path, args, message):
+    r = run_swarm(*args, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_corrupt_checkpoint_for_resume(tmp_path):
+    (tmp_path / "bad.pt").write_bytes(b"garbage")
+    r = run_swarm("train", "--resume", "bad.pt", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "not a readable swarm checkpoint" in r.stderr and "Traceback" not in r.stderr

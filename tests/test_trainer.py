@@ -1,0 +1,147 @@
+"""The local reference trainer: determinism, resume, micro-batches, checkpoints."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from swarm.checkpoint import atomic_write, load_checkpoint, save_checkpoint
+from swarm.errors import SwarmError
+from swarm.trainer import TrainConfig, train
+
+NO_BN_CFG = """[net]
+width=32
+height=32
+channels=3
+
+[convolutional]
+filters=8
+size=3
+stride=1
+pad=1
+activation=leaky
+
+[maxpool]
+size=2
+stride=2
+
+[convolutional]
+filters=8
+size=3
+stride=2
+pad=1
+activation=leaky
+
+[connected]
+output=5
+activation=linear
+
+[softmax]
+"""
+
+
+def _run(tmp_path, name, **kw):
+    cfg = TrainConfig(**{"model": "yolov2-16", "img_size": 32, "batch_size": 4, "steps": 3, "seed": 1, **kw})
+    save = tmp_path / f"{name}.pt"
+    summary = train(cfg, save=str(save), threads=1, evaluate_at_end=False, log=lambda s: None)
+    return load_checkpoint(save), summary
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for k in a:
+        if a[k].is_floating_point():
+            worst = max(worst, float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)))
+    return worst
+
+
+def test_same_seed_gives_bit_identical_weights(tmp_path):
+    a, _ = _run(tmp_path, "a")
+    b, _ = _run(tmp_path, "b")
+    c, _ = _run(tmp_path, "c", seed=2)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert not torch.equal(a["model"]["layers.0.conv.weight"], c["model"]["layers.0.conv.weight"])
+
+
+def test_training_changes_weights_and_records_the_step(tmp_path):
+    from swarm.zoo import build_model
+
+    ckpt, summary = _run(tmp_path, "a")
+    init, _, _ = build_model("yolov2-16", 32, classes=5, seed=1)
+    assert ckpt["step"] == 3 and summary["steps"] == 3
+    assert ckpt["model_name"] == "yolov2-16" and ckpt["img_size"] == 32
+    assert set(ckpt["model"]) == set(init.state_dict())
+    assert not torch.equal(ckpt["model"]["layers.0.conv.weight"], init.state_dict()["layers.0.conv.weight"])
+    # BN running statistics advanced once per micro-batch
+    assert int(ckpt["model"]["layers.0.bn.num_batches_tracked"]) == 3
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    full, _ = _run(tmp_path, "full", steps=5)
+    _run(tmp_path, "part", steps=2)
+    cfg = TrainConfig(model="yolov2-16", img_size=32, batch_size=4, steps=5, seed=1)
+    state = load_checkpoint(tmp_path / "part.pt")
+    train(cfg, state=state, save=str(tmp_path / "part.pt"), threads=1, evaluate_at_end=False, log=lambda s: None)
+    resumed = load_checkpoint(tmp_path / "part.pt")
+    assert resumed["step"] == 5
+    assert all(torch.equal(full["model"][k], resumed["model"][k]) for k in full["model"])
+
+
+def test_microbatches_accumulate_to_the_full_batch_gradient(tmp_path):
+    cfg_path = tmp_path / "nobn.cfg"
+    cfg_path.write_text(NO_BN_CFG)
+    one, _ = _run(tmp_path, "one", model=str(cfg_path), microbatches=1, batch_size=6)
+    three, _ = _run(tmp_path, "three", model=str(cfg_path), microbatches=3, batch_size=6)
+    assert _max_rel_diff(three["model"], one["model"]) < 1e-5
+
+
+def test_batchnorm_statistics_are_per_microbatch(tmp_path):
+    one, _ = _run(tmp_path, "one", microbatches=1)
+    two, _ = _run(tmp_path, "two", microbatches=2)
+    assert int(two["model"]["layers.0.bn.num_batches_tracked"]) == 6
+    assert _max_rel_diff(two["model"], one["model"]) > 1e-4
+
+
+def test_dropout_masks_do_not_depend_on_microbatching(tmp_path):
+    cfg_path = tmp_path / "drop.cfg"
+    cfg_path.write_text(NO_BN_CFG.replace("[softmax]", "[dropout]\nprobability=0.5\n\n[connected]\noutput=5\n"
+                                          "activation=linear\n\n[softmax]"))
+    one, _ = _run(tmp_path, "one", model=str(cfg_path), microbatches=1, batch_size=6)
+    two, _ = _run(tmp_path, "two", model=str(cfg_path), microbatches=2, batch_size=6)
+    assert _max_rel_diff(two["model"], one["model"]) < 1e-5
+
+
+def test_checkpoint_loads_with_weights_only(tmp_path):
+    _run(tmp_path, "a")
+    state = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert {"model", "optimizer", "step", "model_name", "img_size"} <= set(state)
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"model": {"w": torch.ones(2)}, "optimizer": {}, "step": 1, "model_name": "m", "img_size": 8})
+
+    def dies_halfway(f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, dies_halfway)
+    assert load_checkpoint(path)["step"] == 1
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # no temporary file left behind
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"\x00not a checkpoint")
+    with pytest.raises(SwarmError, match="not a readable swarm checkpoint"):
+        load_checkpoint(bad)
+    torch.save({"hello": 1}, tmp_path / "other.pt")
+    with pytest.raises(SwarmError, match="not a swarm checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+
+
+def test_diverging_loss_stops_with_advice(tmp_path):
+    with pytest.raises(SwarmError, match="smaller --lr"):
+        _run(tmp_path, "x", lr=1e6, warmup=0, steps=5)

@@ -1,0 +1,160 @@
+"""The darknet parser and model zoo: published shapes, parameter counts, clear errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.errors import SwarmError
+from swarm.zoo import BUILTIN, build_model, describe_model, summarise_sizes
+from swarm.zoo.darknet import parse_cfg
+
+
+def test_yolov2_published_shape():
+    desc = describe_model("yolov2", 416)
+    assert desc.layers[-1].out_shape == (425, 13, 13)
+    assert len(desc.layers) == 31
+    # the passthrough: layer 25 routes layer 16 (26x26x512), 27 reorgs 64x26x26 into 256x13x13
+    assert desc.layers[25].inputs == (16,) and desc.layers[25].out_shape == (512, 26, 26)
+    assert desc.layers[27].out_shape == (256, 13, 13)
+    assert desc.layers[28].inputs == (27, 24) and desc.layers[28].out_shape == (1280, 13, 13)
+    assert desc.params == 50_962_889
+
+
+def test_yolov2_tiny_published_shape():
+    desc = describe_model("yolov2-tiny", 416)
+    assert desc.layers[-1].out_shape == (425, 13, 13)
+    assert desc.layers[11].kind == "maxpool" and desc.layers[11].stride == 1
+    assert desc.layers[11].out_shape == (512, 13, 13)  # darknet pads the far side: size kept
+
+
+def test_yolov2_16_layers():
+    desc = describe_model("yolov2-16", 416, classes=20)
+    body = desc.layers[:16]
+    assert [l.kind for l in body].count("conv") == 12 and [l.kind for l in body].count("maxpool") == 4
+    assert all(l.batch_normalize and l.activation == "leaky" for l in body if l.kind == "conv")
+    assert body[-1].out_shape == (256, 26, 26)
+    assert 3.3e6 < sum(l.params for l in body) < 3.5e6  # "3.4 M parameters"
+    assert desc.extra["stride"] == 16 and desc.extra["grid"] == (26, 26)
+    assert desc.layers[-1].out_shape == (125, 26, 26)
+
+
+@pytest.mark.parametrize("name,params", [("vgg16", 138_357_544), ("alexnet", 62_378_344), ("lenet5", 61_706)])
+def test_classifier_parameter_counts(name, params):
+    desc = describe_model(name)
+    assert desc.params == params
+    assert desc.loss == "softmax"
+
+
+def test_alexnet_shapes():
+    desc = describe_model("alexnet", 227)
+    assert [l.out_shape[1] for l in desc.layers if l.kind in ("conv", "maxpool")] == [55, 27, 27, 13, 13, 13, 13, 6]
+
+
+def test_layer_description_fields():
+    conv = describe_model("yolov2-16", 416).layers[0]
+    assert conv.kind == "conv" and conv.kernel == 3 and conv.stride == 1 and conv.padding == (1, 1, 1, 1)
+    assert conv.in_shape == (3, 416, 416) and conv.out_shape == (32, 416, 416)
+    assert conv.params == 3 * 9 * 32 + 2 * 32 and conv.param_bytes == 4 * conv.params
+    assert conv.out_bytes == 32 * 416 * 416 * 4
+    assert conv.flops >= 2 * 3 * 9 * 32 * 416 * 416
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_torch_model_matches_description(name):
+    desc0 = describe_model(name)
+    size = {"vgg16": 32, "alexnet": 67, "lenet5": 32}.get(name, 64)
+    net, desc, _ = build_model(name, size, classes=7 if name != "lenet5" else None, seed=0)
+    net.eval()
+    x = torch.rand(2, desc.in_channels, size, size)
+    live = {-1: x}
+    for layer in desc.layers:  # every layer's output has the described shape
+        live = net.forward_range(layer.index, layer.index + 1, live)
+        for k, t in live.items():
+            shape = desc.layers[k].out_shape if k >= 0 else (desc.in_channels, size, size)
+            expect = shape[:1] if desc.layers[k].kind in ("connected",) or t.dim() == 2 else shape
+            assert tuple(t.shape[1:]) == tuple(expect), (k, t.shape, shape)
+    n_params = sum(p.numel() for p in net.parameters())
+    assert n_params == desc.params
+    assert desc0.name == name
+
+
+def test_forward_range_composes():
+    net, desc, _ = build_model("yolov2", 64, classes=3, seed=0)
+    net.eval()
+    x = torch.rand(1, 3, 64, 64)
+    full = net(x)
+    live = {-1: x}
+    for lo, hi in [(0, 10), (10, 20), (20, 26), (26, 31)]:
+        assert set(live) == set(desc.live_after(lo)) or lo == 0
+        live = net.forward_range(lo, hi, live)
+    assert torch.equal(live[30], full)
+    assert set(desc.live_after(20)) == {16, 19}  # the passthrough crosses the cut
+
+
+def test_bad_image_size_names_valid_sizes():
+    with pytest.raises(SwarmError, match="multiples of 32"):
+        describe_model("yolov2", 400)
+    with pytest.raises(SwarmError, match="multiples of 16"):
+        describe_model("yolov2-16", 100)
+    with pytest.raises(SwarmError, match="any size from 32"):
+        describe_model("lenet5", 20)
+
+
+def test_summarise_sizes():
+    assert summarise_sizes([32]) == "only 32"
+    assert summarise_sizes(list(range(16, 2049, 16))) == "multiples of 16 from 16"
+    assert summarise_sizes(list(range(5, 100))) == "any size from 5 to 99"
+
+
+def test_unknown_model():
+    with pytest.raises(SwarmError, match="unknown model 'yolov9'.*yolov2-16"):
+        describe_model("yolov9")
+
+
+def test_missing_cfg_file(tmp_path):
+    with pytest.raises(SwarmError, match="does not exist"):
+        describe_model(str(tmp_path / "nope.cfg"))
+
+
+def test_custom_cfg_file(tmp_path):
+    cfg = tmp_path / "tiny.cfg"
+    cfg.write_text("[net]\nwidth=32\nheight=32\nchannels=3\n\n[convolutional]\nfilters=8\nsize=3\nstride=2\npad=1\n"
+                   "activation=relu\nbatch_normalize=1\n\n[maxpool]\nsize=2\nstride=2\n\n[connected]\noutput=4\n"
+                   "activation=linear\n\n[softmax]\n")
+    desc = describe_model(str(cfg))
+    assert desc.name == "tiny" and desc.layers[-1].out_shape == (4, 1, 1)
+    assert desc.layers[1].out_shape == (8, 8, 8)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[convolutional]\nfilters=3\n", "must start with a \\[net\\]"),
+    ("[net]\nwidth=32\n", "not followed by any layer"),
+    ("[net]\n[bogus]\n", "unknown section \\[bogus\\]"),
+    ("[net]\n[convolutional]\nfilters=abc\n", ":2 \\[convolutional\\]: 'filters=abc' is not an integer"),
+    ("[net]\n[convolutional]\nfilters=4\nactivation=swish\n", "activation 'swish' is not supported"),
+    ("[net]\n[convolutional]\nfilters=4\nfoo=1\n", "option\\(s\\) foo not understood"),
+    ("[net]\n[convolutional]\nfilters=4\n[route]\nlayers=5\n", "not an earlier layer"),
+    ("[net]\nwidth=32\n[convolutional]\nfilters=4\n[region]\nanchors=1,1\nnum=1\nclasses=2\n", "needs 7"),
+    ("[net]\nwidth\n", "expected 'key=value'"),
+])
+def test_cfg_errors(tmp_path, text, message):
+    path = tmp_path / "bad.cfg"
+    path.write_text(text)
+    with pytest.raises(SwarmError, match=message):
+        describe_model(str(path))
+
+
+def test_comments_and_aliases():
+    sections = parse_cfg("# hello\n[net] \nwidth=8 ; trailing\n[conv]\nfilters=2\n[max]\nsize=2\nstride=2\n")
+    assert [s.name for s in sections] == ["net", "convolutional", "maxpool"]
+    assert sections[0].options["width"] == "8"
+
+
+def test_same_seed_same_weights_different_seed_different():
+    a, _, _ = build_model("yolov2-16", 64, seed=3)
+    b, _, _ = build_model("yolov2-16", 64, seed=3)
+    c, _, _ = build_model("yolov2-16", 64, seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["layers.0.conv.weight"], sc["layers.0.conv.weight"])
+    assert "layers.0.bn.running_mean" in sa and "layers.16.conv.bias" in sa
