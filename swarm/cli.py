@@ -68,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from planner.plan import PlanError
+
     try:
         return int(args.run(args) or 0)
-    except SwarmError as exc:
+    except (SwarmError, PlanError) as exc:
         print(f"swarm {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,256 @@
+"""The Plan: which layers run where, split how — plain, versioned, JSON-serialisable data.
+
+Every planner produces one, the simulator turns one into a timeline, and the workers
+execute one. Layer boundaries are numbered like the layers: boundary b is the map that
+enters layer b (the output of layer b - 1); boundary 0 is the image.
+
+    {"version": 1, "model": "yolov2-16", "img_size": 416, "batch_size": 8, "microbatches": 4,
+     "devices": {"pi-1": {}, "pi-2": {}},
+     "stages": [
+        {"first": 0, "last": 12, "mode": "tiles", "devices": ["pi-1", "pi-2"], "grid": [1, 2],
+         "tile_devices": ["pi-1", "pi-2"], "syncs": [0, 4, 8], "back_syncs": [4, 8, 12]},
+        {"first": 12, "last": 17, "mode": "single", "devices": ["pi-2"]}],
+     "backups": {"0": "pi-2", "1": "pi-1"}}
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from planner.model_desc import ModelDesc
+from planner.schedule import asteroid_warmup, check_warmups
+
+PLAN_VERSION = 1
+MODES = ("single", "dp", "tiles")
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message says which stage and why."""
+
+
+@dataclass
+class Stage:
+    """Layers [first, last) run by a group of devices in one mode.
+
+    single: devices has one entry.
+    dp:     each micro-batch is split by `allocation` {device: samples}; gradients (and
+            BatchNorm sums) are reduced inside the group.
+    tiles:  each map is split into a grid (rows, cols); tile k (row-major) runs on
+            tile_devices[k]. Forward, tiles exchange activation halos at the boundaries in
+            `syncs` (always including `first`); backward, delta halos at `back_syncs`
+            (always including `last`). Default: a sync at every layer.
+    warmup: K_p, forwards before the first backward (default Asteroid's 2(P - p) - 1).
+    """
+
+    first: int
+    last: int
+    mode: str = "single"
+    devices: list[str] = field(default_factory=list)
+    allocation: dict[str, int] | None = None
+    grid: tuple[int, int] | None = None
+    tile_devices: list[str] | None = None
+    syncs: list[int] | None = None
+    back_syncs: list[int] | None = None
+    warmup: int | None = None
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.last)
+
+    def forward_syncs(self) -> list[int]:
+        return sorted(set(self.syncs)) if self.syncs is not None else list(range(self.first, self.last))
+
+    def backward_syncs(self) -> list[int]:
+        if self.back_syncs is not None:
+            return sorted(set(self.back_syncs))
+        if self.syncs is not None:  # mirror the forward groups: each group's end
+            return sorted(set(s for s in self.forward_syncs()[1:]) | {self.last})
+        return list(range(self.first + 1, self.last + 1))
+
+
+@dataclass
+class Plan:
+    model: str
+    img_size: int
+    batch_size: int
+    microbatches: int
+    stages: list[Stage]
+    devices: dict[str, dict] = field(default_factory=dict)  # name -> facts (cores, memory, ...)
+    backups: dict[int, str] = field(default_factory=dict)  # stage index -> device keeping a copy
+    predicted: dict | None = None  # {"step_time_s": float, "peak_memory": {device: bytes}, ...}
+    planner: str = "manual"
+    version: int = PLAN_VERSION
+
+    # ---- derived facts -------------------------------------------------------------
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    def warmups(self) -> list[int]:
+        p = len(self.stages)
+        return [s.warmup if s.warmup is not None else asteroid_warmup(p, i) for i, s in enumerate(self.stages)]
+
+    def stage_of_layer(self, layer: int) -> int:
+        for i, s in enumerate(self.stages):
+            if s.first <= layer < s.last:
+                return i
+        raise PlanError(f"layer {layer} is in no stage")
+
+    def stages_of_device(self, device: str) -> list[int]:
+        return [i for i, s in enumerate(self.stages) if device in s.devices]
+
+    def used_devices(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for s in self.stages:
+            for d in s.devices:
+                seen.setdefault(d, None)
+        return list(seen)
+
+    # ---- checking ------------------------------------------------------------------
+    def validate(self, desc: ModelDesc | None = None) -> None:
+        """Raise PlanError unless the plan can run (against the model when given)."""
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"plan version {self.version} is not supported (this swarm reads version {PLAN_VERSION})")
+        if self.batch_size < 1 or not 1 <= self.microbatches <= self.batch_size:
+            raise PlanError(f"batch size {self.batch_size} with {self.microbatches} micro-batches is impossible")
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        n_layers = len(desc.layers) if desc is not None else self.stages[-1].last
+        if desc is not None and (desc.img_size != self.img_size):
+            raise PlanError(f"the plan is for {self.img_size}x{self.img_size} images, the model is built for {desc.img_size}")
+        expect = 0
+        for i, s in enumerate(self.stages):
+            where = f"stage {i} (layers {s.first}-{s.last - 1})"
+            if s.first != expect:
+                what = "repeats" if s.first < expect else "skips"
+                raise PlanError(f"{where} {what} layers: it should start at layer {expect}")
+            if s.last <= s.first:
+                raise PlanError(f"stage {i} is empty (first {s.first}, last {s.last})")
+            expect = s.last
+            if s.mode not in MODES:
+                raise PlanError(f"{where}: mode '{s.mode}' is not one of {', '.join(MODES)}")
+            if not s.devices:
+                raise PlanError(f"{where} has no devices")
+            if len(set(s.devices)) != len(s.devices):
+                raise PlanError(f"{where} lists a device twice")
+            if self.devices:
+                unknown = [d for d in s.devices if d not in self.devices]
+                if unknown:
+                    raise PlanError(f"{where} uses unknown device(s) {', '.join(unknown)}; known: {', '.join(self.devices)}")
+            getattr(self, f"_check_{s.mode}")(i, s, where, desc)
+        if expect != n_layers:
+            raise PlanError(f"the stages end at layer {expect - 1}, but the model has {n_layers} layers (0-{n_layers - 1})")
+        try:
+            check_warmups(self.warmups(), self.microbatches)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        for idx, dev in self.backups.items():
+            if not 0 <= int(idx) < len(self.stages):
+                raise PlanError(f"backup for stage {idx}, which does not exist")
+            if self.devices and dev not in self.devices:
+                raise PlanError(f"backup of stage {idx} on unknown device {dev}")
+
+    def _check_single(self, i: int, s: Stage, where: str, desc) -> None:
+        if len(s.devices) != 1:
+            raise PlanError(f"{where}: mode single takes one device, got {len(s.devices)}")
+
+    def _check_dp(self, i: int, s: Stage, where: str, desc) -> None:
+        if self.batch_size % self.microbatches:
+            raise PlanError(f"{where}: a dp stage needs the batch ({self.batch_size}) to split evenly into "
+                            f"{self.microbatches} micro-batches")
+        mb = self.microbatch_size()
+        alloc = s.allocation or {}
+        if set(alloc) != set(s.devices):
+            raise PlanError(f"{where}: the allocation must give samples for exactly the group's devices {s.devices}")
+        if any(v < 0 for v in alloc.values()):
+            raise PlanError(f"{where}: negative allocation {alloc}")
+        if sum(alloc.values()) != mb:
+            raise PlanError(f"{where}: the allocation sums to {sum(alloc.values())} samples, but a micro-batch has {mb} "
+                            f"(batch {self.batch_size} / {self.microbatches} micro-batches)")
+
+    def _check_tiles(self, i: int, s: Stage, where: str, desc) -> None:
+        if not s.grid or len(s.grid) != 2 or min(s.grid) < 1:
+            raise PlanError(f"{where}: a tiles stage needs a grid [rows, cols] of at least 1x1")
+        rows, cols = s.grid
+        tiles = s.tile_devices or []
+        if len(tiles) != rows * cols:
+            raise PlanError(f"{where}: grid {rows}x{cols} has {rows * cols} tiles but tile_devices lists {len(tiles)}")
+        if set(tiles) != set(s.devices):
+            raise PlanError(f"{where}: tile_devices must use exactly the stage's devices")
+        fwd, bwd = s.forward_syncs(), s.backward_syncs()
+        if not fwd or fwd[0] != s.first or fwd[-1] >= s.last:
+            raise PlanError(f"{where}: forward syncs {fwd} must start at layer {s.first} and lie in {s.first}-{s.last - 1}")
+        if not bwd or bwd[-1] != s.last or bwd[0] <= s.first:
+            raise PlanError(f"{where}: backward syncs {bwd} must end at boundary {s.last} and lie in {s.first + 1}-{s.last}")
+        if desc is None:
+            return
+        for layer in desc.layers[s.first:s.last]:
+            if layer.kind not in ("conv", "maxpool", "avgpool") or layer.kernel == 0:
+                raise PlanError(f"{where}: layer {layer.index} ({layer.kind}) cannot be tiled; tiles stages take "
+                                "convolution and local pooling layers only")
+            if len(layer.inputs) != 1 or layer.inputs[0] != layer.index - 1:
+                raise PlanError(f"{where}: layer {layer.index} reads a layer other than the one before it")
+        for layer in desc.layers[s.first:s.last]:
+            _, h, w = layer.out_shape
+            if rows > h or cols > w:
+                raise PlanError(f"{where}: grid {rows}x{cols} does not fit the {h}x{w} output of layer {layer.index}")
+        if any(l.index in desc.live_after(s.last) and l.index < s.last - 1 for l in desc.layers[s.first:s.last]):
+            raise PlanError(f"{where}: a later layer reads a map from inside this tiles stage")
+
+    # ---- JSON ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["backups"] = {str(k): v for k, v in self.backups.items()}
+        for s in d["stages"]:
+            for key in [k for k, v in s.items() if v is None]:
+                del s[key]
+        if d["predicted"] is None:
+            del d["predicted"]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError("a plan is a JSON object")
+        version = d.get("version", PLAN_VERSION)
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan version {version} is not supported (this swarm reads version {PLAN_VERSION})")
+        known_plan = {"model", "img_size", "batch_size", "microbatches", "stages", "devices", "backups",
+                      "predicted", "planner", "version"}
+        extra = set(d) - known_plan
+        if extra:
+            raise PlanError(f"unknown plan field(s): {', '.join(sorted(extra))}")
+        missing = [k for k in ("model", "img_size", "batch_size", "microbatches", "stages") if k not in d]
+        if missing:
+            raise PlanError(f"the plan lacks {', '.join(missing)}")
+        stages = []
+        stage_fields = set(Stage.__dataclass_fields__)
+        for i, s in enumerate(d["stages"]):
+            if not isinstance(s, dict):
+                raise PlanError(f"stage {i} is not an object")
+            extra = set(s) - stage_fields
+            if extra:
+                raise PlanError(f"stage {i}: unknown field(s) {', '.join(sorted(extra))}")
+            try:
+                s = dict(s)
+                if s.get("grid") is not None:
+                    s["grid"] = tuple(int(x) for x in s["grid"])
+                stages.append(Stage(**s))
+            except (TypeError, ValueError) as exc:
+                raise PlanError(f"stage {i}: {exc}") from None
+        try:
+            return cls(model=str(d["model"]), img_size=int(d["img_size"]), batch_size=int(d["batch_size"]),
+                       microbatches=int(d["microbatches"]), stages=stages, devices=dict(d.get("devices") or {}),
+                       backups={int(k): v for k, v in (d.get("backups") or {}).items()},
+                       predicted=d.get("predicted"), planner=str(d.get("planner", "manual")), version=version)
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"malformed plan: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"not valid JSON: {exc}") from None
