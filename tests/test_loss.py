@@ -81,3 +81,20 @@ def test_map_perfect_and_wrong_class():
     duplicate = [np.array([[0, 0.9, 0.5, 0.5, 0.2, 0.2], [0, 0.8, 0.5, 0.5, 0.2, 0.2]], np.float32)]
     value, per_class = mean_average_precision(duplicate, truth[:1], 2)
     assert per_class[0] == 1.0 and per_class[1] == 0.0  # a second hit on the same truth is a false positive
+
+
+def test_region_loss_over_blocks_adds_up_to_the_whole_grid():
+    head = dict(HEAD, rescore=True)
+    loss = RegionLoss(head)
+    torch.manual_seed(1)
+    out = torch.randn(3, 40, 5, 7, requires_grad=True)
+    t = _targets()
+    whole = loss(out, t, 3)
+    (g_whole,) = torch.autograd.grad(whole, out)
+    total = 0
+    for r0, r1 in [(0, 2), (2, 5)]:
+        for c0, c1 in [(0, 3), (3, 4), (4, 7)]:
+            total = total + loss(out[:, :, r0:r1, c0:c1], t, 3, window=(r0, c0, 5, 7))
+    (g_blocks,) = torch.autograd.grad(total, out)
+    assert torch.allclose(whole, total, rtol=1e-5)
+    assert torch.allclose(g_whole, g_blocks, rtol=1e-5, atol=1e-7)

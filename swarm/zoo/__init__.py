@@ -78,8 +78,10 @@ def _prepare(model: str, img_size: int | None, classes: int | None, cfg_text: st
 
 
 def build_model(model: str, img_size: int | None = None, classes: int | None = None, seed: int | None = None,
-                cfg_text: str | None = None):
+                cfg_text: str | None = None, only: range | None = None):
     """Build the torch network. With `seed`, the initial weights depend only on the seed.
+    With `only`, just those layers get weights (a stage of a pipeline); the others are
+    empty placeholders.
 
     Returns (net, desc, cfg_text)."""
     import torch
@@ -89,7 +91,7 @@ def build_model(model: str, img_size: int | None = None, classes: int | None = N
     desc, plans, text = _prepare(model, img_size, classes, cfg_text)
     if seed is not None:
         torch.manual_seed(seed)
-    net = Net(desc, make_modules(plans), {p.desc.index: p.probability for p in plans if p.desc.kind == "dropout"})
+    net = Net(desc, make_modules(plans, only), {p.desc.index: p.probability for p in plans if p.desc.kind == "dropout"})
     return net, desc, text
 
 

@@ -237,9 +237,12 @@ def describe(name: str, sections: list[Section], img_size: int, classes: int | N
     return desc, plans
 
 
-def make_modules(plans: list[LayerPlan]):
+def make_modules(plans: list[LayerPlan], only: range | None = None):
     """The torch modules, one per layer, named so that state_dict keys read well
-    (`layers.0.conv.weight`, `layers.0.bn.running_mean`, `layers.20.fc.weight`)."""
+    (`layers.0.conv.weight`, `layers.0.bn.running_mean`, `layers.20.fc.weight`).
+
+    With `only`, layers outside that range are empty placeholders: a device running one
+    stage allocates just that stage's weights, under the same state_dict keys."""
     from torch import nn
 
     def act_module(act: str) -> nn.Module:
@@ -249,7 +252,9 @@ def make_modules(plans: list[LayerPlan]):
     modules = []
     for plan in plans:
         d = plan.desc
-        if d.kind == "conv":
+        if only is not None and d.index not in only:
+            modules.append(nn.Identity())
+        elif d.kind == "conv":
             parts = OrderedDict(conv=nn.Conv2d(d.in_shape[0], d.out_shape[0], d.kernel, d.stride, d.padding[0],
                                                bias=not d.batch_normalize))
             if d.batch_normalize:

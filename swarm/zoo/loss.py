@@ -50,38 +50,46 @@ class RegionLoss:
         b, _, h, w = out.shape
         return out.view(b, self.num, 5 + self.classes, h, w).permute(0, 1, 3, 4, 2)
 
-    def boxes(self, p: torch.Tensor) -> torch.Tensor:
-        """Predicted boxes (B, A, H, W, 4) as normalised (cx, cy, w, h)."""
+    def boxes(self, p: torch.Tensor, window: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """Predicted boxes (B, A, h, w, 4) as normalised (cx, cy, w, h). `window` (row0, col0,
+        H, W) places this block of cells inside a full H x W grid (a tile of the output)."""
         _, _, h, w, _ = p.shape
-        ys = torch.arange(h, dtype=p.dtype).view(1, 1, h, 1)
-        xs = torch.arange(w, dtype=p.dtype).view(1, 1, 1, w)
+        r0, c0, gh, gw = window if window is not None else (0, 0, h, w)
+        ys = (r0 + torch.arange(h, dtype=p.dtype)).view(1, 1, h, 1)
+        xs = (c0 + torch.arange(w, dtype=p.dtype)).view(1, 1, 1, w)
         aw = self.anchors[:, 0].view(1, -1, 1, 1).to(p.dtype)
         ah = self.anchors[:, 1].view(1, -1, 1, 1).to(p.dtype)
-        cx = (xs + torch.sigmoid(p[..., 0])) / w
-        cy = (ys + torch.sigmoid(p[..., 1])) / h
-        bw = torch.exp(p[..., 2].clamp(max=10)) * aw / w
-        bh = torch.exp(p[..., 3].clamp(max=10)) * ah / h
+        cx = (xs + torch.sigmoid(p[..., 0])) / gw
+        cy = (ys + torch.sigmoid(p[..., 1])) / gh
+        bw = torch.exp(p[..., 2].clamp(max=10)) * aw / gw
+        bh = torch.exp(p[..., 3].clamp(max=10)) * ah / gh
         return torch.stack([cx, cy, bw, bh], dim=-1)
 
-    def __call__(self, out: torch.Tensor, targets: torch.Tensor, batch_total: int) -> torch.Tensor:
-        """out: (B, A*(5+C), H, W); targets: (B, N, 5) rows (class, cx, cy, w, h), class < 0
-        for padding; returns the summed loss of these samples divided by `batch_total`."""
+    def __call__(self, out: torch.Tensor, targets: torch.Tensor, batch_total: int,
+                 window: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """out: (B, A*(5+C), h, w); targets: (B, N, 5) rows (class, cx, cy, w, h), class < 0
+        for padding; returns the summed loss of these samples divided by `batch_total`.
+
+        With `window` (row0, col0, H, W) `out` is the block of cells [row0, row0+h) x
+        [col0, col0+w) of a full H x W grid; the losses of the blocks of a grid add up to
+        the loss of the whole grid, so tiles can each take theirs."""
         p = self.split(out)
-        bsz, na, gh, gw, _ = p.shape
+        bsz, na, bh_cells, bw_cells, _ = p.shape
+        r0, c0, gh, gw = window if window is not None else (0, 0, bh_cells, bw_cells)
         with torch.no_grad():
-            pred = self.boxes(p.detach())  # (B, A, H, W, 4)
+            pred = self.boxes(p.detach(), (r0, c0, gh, gw))  # (B, A, h, w, 4)
             valid = targets[..., 0] >= 0  # (B, N)
             truth = targets[..., 1:5]
             if targets.shape[1] > 0:
                 iou = box_iou_cxcywh(pred.view(bsz, -1, 4), truth)  # (B, A*H*W, N)
                 iou = iou.masked_fill(~valid.unsqueeze(1), 0.0)
-                best_iou = iou.max(dim=-1).values.view(bsz, na, gh, gw)
+                best_iou = iou.max(dim=-1).values.view(bsz, na, bh_cells, bw_cells)
             else:
-                best_iou = torch.zeros(bsz, na, gh, gw)
-            assigned = torch.zeros(bsz, na, gh, gw, dtype=torch.bool)
-            tbox = torch.zeros(bsz, na, gh, gw, 4)
-            tcls = torch.zeros(bsz, na, gh, gw, dtype=torch.long)
-            tscale = torch.zeros(bsz, na, gh, gw)
+                best_iou = torch.zeros(bsz, na, bh_cells, bw_cells)
+            assigned = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=torch.bool)
+            tbox = torch.zeros(bsz, na, bh_cells, bw_cells, 4)
+            tcls = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=torch.long)
+            tscale = torch.zeros(bsz, na, bh_cells, bw_cells)
             bi, ni = valid.nonzero(as_tuple=True)
             if bi.numel():
                 t = targets[bi, ni]  # (T, 5)
@@ -100,8 +108,11 @@ class RegionLoss:
                 last = torch.zeros(bsz * na * gh * gw, dtype=torch.long).scatter_reduce(
                     0, flat, order, reduce="amax", include_self=False)
                 keep = last[flat] == order
+                # ... and only truths whose cell lies in this block are this block's to learn
+                keep &= (cj >= r0) & (cj < r0 + bh_cells) & (ci >= c0) & (ci < c0 + bw_cells)
                 bi, ai, cj, ci, t = bi[keep], ai[keep], cj[keep], ci[keep], t[keep]
                 gx, gy, tw_cells, th_cells = gx[keep], gy[keep], tw_cells[keep], th_cells[keep]
+                gx, gy, cj, ci = gx - c0, gy - r0, cj - r0, ci - c0  # block-local cells
                 assigned[bi, ai, cj, ci] = True
                 tbox[bi, ai, cj, ci] = torch.stack([
                     gx - ci, gy - cj,
@@ -112,7 +123,7 @@ class RegionLoss:
             noobj = (~assigned) & (best_iou <= self.thresh)
             if self.rescore:
                 obj_target = box_iou_cxcywh(pred[assigned].unsqueeze(-2),
-                                            truth_at(assigned, tbox, self.anchors, gh, gw).unsqueeze(-2)).view(-1)
+                                            truth_at(assigned, tbox, self.anchors, (r0, c0, gh, gw)).unsqueeze(-2)).view(-1)
             else:
                 obj_target = torch.ones(int(assigned.sum()))
 
@@ -152,11 +163,12 @@ class RegionLoss:
         return result
 
 
-def truth_at(assigned: torch.Tensor, tbox: torch.Tensor, anchors: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
+def truth_at(assigned: torch.Tensor, tbox: torch.Tensor, anchors: torch.Tensor, window) -> torch.Tensor:
     """Normalised (cx, cy, w, h) of the truths at the assigned positions (for rescoring)."""
+    r0, c0, gh, gw = window
     b, a, j, i = assigned.nonzero(as_tuple=True)
     t = tbox[assigned]
-    return torch.stack([(i + t[:, 0]) / gw, (j + t[:, 1]) / gh,
+    return torch.stack([(c0 + i + t[:, 0]) / gw, (r0 + j + t[:, 1]) / gh,
                         torch.exp(t[:, 2]) * anchors[a, 0] / gw, torch.exp(t[:, 3]) * anchors[a, 1] / gh], dim=-1)
 
 
