@@ -1,0 +1,257 @@
+"""Every message of the swarm protocol, its code, and the protocol version.
+
+A message travels as the msgpack array ``[code, field1, field2, ...]`` (fields in the
+order declared below); numpy arrays may appear in any field and travel as raw bytes
+after the body (see frames.py). Received messages are checked against the declared
+field types before anyone sees them.
+
+Codes:
+    1-9     handshake (fixed forever: Hello must stay readable by every version)
+    10-19   liveness and device information
+    20-29   job lifecycle, between a coordinator and an agent
+    30-99   job data, between the participants of a job (coordinator and agents);
+            delivered to the job's per-channel queues after the epoch check
+
+To add a message: pick a free code in its range, declare a class here with @message,
+and bump PROTOCOL_VERSION if older peers would misread the conversation. A job-data
+message (job_data=True) starts with the fields ``job_id: str`` and ``epoch: int``; its
+channel is its ``channel`` field if it has one, else its class name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import numpy as np
+
+from swarm.wire.errors import RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+MAGIC = "swarm"
+
+MESSAGES: dict[int, type] = {}  # code -> message class
+
+# The annotation of a tensor field: a numpy array, sent as raw bytes after the body.
+Tensor = np.ndarray
+
+
+def message(code: int, *, job_data: bool = False):
+    """Class decorator: make a message type (a dataclass) with this wire code."""
+
+    def register(cls):
+        if code in MESSAGES:
+            raise ValueError(f"message code {code} is used by both {MESSAGES[code].__name__} and {cls.__name__}")
+        cls = dataclasses.dataclass(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        if job_data and names[:2] != ["job_id", "epoch"]:
+            raise ValueError(f"job-data message {cls.__name__} must start with the fields job_id and epoch")
+        cls.CODE = code
+        cls.JOB_DATA = job_data
+        cls.FIELDS = tuple(names)
+        MESSAGES[code] = cls
+        return cls
+
+    return register
+
+
+# -- handshake ------------------------------------------------------------------------
+
+@message(1)
+class Hello:
+    """First frame each side sends: who speaks which protocol, and a fresh challenge."""
+    magic: str
+    version: int
+    node_id: str
+    nonce: bytes
+
+
+@message(2)
+class Auth:
+    """The answer to the peer's challenge: an HMAC of both nonces under the cluster token."""
+    proof: bytes
+
+
+@message(3)
+class Goodbye:
+    """Sent before closing a connection, saying why (refusal, shutdown, protocol error)."""
+    reason: str
+
+
+# -- liveness and device information --------------------------------------------------
+
+@message(10)
+class Ping:
+    """A probe: the receiver answers Pong with the same seq at once."""
+    seq: int
+
+
+@message(11)
+class Pong:
+    """The answer to Ping."""
+    seq: int
+
+
+@message(12)
+class InfoRequest:
+    """Ask an agent to describe itself (answered with Info)."""
+
+
+@message(13)
+class Info:
+    """What an agent offers, and what it is doing."""
+    node_id: str
+    name: str
+    cores: int
+    memory: int               # bytes
+    accelerator: str          # "cpu", "cuda", ...
+    version: str              # swarm release
+    port: int
+    peers: list[str]          # static peers it was told about ("host:port"), shared with coordinators
+    job_id: str | None
+    job_state: str | None
+
+
+@message(14)
+class Watch:
+    """Ask an agent for a Heartbeat every `interval` seconds on this connection (0 stops)."""
+    interval: float
+
+
+@message(15)
+class Heartbeat:
+    """Proof of life, sent to watchers and, while in a job, to the job's coordinator."""
+    seq: int
+    job_id: str | None
+    epoch: int | None
+    job_state: str | None
+    progress: dict
+
+
+# -- job lifecycle --------------------------------------------------------------------
+
+@message(20)
+class JobAssign:
+    """Coordinator -> agent: take part in job `job_id` at `epoch`, running job kind `kind`.
+    Assigning a higher epoch of the job an agent holds stops its run and re-assigns it."""
+    job_id: str
+    epoch: int
+    kind: str
+    spec: dict
+    heartbeat_interval: float
+
+
+@message(21)
+class JobStart:
+    """Coordinator -> agent: start running the assigned job."""
+    job_id: str
+    epoch: int
+
+
+@message(22)
+class JobStop:
+    """Coordinator -> agent: cancel the run; the agent stays assigned."""
+    job_id: str
+    epoch: int
+    reason: str
+
+
+@message(23)
+class JobRelease:
+    """Coordinator -> agent: the agent leaves the job and is free again."""
+    job_id: str
+    epoch: int
+
+
+@message(24)
+class JobState:
+    """Agent -> coordinator: the job's state after each lifecycle message, and when a run
+    ends. state: assigned, running, done, failed, stopped, released or refused."""
+    job_id: str
+    epoch: int
+    state: str
+    detail: str
+    result: dict | None
+
+
+# -- job data -------------------------------------------------------------------------
+
+@message(30, job_data=True)
+class JobData:
+    """Anything a job's participants send each other on a named channel; `body` is any
+    msgpack value and may hold numpy arrays (sent as raw bytes)."""
+    job_id: str
+    epoch: int
+    channel: str
+    body: Any
+
+
+# -- encoding and checking ------------------------------------------------------------
+
+def to_wire(msg) -> list:
+    """The msgpack-able form of a message: [code, field values...]."""
+    return [msg.CODE, *(getattr(msg, name) for name in msg.FIELDS)]
+
+
+def channel_of(msg) -> str:
+    """The job channel a job-data message is delivered to."""
+    return msg.channel if "channel" in msg.FIELDS else type(msg).__name__
+
+
+def from_wire(obj, allowed: frozenset[int] | None = None):
+    """The message a received frame body holds, its fields checked against the declared
+    types; RemoteProtocolError if it is not one (or not one of `allowed` codes)."""
+    if not isinstance(obj, list) or not obj or type(obj[0]) is not int:
+        raise RemoteProtocolError("frame is not a message ([code, fields...])")
+    code, values = obj[0], obj[1:]
+    cls = MESSAGES.get(code)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message code {code}", "unexpected")
+    if allowed is not None and code not in allowed:
+        raise RemoteProtocolError(f"{cls.__name__} is not allowed here", "unexpected")
+    if len(values) != len(cls.FIELDS):
+        raise RemoteProtocolError(f"{cls.__name__} needs {len(cls.FIELDS)} fields, got {len(values)}")
+    hints = _hints(cls)
+    checked = []
+    for name, value in zip(cls.FIELDS, values):
+        hint = hints[name]
+        if not _conforms(value, hint):
+            raise RemoteProtocolError(f"{cls.__name__}.{name} is not a {_describe(hint)}")
+        checked.append(float(value) if hint is float else value)
+    return cls(*checked)
+
+
+_HINTS: dict[type, dict] = {}
+
+
+def _hints(cls) -> dict:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _conforms(value, hint) -> bool:
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, h) for h in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
