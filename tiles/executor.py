@@ -1,0 +1,305 @@
+"""The tiled executor: one tile's forward and backward pass over a stage, as generators of collectives.
+
+    worker = TileWorker(layout, tile=k, modules=net.layers[first:last])
+    out = yield from worker.forward(mb, x_rect)      # x_rect: the stage input on layout.input_rect(k)
+    dx = yield from worker.backward(mb, dy_own)      # dy_own: dL/d(output) on layout.output_rect(k)
+
+Why generators. A tile computes locally until it needs something from the other tiles:
+a halo at a sync boundary, or the per-channel sums of a BatchNorm layer. There it yields
+a request (tiles.collectives) and is resumed with the answer. The same code therefore
+runs under any driver:
+  - tiles.driver.run_lockstep steps all tiles of a stage in one process, one after another,
+    and answers the requests from memory (the in-process trainer, the tests);
+  - a distributed driver steps the tiles one device owns, each `send()` in a worker thread,
+    while its event loop moves halos and sums between devices (messages matched by
+    request key and tile; their rects and sizes are in the StageLayout beforehand).
+Several micro-batches may be in flight (1F1B): forward(mb) keeps what backward(mb) needs
+under the micro-batch id until backward(mb) runs.
+
+What a tile keeps between forward and backward, per layer (regions from tiles.layout):
+  conv      its input on the windows of its owned outputs (for the partial weight gradient),
+            and the conv output z on the pointwise region (BatchNorm and the activation are
+            recomputed from z in backward, as cheap elementwise ops);
+  maxpool   the selected positions (int64) on the outputs its backward uses;
+  avgpool   nothing.
+Partial weight gradients (owned outputs only) are added into the modules' `.grad`; tiles
+sharing modules in one process therefore sum to the full gradient. BatchNorm running
+statistics are updated by the workers created with keeps_running_stats=True (one per copy
+of the modules).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiles import ops
+from tiles.collectives import ChannelSums, HaloExchange
+from tiles.layout import StageLayout
+from tiles.regions import LayerGeometry, Rect, TilingError
+
+
+@dataclass
+class LayerParts:
+    """The torch pieces of one tileable layer (an nn.Sequential from the model zoo)."""
+
+    geometry: LayerGeometry
+    conv: nn.Conv2d | None = None
+    bn: nn.BatchNorm2d | None = None
+    act: nn.Module | None = None
+
+    @classmethod
+    def of(cls, geometry: LayerGeometry, module: nn.Module) -> "LayerParts":
+        g = geometry
+        if g.kind == "conv":
+            conv = module.conv
+            if conv.kernel_size != (g.rows.kernel, g.cols.kernel) or conv.stride != (g.rows.stride, g.cols.stride) \
+                    or conv.groups != 1 or conv.dilation != (1, 1):
+                raise TilingError(f"layer {g.index}: the module does not match its description")
+            bn = getattr(module, "bn", None)
+            return cls(g, conv, bn, getattr(module, "act", nn.Identity()))
+        if g.kind == "maxpool":
+            pool = module.pool
+            if not isinstance(pool, nn.MaxPool2d) or pool.padding not in (0, (0, 0)) or pool.ceil_mode:
+                raise TilingError(f"layer {g.index}: unsupported max-pool module {pool}")
+            return cls(g)
+        if g.kind == "avgpool":
+            if not isinstance(module.pool, nn.AvgPool2d):
+                raise TilingError(f"layer {g.index}: global average pooling cannot be tiled")
+            return cls(g)
+        raise TilingError(f"layer {g.index} ({g.kind}) cannot be tiled")
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        out = []
+        for m in (self.conv, self.bn):
+            if m is not None:
+                out += [p for p in m.parameters()]
+        return out
+
+
+@dataclass
+class Saved:
+    """What one layer keeps from forward to backward for one micro-batch."""
+
+    xw: torch.Tensor | None = None  # conv: padded input on the owned outputs' windows (B, Cin, *, *)
+    z: torch.Tensor | None = None  # conv: output before BN/activation on bwd_state (B, Cout, *, *)
+    mean: torch.Tensor | None = None  # (C,)
+    invstd: torch.Tensor | None = None  # (C,)
+    indices: torch.Tensor | None = None  # maxpool: selections on bwd_state (B, C, *, *) int64
+    padded_shape: tuple[int, int] = (0, 0)  # maxpool: (hp, wp) of the padded input region
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.xw, self.z, self.mean, self.invstd, self.indices)
+                   if t is not None)
+
+
+@dataclass
+class MicroBatchState:
+    batch: int
+    layers: dict[int, Saved] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.layers.values())
+
+
+Work = Generator[object, object, object]
+
+
+class TileWorker:
+    """One tile of a tiles stage: forward and backward generators over its regions."""
+
+    def __init__(self, layout: StageLayout, tile: int, modules, keeps_running_stats: bool = True,
+                 grad_lock: threading.Lock | None = None):
+        if len(modules) != len(layout.layers):
+            raise TilingError(f"{len(modules)} modules for a stage of {len(layout.layers)} layers")
+        self.layout = layout
+        self.tile = tile
+        self.regions = layout.tiles[tile]
+        self.parts = {g.index: LayerParts.of(g, m) for g, m in zip(layout.layers, modules)}
+        self.keeps_running_stats = keeps_running_stats
+        self.grad_lock = grad_lock
+        self.saved: dict[int, MicroBatchState] = {}
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, mb: int, x: torch.Tensor) -> Work:
+        """x: (B, C, h, w) stage input on this tile's input rect (uint8 images are scaled to
+        [0, 1] as the untiled net does). Returns the output on the tile's owned rect."""
+        lay, t = self.layout, self.regions
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255.0)
+        if tuple(x.shape[2:]) != t.input_rect.shape:
+            raise TilingError(f"tile {self.tile} needs its input on {t.input_rect.shape}, got {tuple(x.shape[2:])}")
+        state = MicroBatchState(x.shape[0])
+        self.saved[mb] = state
+        have, have_rect = x, t.input_rect
+        for l in range(lay.first, lay.last):
+            in_rect, padding = t.fwd_in[l]
+            if l > lay.first and l in lay.grouping.forward:
+                have = yield from self._exchange(mb, "forward", l, have, have_rect, in_rect)
+                have_rect = in_rect
+            x_l = ops.crop(have, have_rect, in_rect)
+            have = yield from self._layer_forward(mb, state, self.parts[l], x_l, padding)
+            have_rect = t.fwd_out[l + 1]
+        return ops.crop(have, have_rect, t.own[lay.last])
+
+    def _layer_forward(self, mb: int, state: MicroBatchState, p: LayerParts, x: torch.Tensor, padding) -> Work:
+        g, t = p.geometry, self.regions
+        l, out_rect = g.index, t.fwd_out[g.index + 1]
+        saved = Saved()
+        state.layers[l] = saved
+        if g.kind == "maxpool":
+            xp = ops.pad(x, padding, float("-inf"))
+            y, idx = F.max_pool2d(xp, g.rows.kernel, g.rows.stride, return_indices=True)
+            keep = t.bwd_state[l]
+            if not keep.empty:
+                saved.indices = _keep(ops.crop(idx, out_rect, keep), idx)
+                saved.padded_shape = tuple(xp.shape[2:])
+            return y
+        if g.kind == "avgpool":
+            return F.avg_pool2d(ops.pad(x, padding, 0.0), g.rows.kernel, g.rows.stride)
+        # conv (+ BatchNorm) (+ activation)
+        with torch.no_grad():
+            xp = ops.pad(x, padding, 0.0)  # (B, Cin, hp, wp)
+            z = F.conv2d(xp, p.conv.weight, p.conv.bias, stride=g.rows.stride)  # (B, Cout, out_rect)
+        saved.xw = _keep(self._window_crop(xp, g, out_rect, t.own[l + 1]), xp)
+        if p.bn is not None:
+            count = state.batch * g.rows.size_out * g.cols.size_out
+            total = yield ChannelSums(mb, "forward", l, ops.forward_sums(ops.crop(z, out_rect, t.own[l + 1])))
+            mean, var, invstd = ops.batch_stats(total, count, p.bn.eps)
+            if self.keeps_running_stats:
+                with torch.no_grad():
+                    ops.update_running_stats(p.bn, mean, var, count)
+            saved.mean, saved.invstd = mean, invstd
+            alpha, beta = ops.bn_scale_shift(p.bn, mean, invstd)
+            u = z * alpha + beta
+        else:
+            u = z
+        if g.pointwise_state:
+            saved.z = _keep(ops.crop(z, out_rect, t.bwd_state[l]), z)
+        return ops.activation_forward(p.act, u, inplace=u is not z)
+
+    @staticmethod
+    def _window_crop(xp: torch.Tensor, g: LayerGeometry, out_rect: Rect, want: Rect) -> torch.Tensor:
+        """The part of a padded input (for outputs out_rect) that outputs `want` read."""
+        r0 = (want.rows.lo - out_rect.rows.lo) * g.rows.stride
+        c0 = (want.cols.lo - out_rect.cols.lo) * g.cols.stride
+        r1 = r0 + (want.rows.size - 1) * g.rows.stride + g.rows.kernel
+        c1 = c0 + (want.cols.size - 1) * g.cols.stride + g.cols.kernel
+        return xp[:, :, r0:r1, c0:c1]
+
+    # ---- backward -------------------------------------------------------------------------
+    def backward(self, mb: int, dy: torch.Tensor) -> Work:
+        """dy: dL/d(stage output) on this tile's owned output rect. Returns dL/d(stage input)
+        on its owned input rect (None for a stage that produces no input delta)."""
+        lay, t = self.layout, self.regions
+        state = self.saved.pop(mb)
+        own_top = t.own[lay.last]
+        if tuple(dy.shape[2:]) != own_top.shape:
+            raise TilingError(f"tile {self.tile} needs its output delta on {own_top.shape}, got {tuple(dy.shape[2:])}")
+        cur, cur_rect = dy, own_top
+        for l in range(lay.last - 1, lay.first - 1, -1):
+            if cur is None:  # nothing below needs a delta (only pools left, in a first stage)
+                break
+            p, saved, b = self.parts[l], state.layers[l], l + 1
+            dz = yield from self._pointwise_backward(mb, state, p, saved, cur, cur_rect)
+            if p.conv is not None:
+                self._weight_grads(p, saved, dz, cur_rect)
+            dz_rect = cur_rect
+            if b in lay.grouping.backward:
+                dz = yield from self._exchange(mb, "backward", b, dz, cur_rect, t.bwd_in[l])
+                dz_rect = t.bwd_in[l]
+            want = t.bwd_delta[l]
+            if want.empty:
+                cur, cur_rect = None, want
+                continue
+            cur = self._window_backward(p, saved, ops.crop(dz, dz_rect, t.bwd_in[l]), want)
+            cur_rect = want
+        return cur if lay.input_delta else None
+
+    def _pointwise_backward(self, mb: int, state: MicroBatchState, p: LayerParts, saved: Saved,
+                            dy: torch.Tensor, rect: Rect) -> Work:
+        """Through the activation and BatchNorm of a conv layer, on `rect` (its pointwise region)."""
+        g = p.geometry
+        if g.kind != "conv" or not g.pointwise_state:
+            return dy
+        own = self.regions.own[g.index + 1]
+        if p.bn is None:
+            return ops.activation_backward(p.act, saved.z, dy)
+        xhat = (saved.z - saved.mean.view(1, -1, 1, 1)) * saved.invstd.view(1, -1, 1, 1)
+        alpha, beta = ops.bn_scale_shift(p.bn, saved.mean, saved.invstd)
+        du = ops.activation_backward(p.act, saved.z * alpha + beta, dy)
+        local = ops.backward_sums(ops.crop(du, rect, own), ops.crop(xhat, rect, own))
+        if p.bn.affine:
+            self._accumulate(p.bn.weight, local[1].float())
+            self._accumulate(p.bn.bias, local[0].float())
+        count = state.batch * g.rows.size_out * g.cols.size_out
+        total = yield ChannelSums(mb, "backward", g.index, local)
+        return ops.bn_input_grad(du, xhat, total, count, saved.invstd, p.bn.weight if p.bn.affine else None)
+
+    def _weight_grads(self, p: LayerParts, saved: Saved, dz: torch.Tensor, rect: Rect) -> None:
+        own = self.regions.own[p.geometry.index + 1]
+        dz_own = ops.crop(dz, rect, own)
+        self._accumulate(p.conv.weight, ops.conv_weight_grad(saved.xw, dz_own, p.conv.weight, p.geometry.rows.stride))
+        if p.conv.bias is not None:
+            self._accumulate(p.conv.bias, dz_own.sum(dim=(0, 2, 3)))
+
+    def _window_backward(self, p: LayerParts, saved: Saved, dz: torch.Tensor, want: Rect) -> torch.Tensor:
+        """dL/d(input) on `want` from the gradient at the window output on the outputs touching it."""
+        g, t = p.geometry, self.regions
+        need = t.bwd_in[g.index]
+        if g.kind == "conv":
+            full = ops.conv_input_grad(dz, p.conv.weight, g.rows.stride)
+            origin = need
+        elif g.kind == "maxpool":
+            idx = ops.crop(saved.indices, t.bwd_state[g.index], need)
+            full = ops.maxpool_input_grad(dz, idx, saved.padded_shape)
+            origin = t.fwd_out[g.index + 1]
+        else:
+            full = ops.avgpool_input_grad(dz, g.rows.kernel, g.rows.stride)
+            origin = need
+        # `full` covers the unclipped input extent read by the outputs in `origin`
+        r0 = want.rows.lo - (origin.rows.lo * g.rows.stride - g.rows.before)
+        c0 = want.cols.lo - (origin.cols.lo * g.cols.stride - g.cols.before)
+        return full[:, :, r0:r0 + want.rows.size, c0:c0 + want.cols.size]
+
+    # ---- shared pieces --------------------------------------------------------------------
+    def _exchange(self, mb: int, phase: str, boundary: int, have: torch.Tensor, have_rect: Rect, need: Rect) -> Work:
+        """Yield a HaloExchange; return `need` assembled from `have` and the received parts."""
+        lay = self.layout
+        sends = [(tr.dst, tr.rect, ops.crop(have, have_rect, tr.rect))
+                 for tr in lay.transfers_from(phase, boundary, self.tile)]
+        recvs = lay.transfers_into(phase, boundary, self.tile)
+        got = yield HaloExchange(mb, phase, boundary, sends, [(tr.src, tr.rect) for tr in recvs])
+        if have_rect.contains(need):
+            return ops.crop(have, have_rect, need)
+        mine = need.meet(have_rect)
+        parts = [(mine, ops.crop(have, have_rect, mine))] + [(tr.rect, x) for tr, x in zip(recvs, got)]
+        return ops.assemble(tuple(have.shape[:2]), need, parts, have)
+
+    def _accumulate(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        lock = self.grad_lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            if param.grad is None:
+                param.grad = grad.detach().clone()
+            else:
+                param.grad.add_(grad)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def saved_bytes(self, mb: int | None = None) -> int:
+        """Bytes this tile keeps for backward (one micro-batch, or all in flight)."""
+        states = [self.saved[mb]] if mb is not None else list(self.saved.values())
+        return sum(s.nbytes() for s in states)
+
+
+def _keep(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """Keep a crop without pinning the whole tensor: copy unless it is the whole."""
+    return whole if part.shape == whole.shape else part.clone()

@@ -1,0 +1,252 @@
+"""The layout of a tiles stage: what every tile owns, computes, keeps and exchanges (pure data).
+
+Built from the layers' geometry, a grid and a grouping; no torch, so the planner, the
+cost model, the data feeder and the distributed driver all read the same numbers.
+
+Ownership. The stage output (boundary `last`) is cut evenly into rows x cols (or at given
+cuts, e.g. in proportion to device speed); every earlier boundary is cut where the windows
+above it are centred (`AxisWindow.input_cut`), so a 2x2/2 max-pool needs no halo and each
+map's pixels belong to exactly one tile. Tile k = row * cols + col owns `own[b]` at each
+boundary. Ownership decides who supplies a halo pixel, and which pixels each tile counts
+in BatchNorm sums and partial weight gradients (never a pixel twice).
+
+Backward (computed first, because the forward pass must keep what it needs):
+  bwd_delta[b]  region of dL/d(map b) the tile computes. At a backward sync (and at the
+                bottom of the stage) it is just `own[b]`; inside a backward group it grows
+                upwards (eq. 2a-2d, clipped) so the group's bottom comes out exact.
+  bwd_in[l]     region of the gradient at layer l's window output (after BatchNorm and the
+                activation have been back-propagated) that layer l's window backward reads:
+                the outputs touching bwd_delta[l]. At a backward sync l+1 the part outside
+                `own[l+1]` arrives from the neighbours that own it (`backward_transfers`):
+                halos carry gradients *below* the pointwise ops, so the owner alone runs
+                BatchNorm and activation backward on its pixels.
+  bwd_state[l]  region of layer l's output whose forward values its backward needs: the
+                pointwise region for conv+BN/activation (own at a sync, bwd_delta inside a
+                group); the selected outputs for a max-pool (bwd_in).
+Forward:
+  fwd_out[b]    region of map b that layer b-1 computes: own, plus the next layer's input
+                inside a forward group, plus bwd_state.
+  fwd_in[l]     (rect, border padding) layer l reads (eq. 1a-1d, clipped). At `first` this
+                is the tile's input rectangle, sent by whoever feeds the stage; at another
+                forward sync the part outside fwd_out arrives from its owners
+                (`forward_transfers`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tiles.grouping import Grouping
+from tiles.regions import EMPTY_RECT, LayerGeometry, Padding, Rect, TilingError, cut_spans, even_cuts
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Tile `src` sends `rect` (map coordinates) of its owned pixels to tile `dst`."""
+
+    src: int
+    dst: int
+    rect: Rect
+
+
+@dataclass
+class TileRegions:
+    """One tile's regions, keyed by boundary (maps) or layer index."""
+
+    tile: int
+    own: dict[int, Rect] = field(default_factory=dict)  # boundary first..last
+    fwd_out: dict[int, Rect] = field(default_factory=dict)  # boundary first+1..last
+    fwd_in: dict[int, tuple[Rect, Padding]] = field(default_factory=dict)  # layer first..last-1
+    bwd_delta: dict[int, Rect] = field(default_factory=dict)  # boundary first..last-1
+    bwd_in: dict[int, Rect] = field(default_factory=dict)  # layer first..last-1
+    bwd_state: dict[int, Rect] = field(default_factory=dict)  # layer first..last-1
+
+    @property
+    def input_rect(self) -> Rect:
+        """The rectangle of the stage input this tile needs (owned part plus halo)."""
+        return self.fwd_in[min(self.fwd_in)][0]
+
+
+@dataclass
+class StageLayout:
+    layers: list[LayerGeometry]
+    grid: tuple[int, int]
+    grouping: Grouping
+    input_delta: bool  # does the stage produce dL/d(input) (False for the first stage)
+    row_cuts: dict[int, list[int]]  # boundary -> rows + 1 cut positions
+    col_cuts: dict[int, list[int]]
+    tiles: list[TileRegions]
+    forward_transfers: dict[int, list[Transfer]]  # forward sync boundary (> first) -> transfers
+    backward_transfers: dict[int, list[Transfer]]  # backward sync boundary -> transfers
+
+    @property
+    def first(self) -> int:
+        return self.grouping.first
+
+    @property
+    def last(self) -> int:
+        return self.grouping.last
+
+    @property
+    def n_tiles(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    def layer(self, index: int) -> LayerGeometry:
+        return self.layers[index - self.first]
+
+    def map_shape(self, boundary: int) -> tuple[int, int, int]:
+        """(C, H, W) of the map entering layer `boundary` (the stage output at `last`)."""
+        if boundary == self.last:
+            g = self.layers[-1]
+            return (g.out_channels, g.rows.size_out, g.cols.size_out)
+        g = self.layer(boundary)
+        return (g.in_channels, g.rows.size_in, g.cols.size_in)
+
+    def output_rect(self, tile: int) -> Rect:
+        return self.tiles[tile].own[self.last]
+
+    def input_rect(self, tile: int) -> Rect:
+        return self.tiles[tile].input_rect
+
+    def delta_out_rect(self, tile: int) -> Rect:
+        """The part of dL/d(stage input) this tile produces (its owned part)."""
+        return self.tiles[tile].own[self.first] if self.input_delta else EMPTY_RECT
+
+    def transfers_into(self, phase: str, boundary: int, tile: int) -> list[Transfer]:
+        table = self.forward_transfers if phase == "forward" else self.backward_transfers
+        return [t for t in table.get(boundary, []) if t.dst == tile]
+
+    def transfers_from(self, phase: str, boundary: int, tile: int) -> list[Transfer]:
+        table = self.forward_transfers if phase == "forward" else self.backward_transfers
+        return [t for t in table.get(boundary, []) if t.src == tile]
+
+    def neighbours(self, tile: int) -> list[int]:
+        """Tiles this one exchanges halos with, either way, at any sync."""
+        found = set()
+        for table in (self.forward_transfers, self.backward_transfers):
+            for ts in table.values():
+                for t in ts:
+                    if t.src == tile:
+                        found.add(t.dst)
+                    elif t.dst == tile:
+                        found.add(t.src)
+        return sorted(found)
+
+    def to_dict(self) -> dict:
+        """JSON-able summary for a distributed driver or a picture."""
+        def transfers(table):
+            return {str(b): [{"src": t.src, "dst": t.dst, "rect": t.rect.to_list()} for t in ts]
+                    for b, ts in table.items()}
+        return {"first": self.first, "last": self.last, "grid": list(self.grid), **self.grouping.to_dict(),
+                "input_delta": self.input_delta,
+                "tiles": [{"input": self.input_rect(k).to_list(), "output": self.output_rect(k).to_list(),
+                           "own": {str(b): r.to_list() for b, r in t.own.items()}}
+                          for k, t in enumerate(self.tiles)],
+                "forward_transfers": transfers(self.forward_transfers),
+                "backward_transfers": transfers(self.backward_transfers)}
+
+
+def check_chain(layers: list[LayerGeometry]) -> None:
+    for a, b in zip(layers, layers[1:]):
+        if b.index != a.index + 1:
+            raise TilingError(f"layers {a.index} and {b.index} are not consecutive")
+        if (a.out_channels, a.rows.size_out, a.cols.size_out) != (b.in_channels, b.rows.size_in, b.cols.size_in):
+            raise TilingError(f"layer {b.index} does not read layer {a.index}'s output shape")
+
+
+def owned_cuts(layers: list[LayerGeometry], parts: int, axis: str, top_cuts: list[int] | None) -> dict[int, list[int]]:
+    """Cuts at every boundary: the stage output split evenly (or at `top_cuts`), then carried
+    down through each layer's window centres."""
+    first, last = layers[0].index, layers[-1].index + 1
+    top = layers[-1].rows.size_out if axis == "rows" else layers[-1].cols.size_out
+    cuts = {last: list(top_cuts) if top_cuts is not None else even_cuts(top, parts)}
+    if len(cuts[last]) != parts + 1 or cuts[last][0] != 0 or cuts[last][-1] != top:
+        raise TilingError(f"{axis} cuts {cuts[last]} must run from 0 to {top} in {parts} pieces")
+    for g in reversed(layers):
+        win = g.rows if axis == "rows" else g.cols
+        cuts[g.index] = [win.input_cut(c) for c in cuts[g.index + 1]]
+    for b in range(first, last + 1):
+        c = cuts[b]
+        if any(y <= x for x, y in zip(c, c[1:])):
+            size = c[-1]
+            raise TilingError(f"a grid with {parts} {axis} does not fit: the map entering "
+                              f"{'the stage end' if b == last else f'layer {b}'} has only {size} {axis} "
+                              f"(some tile would own none); use fewer {axis} or a larger image")
+    return cuts
+
+
+def build_layout(layers: list[LayerGeometry], grid: tuple[int, int], grouping: Grouping, input_delta: bool,
+                 row_cuts: list[int] | None = None, col_cuts: list[int] | None = None) -> StageLayout:
+    """The full layout of a tiles stage; raises TilingError when it cannot be tiled."""
+    rows, cols = grid
+    if rows < 1 or cols < 1:
+        raise TilingError(f"a grid needs at least one row and one column, got {rows}x{cols}")
+    if not layers:
+        raise TilingError("a tiles stage needs at least one layer")
+    check_chain(layers)
+    first, last = layers[0].index, layers[-1].index + 1
+    if (grouping.first, grouping.last) != (first, last):
+        raise TilingError(f"the grouping is for layers {grouping.first}-{grouping.last - 1}, "
+                          f"the stage is layers {first}-{last - 1}")
+    rcuts = owned_cuts(layers, rows, "rows", row_cuts)
+    ccuts = owned_cuts(layers, cols, "cols", col_cuts)
+    geo = {g.index: g for g in layers}
+    tiles = []
+    for r in range(rows):
+        for c in range(cols):
+            t = TileRegions(r * cols + c)
+            for b in range(first, last + 1):
+                t.own[b] = Rect(cut_spans(rcuts[b])[r], cut_spans(ccuts[b])[c])
+            _backward_regions(t, geo, grouping, input_delta)
+            _forward_regions(t, geo, grouping)
+            tiles.append(t)
+    fwd = {b: _transfers(tiles, b, lambda t, b=b: t.fwd_in[b][0], lambda t, b=b: t.fwd_out[b])
+           for b in grouping.forward if b > first}
+    bwd = {b: _transfers(tiles, b, lambda t, b=b: t.bwd_in[b - 1], lambda t, b=b: t.own[b])
+           for b in grouping.backward}
+    return StageLayout(layers, grid, grouping, input_delta, rcuts, ccuts, tiles, fwd, bwd)
+
+
+def _backward_regions(t: TileRegions, geo: dict[int, LayerGeometry], grouping: Grouping, input_delta: bool) -> None:
+    syncs = set(grouping.backward)
+    for s, e in grouping.backward_groups():
+        cur = t.own[s] if (s > grouping.first or input_delta) else EMPTY_RECT
+        t.bwd_delta[s] = cur
+        for b in range(s + 1, e + 1):
+            g = geo[b - 1]
+            need = g.outputs_touching(cur)
+            t.bwd_in[b - 1] = need
+            if b == e:
+                break
+            cur = need.hull(t.own[b]) if g.has_weights else need
+            t.bwd_delta[b] = cur
+    for l, g in geo.items():
+        if g.pointwise_state:
+            t.bwd_state[l] = t.own[l + 1] if l + 1 in syncs else t.bwd_delta[l + 1]
+        elif g.kind == "maxpool":
+            t.bwd_state[l] = t.bwd_in[l]
+        else:
+            t.bwd_state[l] = EMPTY_RECT
+
+
+def _forward_regions(t: TileRegions, geo: dict[int, LayerGeometry], grouping: Grouping) -> None:
+    syncs = set(grouping.forward)
+    for l in sorted(geo, reverse=True):
+        out = t.own[l + 1]
+        if l + 1 < grouping.last and l + 1 not in syncs:
+            out = out.hull(t.fwd_in[l + 1][0])
+        out = out.hull(t.bwd_state[l])
+        t.fwd_out[l + 1] = out
+        t.fwd_in[l] = geo[l].input_need(out)
+
+
+def _transfers(tiles: list[TileRegions], boundary: int, need_of, have_of) -> list[Transfer]:
+    """Each tile receives the part of `need_of(tile)` outside `have_of(tile)` from its owners."""
+    out = []
+    for t in tiles:
+        for piece in need_of(t).minus(have_of(t)):
+            for n in tiles:
+                if n.tile != t.tile:
+                    r = piece.meet(n.own[boundary])
+                    if not r.empty:
+                        out.append(Transfer(n.tile, t.tile, r))
+    return out

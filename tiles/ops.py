@@ -1,0 +1,144 @@
+"""The torch arithmetic of one layer on one tile's region: window ops, BatchNorm from global sums, activations.
+
+Each function is the exact formula torch uses untiled, applied to a rectangle of the map
+whose border padding (zeros for convolution, -inf for darknet's max-pool) is added only
+where the rectangle reaches the real edge of the map.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiles.regions import Padding, Rect, TilingError
+
+
+def crop(t: torch.Tensor, origin: Rect, want: Rect) -> torch.Tensor:
+    """The `want` part of tensor t (B, C, h, w) that holds `origin` (a view)."""
+    rows, cols = want.relative_to(origin)
+    return t[:, :, rows, cols]
+
+
+def pad(x: torch.Tensor, padding: Padding, value: float) -> torch.Tensor:
+    return F.pad(x, padding.as_lrtb(), value=value) if padding.any else x
+
+
+def assemble(shape_bc: tuple[int, int], rect: Rect, parts: list[tuple[Rect, torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
+    """A (B, C, rect) tensor filled from (rect, tensor) parts that tile it."""
+    out = like.new_empty((*shape_bc, *rect.shape))  # (B, C, h, w)
+    for r, t in parts:
+        if not r.empty:
+            rows, cols = r.relative_to(rect)
+            out[:, :, rows, cols] = t
+    return out
+
+
+# ---- BatchNorm with statistics over all tiles ---------------------------------------------
+def forward_sums(z_own: torch.Tensor) -> torch.Tensor:
+    """(2, C) float64 [sum z, sum z^2] over owned pixels, from a two-pass local mean and
+    variance so that the squares do not lose precision."""
+    n = z_own.shape[0] * z_own.shape[2] * z_own.shape[3]
+    var, mean = torch.var_mean(z_own, dim=(0, 2, 3), correction=0)
+    mean, var = mean.double(), var.double()
+    return torch.stack([mean * n, var * n + mean * mean * n])
+
+
+def batch_stats(sums: torch.Tensor, count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean, biased var, 1/sqrt(var + eps)) as float32 (C,) from global sums."""
+    mean = sums[0] / count
+    var = (sums[1] / count - mean * mean).clamp(min=0.0)
+    invstd = 1.0 / torch.sqrt(var + eps)
+    return mean.float(), var.float(), invstd.float()
+
+
+def update_running_stats(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+    """What BatchNorm2d does in training mode: running_var takes the unbiased variance."""
+    if not bn.track_running_stats:
+        return
+    bn.num_batches_tracked.add_(1)
+    momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
+    unbiased = var * (count / max(1, count - 1))
+    bn.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+    bn.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+
+
+def bn_scale_shift(bn: nn.BatchNorm2d, mean: torch.Tensor, invstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (alpha, beta) with bn(z) = z * alpha + beta, each (1, C, 1, 1)."""
+    alpha = invstd * bn.weight.detach() if bn.affine else invstd
+    beta = (bn.bias.detach() - mean * alpha) if bn.affine else -mean * alpha
+    return alpha.view(1, -1, 1, 1), beta.view(1, -1, 1, 1)
+
+
+def backward_sums(du_own: torch.Tensor, xhat_own: torch.Tensor) -> torch.Tensor:
+    """(2, C) float64 [sum g, sum g * xhat] over owned pixels (also d beta and d gamma)."""
+    s1 = torch.sum(du_own, dim=(0, 2, 3), dtype=torch.float64)
+    s2 = torch.sum(du_own * xhat_own, dim=(0, 2, 3), dtype=torch.float64)
+    return torch.stack([s1, s2])
+
+
+def bn_input_grad(du: torch.Tensor, xhat: torch.Tensor, sums: torch.Tensor, count: int, invstd: torch.Tensor,
+                  gamma: torch.Tensor | None) -> torch.Tensor:
+    """dL/dz = gamma * invstd * (du - mean(du) - xhat * mean(du * xhat)), means over the whole map."""
+    mean_du = (sums[0] / count).float().view(1, -1, 1, 1)
+    mean_dux = (sums[1] / count).float().view(1, -1, 1, 1)
+    scale = invstd if gamma is None else invstd * gamma.detach()
+    return (du - mean_du - xhat * mean_dux) * scale.view(1, -1, 1, 1)
+
+
+# ---- activations ------------------------------------------------------------------------------
+def activation_forward(act: nn.Module, u: torch.Tensor, inplace: bool) -> torch.Tensor:
+    if isinstance(act, nn.Identity):
+        return u
+    if isinstance(act, nn.LeakyReLU):
+        return F.leaky_relu_(u, act.negative_slope) if inplace else F.leaky_relu(u, act.negative_slope)
+    if isinstance(act, nn.ReLU):
+        return F.relu_(u) if inplace else F.relu(u)
+    if isinstance(act, nn.Sigmoid):
+        return u.sigmoid_() if inplace else torch.sigmoid(u)
+    if isinstance(act, nn.Tanh):
+        return u.tanh_() if inplace else torch.tanh(u)
+    raise TilingError(f"activation {type(act).__name__} is not supported in a tiles stage")
+
+
+def activation_backward(act: nn.Module, u: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """dL/du from dL/dy, with u the activation's input (torch's own backward formulas)."""
+    if isinstance(act, nn.Identity):
+        return dy
+    if isinstance(act, nn.LeakyReLU):
+        return torch.where(u > 0, dy, dy * act.negative_slope)
+    if isinstance(act, nn.ReLU):
+        return torch.where(u > 0, dy, torch.zeros_like(dy))
+    if isinstance(act, nn.Sigmoid):
+        y = torch.sigmoid(u)
+        return dy * (1 - y) * y
+    if isinstance(act, nn.Tanh):
+        y = torch.tanh(u)
+        return dy * (1 - y * y)
+    raise TilingError(f"activation {type(act).__name__} is not supported in a tiles stage")
+
+
+# ---- window ops -------------------------------------------------------------------------------
+def conv_input_grad(dz: torch.Tensor, weight: torch.Tensor, stride: int) -> torch.Tensor:
+    """Gradient over the unpadded-and-padded input extent read by the outputs in dz."""
+    return F.conv_transpose2d(dz, weight.detach(), stride=stride)
+
+
+def conv_weight_grad(xp: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, stride: int) -> torch.Tensor:
+    """Partial weight gradient from outputs dz over their (padded) input windows xp."""
+    return torch.ops.aten.convolution_backward(dz, xp, weight.detach(), None, [stride, stride], [0, 0], [1, 1],
+                                               False, [0, 0], 1, [False, True, False])[1]
+
+
+def maxpool_input_grad(dy: torch.Tensor, indices: torch.Tensor, padded_shape: tuple[int, int]) -> torch.Tensor:
+    """Scatter dy to the selected inputs of a padded input region (B, C, hp, wp)."""
+    b, c = dy.shape[:2]
+    out = dy.new_zeros((b, c, padded_shape[0] * padded_shape[1]))
+    out.scatter_add_(2, indices.reshape(b, c, -1), dy.reshape(b, c, -1))
+    return out.view(b, c, *padded_shape)
+
+
+def avgpool_input_grad(dy: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
+    b, c, h, w = dy.shape
+    ones = dy.new_full((1, 1, kernel, kernel), 1.0 / (kernel * kernel))
+    return F.conv_transpose2d(dy.reshape(b * c, 1, h, w), ones, stride=stride).view(b, c, *(
+        ((h - 1) * stride + kernel, (w - 1) * stride + kernel)))

@@ -1,0 +1,253 @@
+"""Region arithmetic for tiling: spans, rectangles, and what a layer's window needs and touches.
+
+Pure Python (no torch): the planner imports it. Coordinates are pixels of one feature
+map, half-open: a Span [lo, hi) on one axis, a Rect = rows x cols. The map at boundary b
+is the one entering layer b (the image is boundary 0).
+
+For a window layer (convolution or pooling) with kernel k, stride s and padding
+(before, after) on one axis, output pixel o reads input pixels [o*s - before, o*s - before + k).
+Two directions follow (the paper's equations 1a-1d and 2a-2d, generalised to any padding,
+with clipping at the real border of the map instead of padding the map out):
+
+    forward   input_need(outputs)   the input pixels a block of outputs reads, plus how much
+                                    padding lies beyond the map on each side;
+    backward  outputs_touching(inputs)  the outputs whose windows touch a block of inputs,
+                                    i.e. the deltas needed to finish those inputs' deltas.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.model_desc import LayerDesc
+
+WINDOW_KINDS = ("conv", "maxpool", "avgpool")
+
+
+class TilingError(ValueError):
+    """A grid, grouping or layer range that cannot be tiled; the message says why."""
+
+
+@dataclass(frozen=True, order=True)
+class Span:
+    """Pixels [lo, hi) on one axis; empty when hi <= lo."""
+
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return max(0, self.hi - self.lo)
+
+    @property
+    def empty(self) -> bool:
+        return self.hi <= self.lo
+
+    def hull(self, other: "Span") -> "Span":
+        """The smallest span holding both (an empty span adds nothing)."""
+        if self.empty:
+            return other
+        if other.empty:
+            return self
+        return Span(min(self.lo, other.lo), max(self.hi, other.hi))
+
+    def meet(self, other: "Span") -> "Span":
+        return Span(max(self.lo, other.lo), min(self.hi, other.hi))
+
+    def contains(self, other: "Span") -> bool:
+        return other.empty or (self.lo <= other.lo and other.hi <= self.hi)
+
+    def minus(self, other: "Span") -> list["Span"]:
+        """Self without other: up to two spans (below and above)."""
+        if self.empty:
+            return []
+        inner = self.meet(other)
+        if inner.empty:
+            return [self]
+        parts = [Span(self.lo, inner.lo), Span(inner.hi, self.hi)]
+        return [p for p in parts if not p.empty]
+
+
+EMPTY_SPAN = Span(0, 0)
+
+
+@dataclass(frozen=True, order=True)
+class Rect:
+    """rows x cols of one map, both half-open."""
+
+    rows: Span
+    cols: Span
+
+    @classmethod
+    def of(cls, r0: int, r1: int, c0: int, c1: int) -> "Rect":
+        return cls(Span(r0, r1), Span(c0, c1))
+
+    @property
+    def empty(self) -> bool:
+        return self.rows.empty or self.cols.empty
+
+    @property
+    def area(self) -> int:
+        return 0 if self.empty else self.rows.size * self.cols.size
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows.size, self.cols.size)
+
+    def hull(self, other: "Rect") -> "Rect":
+        if self.empty:
+            return other
+        if other.empty:
+            return self
+        return Rect(self.rows.hull(other.rows), self.cols.hull(other.cols))
+
+    def meet(self, other: "Rect") -> "Rect":
+        r = Rect(self.rows.meet(other.rows), self.cols.meet(other.cols))
+        return EMPTY_RECT if r.empty else r
+
+    def contains(self, other: "Rect") -> bool:
+        return other.empty or (self.rows.contains(other.rows) and self.cols.contains(other.cols))
+
+    def minus(self, other: "Rect") -> list["Rect"]:
+        """Self without other as disjoint rectangles: full-width bands above and below
+        `other`, then the pieces left and right of it."""
+        if self.empty:
+            return []
+        inner = self.meet(other)
+        if inner.empty:
+            return [self]
+        pieces = [Rect(r, self.cols) for r in self.rows.minus(inner.rows)]
+        pieces += [Rect(inner.rows, c) for c in self.cols.minus(inner.cols)]
+        return pieces
+
+    def relative_to(self, origin: "Rect") -> tuple[slice, slice]:
+        """Slices that cut this rect out of a tensor holding `origin` (rows, cols last)."""
+        return (slice(self.rows.lo - origin.rows.lo, self.rows.hi - origin.rows.lo),
+                slice(self.cols.lo - origin.cols.lo, self.cols.hi - origin.cols.lo))
+
+    def to_list(self) -> list[int]:
+        """[row0, row1, col0, col1] for JSON and messages."""
+        return [self.rows.lo, self.rows.hi, self.cols.lo, self.cols.hi]
+
+
+EMPTY_RECT = Rect(EMPTY_SPAN, EMPTY_SPAN)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How many padding pixels a region needs beyond the real map: (top, bottom, left, right)."""
+
+    top: int = 0
+    bottom: int = 0
+    left: int = 0
+    right: int = 0
+
+    @property
+    def any(self) -> bool:
+        return bool(self.top or self.bottom or self.left or self.right)
+
+    def as_lrtb(self) -> tuple[int, int, int, int]:
+        """(left, right, top, bottom): the order torch's F.pad takes for the last two dims."""
+        return (self.left, self.right, self.top, self.bottom)
+
+
+@dataclass(frozen=True)
+class AxisWindow:
+    """A layer's window along one axis."""
+
+    kernel: int
+    stride: int
+    before: int  # padding before the first pixel
+    size_in: int
+    size_out: int
+
+    def input_need(self, out: Span) -> tuple[Span, int, int]:
+        """(input span inside the map, padding before it, padding after it) that outputs
+        `out` read."""
+        if out.empty:
+            return EMPTY_SPAN, 0, 0
+        lo = out.lo * self.stride - self.before
+        hi = (out.hi - 1) * self.stride - self.before + self.kernel
+        return Span(max(0, lo), min(self.size_in, hi)), max(0, -lo), max(0, hi - self.size_in)
+
+    def outputs_touching(self, inp: Span) -> Span:
+        """The outputs whose windows overlap input span `inp` (clipped to the map)."""
+        if inp.empty:
+            return EMPTY_SPAN
+        lo = -(-(inp.lo + self.before - self.kernel + 1) // self.stride)  # ceil
+        hi = (inp.hi - 1 + self.before) // self.stride + 1
+        return Span(max(0, lo), min(self.size_out, hi))
+
+    def input_cut(self, out_cut: int) -> int:
+        """Where a cut between output pixels out_cut-1 and out_cut falls in the input:
+        before the input pixel under the centre of output out_cut's window."""
+        if out_cut <= 0:
+            return 0
+        if out_cut >= self.size_out:
+            return self.size_in
+        return min(self.size_in, max(0, out_cut * self.stride - self.before + (self.kernel - 1) // 2))
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """One tileable layer as tiling sees it: a window over an (H, W) map, and what its
+    backward needs from the forward pass."""
+
+    index: int
+    kind: str  # conv | maxpool | avgpool
+    rows: AxisWindow
+    cols: AxisWindow
+    in_channels: int
+    out_channels: int
+    has_weights: bool  # conv: partial weight gradients over owned outputs
+    pointwise_state: bool  # BN or a non-linear activation after the window: backward needs the forward values
+    batch_norm: bool
+    flops: int  # forward FLOPs per sample over the whole map
+
+    @classmethod
+    def from_desc(cls, d: LayerDesc) -> "LayerGeometry":
+        if d.kind not in WINDOW_KINDS or d.kernel <= 0:
+            raise TilingError(f"layer {d.index} ({d.kind}) cannot be tiled; tiles take convolution and "
+                              "local pooling layers only")
+        left, right, top, bottom = d.padding
+        _, h, w = d.in_shape
+        _, oh, ow = d.out_shape
+        conv = d.kind == "conv"
+        return cls(d.index, d.kind, AxisWindow(d.kernel, d.stride, top, h, oh),
+                   AxisWindow(d.kernel, d.stride, left, w, ow), d.in_shape[0], d.out_shape[0],
+                   has_weights=conv, pointwise_state=conv and (d.batch_normalize or d.activation != "linear"),
+                   batch_norm=conv and d.batch_normalize, flops=d.flops)
+
+    @property
+    def in_map(self) -> Rect:
+        return Rect.of(0, self.rows.size_in, 0, self.cols.size_in)
+
+    @property
+    def out_map(self) -> Rect:
+        return Rect.of(0, self.rows.size_out, 0, self.cols.size_out)
+
+    def input_need(self, out: Rect) -> tuple[Rect, Padding]:
+        """Input rect (inside the map) and border padding that output rect `out` reads."""
+        if out.empty:
+            return EMPTY_RECT, Padding()
+        rows, top, bottom = self.rows.input_need(out.rows)
+        cols, left, right = self.cols.input_need(out.cols)
+        return Rect(rows, cols), Padding(top, bottom, left, right)
+
+    def outputs_touching(self, inp: Rect) -> Rect:
+        if inp.empty:
+            return EMPTY_RECT
+        r = Rect(self.rows.outputs_touching(inp.rows), self.cols.outputs_touching(inp.cols))
+        return EMPTY_RECT if r.empty else r
+
+    @property
+    def flops_per_output_pixel(self) -> float:
+        return self.flops / max(1, self.rows.size_out * self.cols.size_out)
+
+
+def even_cuts(size: int, parts: int) -> list[int]:
+    """parts + 1 cut positions splitting [0, size) into near-equal pieces (sizes differ by <= 1)."""
+    return [(i * size) // parts for i in range(parts + 1)]
+
+
+def cut_spans(cuts: list[int]) -> list[Span]:
+    return [Span(a, b) for a, b in zip(cuts, cuts[1:])]
