@@ -1,0 +1,243 @@
+"""The devices a plan may use, as plain data: compute costs, memory budgets, bandwidths.
+
+A cluster comes from the live swarm (profiles and a measured bandwidth matrix) or from a
+hand-written description (docs/planner.md documents the JSON). Bandwidths are directional
+bytes/s (an uplink can be slower than the downlink); latency is seconds per message.
+
+    cluster = Cluster(devices=[Device("pi-1", table, memory=900 * 2**20), ...],
+                      bandwidth=matrix_bytes_per_s, latency=0.0005, data_source="laptop")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.costs import CostTable
+from planner.units import mbit_to_bytes_per_s, parse_bytes
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be used; the message says where and why."""
+
+
+@dataclass
+class Device:
+    name: str
+    costs: CostTable
+    memory: float  # bytes this device may spend on training (its budget u_d)
+    tier: str | None = None  # "device" | "edge" | "cloud": HierTrain's roles, when given
+    power_w: float | None = None  # compute power, for JointDNN's energy objective
+    radio: dict | None = None  # JointDNN eq. 21: {"up_mw_per_mbps", "down_mw_per_mbps", "base_mw"}
+    facts: dict = field(default_factory=dict)  # cores, cpu, ... as shown in plans
+
+    def summary(self) -> dict:
+        d = dict(self.facts)
+        d.update(memory=int(self.memory), speed=self.costs.source)
+        if self.tier:
+            d["tier"] = self.tier
+        return d
+
+
+@dataclass
+class Cluster:
+    devices: list[Device]
+    bandwidth: np.ndarray  # (N, N) bytes/s from row to column; the diagonal is unused
+    latency: float = 0.0  # seconds added to every message
+    data_source: str | None = None  # the device that holds the samples (None: every device has them)
+    name: str = "cluster"
+
+    def __post_init__(self):
+        names = [d.name for d in self.devices]
+        if not names:
+            raise ClusterError("a cluster needs at least one device")
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ClusterError(f"device name(s) used twice: {', '.join(dup)}")
+        n = len(names)
+        self.bandwidth = np.asarray(self.bandwidth, dtype=float)
+        if self.bandwidth.shape != (n, n):
+            raise ClusterError(f"the bandwidth matrix is {self.bandwidth.shape}, expected {n}x{n}")
+        off = ~np.eye(n, dtype=bool)
+        if n > 1 and not (self.bandwidth[off] > 0).all():
+            raise ClusterError("every bandwidth between two devices must be positive")
+        self.bandwidth[np.eye(n, dtype=bool)] = np.inf
+        if self.data_source is not None and self.data_source not in names:
+            raise ClusterError(f"data_source '{self.data_source}' is not a device; devices: {', '.join(names)}")
+        self._index = {name: i for i, name in enumerate(names)}
+        layers = {d.costs.num_layers for d in self.devices}
+        if len(layers) > 1:
+            raise ClusterError(f"the devices' cost tables cover different numbers of layers: {sorted(layers)}")
+
+    # ---- lookups ---------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    def index(self, name: str) -> int:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise ClusterError(f"no device '{name}' in the cluster; devices: {', '.join(self.names)}") from None
+
+    def device(self, name: str) -> Device:
+        return self.devices[self.index(name)]
+
+    def bw(self, a: str, b: str) -> float:
+        return float(self.bandwidth[self._index[a], self._index[b]])
+
+    def transfer_time(self, a: str, b: str, nbytes: float) -> float:
+        """Seconds to move `nbytes` from a to b (nothing when they are the same device)."""
+        if a == b or nbytes <= 0:
+            return 0.0
+        return self.latency + nbytes / self.bw(a, b)
+
+    def min_bw(self, names: list[str]) -> float:
+        """The slowest link among a group: what a ring all-reduce runs at (Asteroid eq. 5)."""
+        idx = [self._index[n] for n in names]
+        if len(idx) < 2:
+            return float("inf")
+        sub = self.bandwidth[np.ix_(idx, idx)]
+        return float(sub[~np.eye(len(idx), dtype=bool)].min())
+
+    def reference_time(self, name: str, batch: int) -> float:
+        """A device's time for one forward+backward of the whole model on `batch` samples."""
+        costs = self.device(name).costs
+        return costs.range_time(0, costs.num_layers, batch, with_loss=True)
+
+    def by_speed(self, batch: int = 1) -> list[str]:
+        """Device names, fastest first."""
+        return sorted(self.names, key=lambda n: (self.reference_time(n, batch), self.index(n)))
+
+    def subset(self, names: list[str]) -> "Cluster":
+        idx = [self.index(n) for n in names]
+        src = self.data_source if self.data_source in names else None
+        return Cluster([self.devices[i] for i in idx], self.bandwidth[np.ix_(idx, idx)], self.latency, src, self.name)
+
+    def describe(self) -> dict:
+        return {d.name: d.summary() for d in self.devices}
+
+
+# ---- the JSON description -------------------------------------------------------------
+
+DEVICE_KEYS = {"name", "memory", "speed", "gflops", "mem_gbps", "profile", "tier", "power_w", "radio", "link_mbps",
+               "cores", "note"}
+CLUSTER_KEYS = {"name", "description", "reference", "data_source", "bandwidth_mbps", "latency_ms", "links", "devices",
+                "note"}
+
+
+def cluster_from_dict(d: dict, desc, resolve_profile) -> Cluster:
+    """Build a Cluster from its JSON description for one model (docs/planner.md).
+
+    `resolve_profile(spec)` turns "local", a path, or an inline profile object into a
+    CostTable for `desc`; it is given by the caller, which may read files or profile this
+    machine (the planner itself does neither)."""
+    if not isinstance(d, dict):
+        raise ClusterError("a cluster description is a JSON object")
+    extra = set(d) - CLUSTER_KEYS
+    if extra:
+        raise ClusterError(f"unknown cluster field(s): {', '.join(sorted(extra))}; known: {', '.join(sorted(CLUSTER_KEYS))}")
+    specs = d.get("devices")
+    if not isinstance(specs, list) or not specs:
+        raise ClusterError("the cluster lists no devices (\"devices\": [...])")
+    reference = None
+    if "reference" in d:
+        ref = d["reference"]
+        if isinstance(ref, dict) and "gflops" in ref:
+            reference = CostTable.from_flops(desc, float(ref["gflops"]), ref.get("mem_gbps"))
+        else:
+            reference = resolve_profile(ref)
+    devices, links_mbps = [], []
+    for i, spec in enumerate(specs):
+        devices.append(_device_from_dict(i, spec, desc, reference, resolve_profile))
+        links_mbps.append(spec.get("link_mbps"))
+    n = len(devices)
+    default = d.get("bandwidth_mbps")
+    bw = np.full((n, n), float(default) if default is not None else np.inf)
+    for i in range(n):
+        for j in range(n):
+            for cap in (links_mbps[i], links_mbps[j]):
+                if cap is not None:
+                    bw[i, j] = min(bw[i, j], float(cap))
+    names = [dev.name for dev in devices]
+    for k, link in enumerate(d.get("links") or []):
+        _apply_link(k, link, names, bw)
+    missing = [(names[i], names[j]) for i in range(n) for j in range(n) if i != j and not np.isfinite(bw[i, j])]
+    if missing:
+        a, b = missing[0]
+        raise ClusterError(f"no bandwidth between {a} and {b}: give \"bandwidth_mbps\" for the cluster, "
+                           "\"link_mbps\" for devices, or a \"links\" entry")
+    try:
+        return Cluster(devices, np.vectorize(mbit_to_bytes_per_s)(bw), float(d.get("latency_ms", 0.0)) / 1000,
+                       d.get("data_source"), str(d.get("name", "cluster")))
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
+
+
+def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
+    if not isinstance(spec, dict) or "name" not in spec:
+        raise ClusterError(f"device {i}: each device needs at least a \"name\"")
+    name = str(spec["name"])
+    where = f"device {name}"
+    extra = set(spec) - DEVICE_KEYS
+    if extra:
+        raise ClusterError(f"{where}: unknown field(s) {', '.join(sorted(extra))}; known: {', '.join(sorted(DEVICE_KEYS))}")
+    given = [k for k in ("speed", "gflops", "profile") if k in spec]
+    if len(given) != 1:
+        raise ClusterError(f"{where}: give exactly one of \"speed\" (times the reference), \"gflops\" or \"profile\""
+                           + (f"; got {', '.join(given)}" if given else ""))
+    try:
+        if "gflops" in spec:
+            costs = CostTable.from_flops(desc, float(spec["gflops"]), spec.get("mem_gbps"))
+        elif "profile" in spec:
+            costs = resolve_profile(spec["profile"])
+        else:
+            if reference is None:
+                raise ClusterError(f"{where}: \"speed\" is relative to the cluster's \"reference\", which is missing "
+                                   "(\"reference\": \"local\", a profile file, or {\"gflops\": N})")
+            costs = reference.scaled(float(spec["speed"]))
+        if "memory" not in spec:
+            raise ClusterError(f"{where}: \"memory\" (the bytes it may use for training, e.g. \"900 MiB\") is missing")
+        memory = parse_bytes(spec["memory"], f"{where}: memory")
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ClusterError):
+            raise
+        raise ClusterError(f"{where}: {exc}") from None
+    facts = {k: spec[k] for k in ("cores", "note") if k in spec}
+    return Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts)
+
+
+def _apply_link(k: int, link, names: list[str], bw: np.ndarray) -> None:
+    if not isinstance(link, dict) or "mbps" not in link:
+        raise ClusterError(f"link {k}: expected {{\"between\": [a, b], \"mbps\": N}} or {{\"from\": a, \"to\": b, \"mbps\": N}}")
+    mbps = float(link["mbps"])
+    if not mbps > 0:
+        raise ClusterError(f"link {k}: mbps must be positive, got {mbps}")
+    if "between" in link:
+        pairs = [tuple(link["between"]), tuple(reversed(link["between"]))]
+    elif "from" in link and "to" in link:
+        pairs = [(link["from"], link["to"])]
+    else:
+        raise ClusterError(f"link {k}: give \"between\": [a, b] or \"from\" and \"to\"")
+    for a, b in pairs:
+        if a not in names or b not in names:
+            raise ClusterError(f"link {k} names an unknown device ({a} or {b}); devices: {', '.join(names)}")
+        bw[names.index(a), names.index(b)] = mbps
+
+
+def bandwidth_matrix(names: list[str], measured: dict[tuple[str, str], float]) -> np.ndarray:
+    """The seam for the live swarm: a matrix from measured {(from, to): bytes/s}. A pair
+    measured in one direction only is taken to be symmetric."""
+    n = len(names)
+    bw = np.full((n, n), np.nan)
+    idx = {name: i for i, name in enumerate(names)}
+    for (a, b), rate in measured.items():
+        bw[idx[a], idx[b]] = rate
+    for i in range(n):
+        for j in range(n):
+            if i != j and np.isnan(bw[i, j]):
+                if np.isnan(bw[j, i]):
+                    raise ClusterError(f"no bandwidth measured between {names[i]} and {names[j]}")
+                bw[i, j] = bw[j, i]
+    np.fill_diagonal(bw, np.inf)
+    return bw

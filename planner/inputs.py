@@ -1,0 +1,66 @@
+"""What every planner reads: the model, its memory model, the cluster, batch and micro-batches.
+
+    inputs = PlanInputs(desc, MemoryModel.estimated(desc), cluster, batch_size=16, microbatches=4)
+    plan = PLANNERS["asteroid"](inputs)          # a Plan with `predicted` filled in
+    timeline = inputs.simulate(plan)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.cluster import Cluster
+from planner.memory import MemoryModel
+from planner.model_desc import ModelDesc
+from planner.plan import Plan, PlanError, Stage
+from planner.simulator import Timeline, simulate
+
+
+class NoPlan(PlanError):
+    """A planner found no plan for these inputs (the message says why)."""
+
+
+@dataclass
+class PlanInputs:
+    desc: ModelDesc
+    mem: MemoryModel
+    cluster: Cluster
+    batch_size: int
+    microbatches: int = 1
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise PlanError(f"the batch size must be at least 1, got {self.batch_size}")
+        if not 1 <= self.microbatches <= self.batch_size:
+            raise PlanError(f"--microbatches must be between 1 and the batch size ({self.batch_size}), "
+                            f"got {self.microbatches}")
+        if self.mem.desc is not self.desc and len(self.mem.desc.layers) != len(self.desc.layers):
+            raise PlanError("the memory model describes another model")
+        for d in self.cluster.devices:
+            if d.costs.num_layers != len(self.desc.layers):
+                raise PlanError(f"device {d.name} has costs for {d.costs.num_layers} layers; "
+                                f"{self.desc.name} has {len(self.desc.layers)}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.desc.layers)
+
+    @property
+    def microbatch(self) -> int:
+        """Samples per micro-batch (dp stages need the batch to split evenly)."""
+        return self.batch_size // self.microbatches
+
+    def plan(self, stages: list[Stage], planner: str, microbatches: int | None = None) -> Plan:
+        """A Plan over these inputs, with the devices it uses described."""
+        used = {d for s in stages for d in s.devices}
+        devices = {name: facts for name, facts in self.cluster.describe().items() if name in used}
+        return Plan(model=self.desc.name, img_size=self.desc.img_size, batch_size=self.batch_size,
+                    microbatches=microbatches or self.microbatches, stages=stages, devices=devices, planner=planner)
+
+    def simulate(self, plan: Plan) -> Timeline:
+        return simulate(plan, self.desc, self.mem, self.cluster)
+
+    def finish(self, plan: Plan) -> Plan:
+        """Simulate the plan and record the prediction in it."""
+        timeline = self.simulate(plan)
+        plan.predicted = timeline.summary()
+        return plan

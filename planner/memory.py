@@ -1,0 +1,115 @@
+"""The memory a stage needs on a device (Asteroid eq. 3): weights, gradients, optimizer state,
+and K_p micro-batches of saved activations, plus the transient buffers of one backward.
+
+    Mem_p(beta) = Mem(MOD)_p + Mem(OPT)_p + K_p * Mem(ACT)_p(beta)
+
+Activation bytes per layer are what autograd keeps for the backward pass, per sample:
+measured by the profiler (saved tensors, counted once, charged to the first layer that
+keeps them, so a layer's own input is charged to it) or, without a profile, estimated from
+the layer's shapes in the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.model_desc import BYTES_PER_FLOAT, ModelDesc
+
+OPTIMIZER_STATE_FLOATS = {"sgd": 1, "adam": 2, "plain-sgd": 0}  # extra floats per parameter
+
+
+def in_bytes(desc: ModelDesc, index: int) -> int:
+    """Bytes per sample of everything layer `index` reads."""
+    return sum(desc.input_bytes if s < 0 else desc.layers[s].out_bytes for s in desc.layers[index].inputs)
+
+
+def estimate_activation_bytes(desc: ModelDesc) -> list[int]:
+    """Per-sample bytes each layer keeps for its backward, as torch does for these layers:
+    a conv keeps its input, BatchNorm its input, the activation its input; max pooling its
+    input and int64 indices; route and reorg only rearrange (nothing kept)."""
+    out = []
+    for layer in desc.layers:
+        ob = layer.out_bytes
+        if layer.kind in ("route", "reorg"):
+            out.append(0)
+        elif layer.kind == "maxpool":
+            out.append(in_bytes(desc, layer.index) + 2 * ob)
+        elif layer.kind in ("conv", "connected"):
+            keep = in_bytes(desc, layer.index)
+            keep += ob if layer.batch_normalize else 0
+            keep += ob if layer.activation != "linear" else 0
+            out.append(keep)
+        elif layer.kind == "dropout":
+            out.append(ob // BYTES_PER_FLOAT)  # a bool mask
+        else:  # avgpool and anything local: keeps its input
+            out.append(in_bytes(desc, layer.index))
+    return out
+
+
+@dataclass
+class MemoryModel:
+    """What memory a model's stages need: per-layer parameters and saved activations."""
+
+    desc: ModelDesc
+    act_bytes: np.ndarray  # (layers,) bytes kept per sample for the backward
+    optimizer: str = "sgd"
+    measured: bool = False  # act_bytes come from a profile rather than the estimate
+
+    def __post_init__(self):
+        self.act_bytes = np.asarray(self.act_bytes, dtype=float)
+        if self.act_bytes.shape != (len(self.desc.layers),):
+            raise ValueError(f"activation bytes for {self.act_bytes.shape[0]} layers, the model has {len(self.desc.layers)}")
+        if self.optimizer not in OPTIMIZER_STATE_FLOATS:
+            raise ValueError(f"unknown optimizer '{self.optimizer}'; known: {', '.join(OPTIMIZER_STATE_FLOATS)}")
+        self.param_bytes = np.array([layer.param_bytes for layer in self.desc.layers], dtype=float)
+        self.out_bytes = np.array([layer.out_bytes for layer in self.desc.layers], dtype=float)
+        self.in_bytes = np.array([in_bytes(self.desc, i) for i in range(len(self.desc.layers))], dtype=float)
+        self._cum_params = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
+        self._cum_act = np.concatenate([[0.0], np.cumsum(self.act_bytes)])
+        self._boundary = np.array([self.desc.boundary_bytes(b) for b in range(len(self.desc.layers) + 1)], dtype=float)
+
+    @classmethod
+    def estimated(cls, desc: ModelDesc, optimizer: str = "sgd") -> "MemoryModel":
+        return cls(desc, estimate_activation_bytes(desc), optimizer)
+
+    # ---- per stage -------------------------------------------------------------------
+    def weights(self, first: int, last: int) -> float:
+        """Mem(MOD) + Mem(OPT): parameters, their gradients, and the optimizer's state."""
+        per_param_copies = 2 + OPTIMIZER_STATE_FLOATS[self.optimizer]
+        return per_param_copies * (self._cum_params[last] - self._cum_params[first])
+
+    def activations(self, first: int, last: int, batch: float) -> float:
+        """Mem(ACT)(beta): what one micro-batch of `batch` samples keeps until its backward."""
+        return batch * (self._cum_act[last] - self._cum_act[first])
+
+    def transient(self, first: int, last: int, batch: float) -> float:
+        """Buffers alive only during one layer's backward: the gradients of its output and
+        input, and the outgoing gradient that has not been sent yet."""
+        if last <= first:
+            return 0.0
+        grads = self.out_bytes[first:last] + self.in_bytes[first:last]
+        return batch * float(grads.max())
+
+    def boundary(self, b: int) -> float:
+        """Bytes per sample crossing a cut before layer b (forward activations; the
+        backward sends gradients of the same size the other way)."""
+        return float(self._boundary[b])
+
+    def stage(self, first: int, last: int, batch: float, warmup: int) -> float:
+        """Asteroid eq. 3 plus the transient buffers: the peak of one stage on one device."""
+        if batch <= 0:
+            return self.weights(first, last)
+        return self.weights(first, last) + warmup * self.activations(first, last, batch) + self.transient(first, last, batch)
+
+    def max_batch(self, first: int, last: int, warmup: int, budget: float) -> int:
+        """The largest micro-batch share that fits in `budget` bytes (0 when even one sample does not)."""
+        free = budget - self.weights(first, last)
+        per_sample = warmup * (self._cum_act[last] - self._cum_act[first])
+        if last > first:
+            per_sample += float((self.out_bytes[first:last] + self.in_bytes[first:last]).max())
+        if free < 0:
+            return 0
+        if per_sample <= 0:
+            return 1 << 30
+        return int(free // per_sample)

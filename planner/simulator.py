@@ -1,0 +1,382 @@
+"""The simulator: any Plan -> the timeline of one training step on every device.
+
+Each stage runs its micro-batches in the order `stage_schedule(M, K_p)` gives (the same
+function the workers follow). A device serving several stages keeps one such queue per
+stage and, whenever it is free, runs the head of the queue that became ready first (ties:
+the later stage, so the pipeline drains, then backward before forward). Split stages in
+lock-step (dp with BatchNorm, tiles) start each micro-batch when all their devices are
+free and ready.
+
+Transfers: forward activations and backward gradients between the devices holding the
+same samples in consecutive stages, input images from the data source. Every device has
+one uplink and one downlink; a transfer occupies both ends' links for latency + bytes /
+bandwidth, first come first served, and overlaps with computation. After its last
+backward a group all-reduces its gradients; when every group is done, the step commits
+(a round trip to the data source's coordinator: two message latencies) and each device
+runs the optimizer step on its stages.
+
+    timeline = simulate(plan, desc, mem, cluster)
+    timeline.step_time, timeline.throughput, timeline.peak_memory["pi-1"]
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from planner.cluster import Cluster
+from planner.memory import MemoryModel
+from planner.model_desc import ModelDesc
+from planner.plan import Plan, PlanError
+from planner.schedule import stage_schedule
+from planner.stage_work import IMAGE_BYTES_PER_VALUE, StageWork, stage_works
+from planner.units import format_bytes
+
+EPS = 1e-12
+
+
+@dataclass
+class Event:
+    device: str
+    kind: str  # F | B | update | send | input | allreduce
+    stage: int
+    micro: int | None
+    start: float
+    end: float
+    peer: str | None = None  # the receiving device of a transfer
+    nbytes: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class Overflow:
+    device: str
+    need: float
+    have: float
+    stages: list[int]
+
+    def message(self) -> str:
+        which = ", ".join(str(s) for s in self.stages)
+        return (f"stage{'s' if len(self.stages) > 1 else ''} {which} need{'s' if len(self.stages) == 1 else ''} "
+                f"{format_bytes(self.need)} on device {self.device}, which has {format_bytes(self.have)} "
+                f"({format_bytes(self.need - self.have)} short)")
+
+
+@dataclass
+class Timeline:
+    events: list[Event]
+    step_time: float
+    batch_size: int
+    peak_memory: dict[str, float]  # bytes at the busiest moment of the step
+    eq3_memory: dict[str, float]  # Asteroid eq. 3 summed over each device's stages
+    budgets: dict[str, float]
+    busy: dict[str, float]  # seconds of computation per device
+    works: list[StageWork] = field(default_factory=list, repr=False)
+
+    @property
+    def throughput(self) -> float:
+        return self.batch_size / self.step_time if self.step_time > 0 else float("inf")
+
+    def overflows(self, plan: Plan) -> list[Overflow]:
+        out = []
+        for d, need in self.peak_memory.items():
+            if need > self.budgets[d]:
+                out.append(Overflow(d, need, self.budgets[d], plan.stages_of_device(d)))
+        return sorted(out, key=lambda o: o.have - o.need)
+
+    @property
+    def fits(self) -> bool:
+        return all(self.peak_memory[d] <= self.budgets[d] for d in self.peak_memory)
+
+    def summary(self) -> dict:
+        """What a Plan records as `predicted`."""
+        return {"step_time_s": self.step_time, "throughput": self.throughput,
+                "peak_memory": {d: int(v) for d, v in self.peak_memory.items()},
+                "busy_s": {d: v for d, v in self.busy.items()}, "fits": self.fits}
+
+
+def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, validate: bool = True) -> Timeline:
+    if validate:
+        plan.validate(desc)
+    works = stage_works(plan, desc, mem, cluster)
+    return _Run(plan, desc, mem, cluster, works).run()
+
+
+class _Run:
+    """One simulated step (a discrete-event simulation)."""
+
+    def __init__(self, plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, works: list[StageWork]):
+        self.plan, self.desc, self.mem, self.cluster, self.works = plan, desc, mem, cluster, works
+        self.M = plan.microbatches
+        self.P = len(works)
+        self.heap: list = []
+        self.seq = 0
+        self.events: list[Event] = []
+        self.deps: dict = {}
+        self.ready: dict = {}
+        self.busy: dict[str, bool] = {}
+        self.waiting: dict[str, tuple | None] = {}
+        self.joined: dict = defaultdict(set)
+        self.up_free: dict[str, float] = defaultdict(float)
+        self.down_free: dict[str, float] = defaultdict(float)
+        self.queues: dict[str, list[tuple[int, deque]]] = defaultdict(list)
+        self.last_b_end: dict[int, float] = defaultdict(float)
+        self.b_left: dict[int, int] = {}
+        self.reduced_left = 0
+        self.to_dispatch: set[str] = set()
+        self.t_end = 0.0
+
+    # ---- set-up ----------------------------------------------------------------------
+    def op_devices(self, op) -> list[str]:
+        kind, p, m, dev = op
+        return list(self.works[p].devices) if dev is None else [dev]
+
+    def op_key(self, kind: str, p: int, m: int | None, dev: str):
+        return (kind, p, m, None) if (self.works[p].gang and kind in "FB") else (kind, p, m, dev)
+
+    def build(self) -> None:
+        warm = self.plan.warmups()
+        for p, w in enumerate(self.works):
+            order = stage_schedule(self.M, warm[p])
+            for d in w.devices:
+                q = deque(self.op_key(k, p, m, d) for k, m in order)
+                q.append(("U", p, None, d))
+                self.queues[d].append((p, q))
+                self.busy[d] = False
+                self.waiting[d] = None
+            self.b_left[p] = self.M * (1 if w.gang else len(w.devices))
+        self.reduced_left = len(self.works)
+        for p, w in enumerate(self.works):
+            for m in range(self.M):
+                for sh in w.shares[m]:
+                    f = self.op_key("F", p, m, sh.device)
+                    b = self.op_key("B", p, m, sh.device)
+                    self.deps.setdefault(f, 0)
+                    self.deps.setdefault(b, 0)
+                    if p > 0:
+                        self.deps[f] += sum(1 for _ in self._links(p - 1, m, sh))
+                    if p < self.P - 1:
+                        self.deps[b] += sum(1 for _ in self._links_back(p, m, sh))
+                    else:
+                        self.deps[b] = 1  # the loss: right after the same micro-batch's forward
+            for d in w.devices:
+                self.deps[("U", p, None, d)] = 1  # the commit, after every group's all-reduce
+        # images from the data source, in micro-batch order
+        src = self.cluster.data_source
+        image = self.desc.input_bytes // 4 * IMAGE_BYTES_PER_VALUE
+        for m in range(self.M):
+            for sh in self.works[0].shares[m]:
+                op = self.op_key("F", 0, m, sh.device)
+                if src is None or src == sh.device:
+                    continue
+                self.deps[op] += 1
+                self.transfer(0.0, src, sh.device, sh.samples * image * sh.frac_in, op, "input", 0, m)
+        for op, n in list(self.deps.items()):
+            if n == 0 and op[0] != "U":
+                self.set_ready(op, 0.0)
+
+    def _links(self, p: int, m: int, consumer):
+        """(producer share, bytes) feeding `consumer` of stage p + 1 from stage p."""
+        cut = self.works[p + 1].stage.first
+        per_sample = self.mem.boundary(cut)
+        for sh in self.works[p].shares[m]:
+            n = min(sh.hi, consumer.hi) - max(sh.lo, consumer.lo)
+            if n > 0:
+                yield sh, n * per_sample * sh.frac_out * consumer.frac_in
+
+    def _links_back(self, p: int, m: int, producer):
+        """(consumer share in stage p + 1, bytes of gradient) flowing back to `producer`."""
+        cut = self.works[p + 1].stage.first
+        per_sample = self.mem.boundary(cut)
+        for sh in self.works[p + 1].shares[m]:
+            n = min(sh.hi, producer.hi) - max(sh.lo, producer.lo)
+            if n > 0:
+                yield sh, n * per_sample * producer.frac_out * sh.frac_in
+
+    # ---- events ----------------------------------------------------------------------
+    def push(self, t: float, kind: str, data) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, data))
+
+    def transfer(self, t: float, a: str, b: str, nbytes: float, op, kind: str, stage: int, micro: int) -> None:
+        if a == b or nbytes <= 0:
+            self.push(t, "arrive", op)
+            return
+        start = max(t, self.up_free[a], self.down_free[b])
+        end = start + self.cluster.transfer_time(a, b, nbytes)
+        self.up_free[a] = self.down_free[b] = end
+        self.events.append(Event(a, kind, stage, micro, start, end, peer=b, nbytes=nbytes))
+        self.push(end, "arrive", op)
+
+    def set_ready(self, op, t: float) -> None:
+        self.ready[op] = t
+        self.to_dispatch.update(self.op_devices(op))
+
+    def run(self) -> Timeline:
+        self.build()
+        while self.heap or self.to_dispatch:
+            if self.to_dispatch:
+                t = self.now
+                for d in sorted(self.to_dispatch, key=self.cluster.index):
+                    self.dispatch(d, t)
+                self.to_dispatch.clear()
+                continue
+            t = self.heap[0][0]
+            self.now = t
+            while self.heap and self.heap[0][0] <= t + EPS:
+                _, _, kind, data = heapq.heappop(self.heap)
+                getattr(self, f"on_{kind}")(data, t)
+        self.check_finished()
+        return self.timeline()
+
+    now = 0.0
+
+    def on_arrive(self, op, t: float) -> None:
+        self.deps[op] -= 1
+        if self.deps[op] == 0:
+            self.set_ready(op, t)
+
+    def on_done(self, op, t: float) -> None:
+        kind, p, m, dev = op
+        self.t_end = max(self.t_end, t)
+        for d in self.op_devices(op):
+            self.busy[d] = False
+            self.to_dispatch.add(d)
+        if kind == "U":
+            return
+        w = self.works[p]
+        shares = [s for s in w.shares[m] if dev is None or s.device == dev]
+        if kind == "F" and p == self.P - 1:
+            self.on_arrive(self.op_key("B", p, m, dev), t)
+        if kind == "F" and p < self.P - 1:
+            nxt = self.works[p + 1]
+            for cons in nxt.shares[m]:
+                for prod, nbytes in self._links(p, m, cons):
+                    if prod in shares:
+                        self.transfer(t, prod.device, cons.device, nbytes, self.op_key("F", p + 1, m, cons.device),
+                                      "send", p, m)
+        if kind == "B":
+            if p > 0:
+                prev = self.works[p - 1]
+                for prod in prev.shares[m]:
+                    for cons, nbytes in self._links_back(p - 1, m, prod):
+                        if cons in shares:
+                            self.transfer(t, cons.device, prod.device, nbytes,
+                                          self.op_key("B", p - 1, m, prod.device), "send", p, m)
+            self.b_left[p] -= 1
+            self.last_b_end[p] = max(self.last_b_end[p], t)
+            if self.b_left[p] == 0:
+                end = t + w.allreduce
+                if w.allreduce > 0:
+                    for d in w.devices:
+                        self.events.append(Event(d, "allreduce", p, None, t, end))
+                self.push(end, "reduced", p)
+
+    def on_reduced(self, p: int, t: float) -> None:
+        self.t_end = max(self.t_end, t)
+        self.reduced_left -= 1
+        if self.reduced_left == 0:
+            self.push(t + 2 * self.cluster.latency, "commit", None)
+
+    def on_commit(self, _, t: float) -> None:
+        self.t_end = max(self.t_end, t)
+        for p, w in enumerate(self.works):
+            for d in w.devices:
+                self.on_arrive(("U", p, None, d), t)
+
+    def dispatch(self, d: str, t: float) -> None:
+        if self.busy[d] or self.waiting[d] is not None:
+            return
+        best = None
+        for p, q in self.queues[d]:
+            if q and q[0] in self.ready:
+                op = q[0]
+                rank = (self.ready[op], -p, 0 if op[0] == "B" else 1)
+                if best is None or rank < best[0]:
+                    best = (rank, p, q)
+        if best is None:
+            return
+        _, p, q = best
+        op = q.popleft()
+        if op[3] is None:  # a gang: wait for the whole group
+            self.waiting[d] = op
+            self.joined[op].add(d)
+            if len(self.joined[op]) == len(self.works[p].devices):
+                for g in self.works[p].devices:
+                    self.waiting[g] = None
+                self.start(op, t)
+        else:
+            self.start(op, t)
+
+    def start(self, op, t: float) -> None:
+        kind, p, m, dev = op
+        w = self.works[p]
+        for d in self.op_devices(op):
+            self.busy[d] = True
+            if kind == "U":
+                dur = w.update[d]
+            else:
+                dur = (w.fwd if kind == "F" else w.bwd)[m].get(d, 0.0)
+            self.events.append(Event(d, kind if kind != "U" else "update", p, m, t, t + dur))
+            end = t + dur
+        self.push(end, "done", op)
+
+    def check_finished(self) -> None:
+        left = {d: [q[0] for _, q in qs if q] for d, qs in self.queues.items()}
+        stuck = {d: ops for d, ops in left.items() if ops}
+        if stuck:
+            d, ops = next(iter(stuck.items()))
+            kind, p, m, _ = ops[0]
+            raise PlanError(f"the schedule cannot finish: device {d} waits forever for {kind}{m} of stage {p} "
+                            "(a device serving several stages in an order that deadlocks)")
+
+    # ---- results ---------------------------------------------------------------------
+    def timeline(self) -> Timeline:
+        peak, eq3, busy = self.memory(), self.eq3(), defaultdict(float)
+        for e in self.events:
+            if e.kind in ("F", "B", "update"):
+                busy[e.device] += e.end - e.start
+        step = max([self.t_end] + [e.end for e in self.events])
+        budgets = {d: self.cluster.device(d).memory for d in peak}
+        self.events.sort(key=lambda e: (e.start, e.device))
+        return Timeline(self.events, step, self.plan.batch_size, peak, eq3, budgets, dict(busy), self.works)
+
+    def memory(self) -> dict[str, float]:
+        """Peak bytes per device: weights of all its stages, activations live between each
+        micro-batch's forward and backward, and the backward's transient buffers."""
+        static = defaultdict(float)
+        for w in self.works:
+            for d, b in w.weights.items():
+                static[d] += b
+        changes = defaultdict(list)
+        for e in self.events:
+            if e.kind not in ("F", "B"):
+                continue
+            w = self.works[e.stage]
+            act = w.act[e.micro].get(e.device, 0.0)
+            if e.kind == "F":
+                changes[e.device].append((e.start, 1, act, 0.0))
+            else:
+                changes[e.device].append((e.start, 0, 0.0, w.transient[e.micro].get(e.device, 0.0)))
+                changes[e.device].append((e.end, -1, -act, 0.0))
+        peak = {}
+        for d in static:
+            live = top = 0.0
+            for _, _, delta, transient in sorted(changes[d], key=lambda c: (c[0], c[1])):
+                live += delta
+                top = max(top, live + transient)
+            peak[d] = static[d] + top
+        return peak
+
+    def eq3(self) -> dict[str, float]:
+        warm = self.plan.warmups()
+        out = defaultdict(float)
+        for p, w in enumerate(self.works):
+            k = min(warm[p], self.M)
+            for d in w.devices:
+                act = max(a.get(d, 0.0) for a in w.act)
+                tr = max(x.get(d, 0.0) for x in w.transient)
+                out[d] += w.weights[d] + k * act + tr
+        return dict(out)

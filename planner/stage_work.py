@@ -1,0 +1,178 @@
+"""What one stage of a plan asks of each of its devices: samples, seconds, bytes.
+
+The simulator turns these into a timeline; the planners use the same numbers, so a
+planner's estimate and the simulator's prediction come from one cost model.
+
+- single: one device, the whole micro-batch.
+- dp: the micro-batch's samples are dealt out in the order of the stage's `devices` (the
+  first gets samples [0, y_a) by its `allocation`, the next the following y_b, ...). With BatchNorm the group
+  exchanges per-channel sums at every BN layer, forward and backward, so its devices move
+  in step: the stage is a gang whose duration is, per BN segment, the slowest device.
+- tiles: every device works on its tiles of every sample (see planner/tiles_work.py).
+After the last backward, groups of two or more all-reduce their weight gradients (ring,
+Asteroid eq. 5), then every device applies the optimizer to the stage's layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.cluster import Cluster
+from planner.memory import MemoryModel
+from planner.model_desc import ModelDesc
+from planner.plan import Plan, PlanError, Stage
+
+IMAGE_BYTES_PER_VALUE = 1  # samples travel as uint8 images
+
+
+def microbatch_sizes(batch: int, microbatches: int) -> list[int]:
+    """Sizes of the micro-batches of a mini-batch: consecutive ranges differing by at most one
+    (the trainer's split)."""
+    base, extra = divmod(batch, microbatches)
+    return [base + (1 if m < extra else 0) for m in range(microbatches)]
+
+
+def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
+    """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus 2(g-1) message latencies."""
+    g = len(group)
+    if g < 2 or nbytes <= 0:
+        return 0.0
+    return 2 * (g - 1) * cluster.latency + 2 * (g - 1) / g * nbytes / cluster.min_bw(group)
+
+
+def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
+    """Every member sends its `nbytes` straight to every other one."""
+    g = len(group)
+    if g < 2:
+        return 0.0
+    return cluster.latency + (g - 1) * nbytes / cluster.min_bw(group)
+
+
+def bn_sync_time(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:
+    """Per micro-batch and direction: the BatchNorm statistics a split stage gathers at every
+    BN layer (a count and two float64 values per channel from each member)."""
+    if len(group) < 2:
+        return 0.0
+    return sum(allgather_time(8 + 16 * layer.out_shape[0], group, cluster)
+               for layer in desc.layers[first:last] if layer.batch_normalize)
+
+
+@dataclass
+class Share:
+    """One device's part of one micro-batch in a stage."""
+
+    device: str
+    lo: int  # samples [lo, hi) of the micro-batch
+    hi: int
+    frac_in: float = 1.0  # share of each sample's input map it needs (tiles: its tiles plus halo)
+    frac_out: float = 1.0  # share of each sample's output map it produces
+
+    @property
+    def samples(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass
+class StageWork:
+    index: int
+    stage: Stage
+    gang: bool  # devices start and end each micro-batch together
+    shares: list[list[Share]]  # per micro-batch
+    fwd: list[dict[str, float]]  # per micro-batch: device -> seconds
+    bwd: list[dict[str, float]]
+    act: list[dict[str, float]]  # bytes held from a micro-batch's forward to its backward
+    transient: list[dict[str, float]]  # extra bytes during its backward
+    weights: dict[str, float]  # parameters, gradients, optimizer state
+    allreduce: float  # seconds, once per mini-batch
+    update: dict[str, float]  # optimizer step, once per mini-batch
+    sync_fwd: float = 0.0  # seconds of the fwd/bwd times spent in group syncs (for pictures)
+    sync_bwd: float = 0.0
+    detail: dict = field(default_factory=dict)  # mode-specific facts (tiles: grid, halo bytes)
+
+    @property
+    def devices(self) -> list[str]:
+        return self.stage.devices
+
+
+def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster) -> list[StageWork]:
+    sizes = microbatch_sizes(plan.batch_size, plan.microbatches)
+    for s in plan.stages:
+        for d in s.devices:
+            cluster.index(d)  # raises a clear error for a device the cluster lacks
+    last_stage = len(plan.stages) - 1
+    works = []
+    for p, stage in enumerate(plan.stages):
+        if stage.mode == "tiles":
+            from planner.tiles_work import tiles_stage_work
+
+            works.append(tiles_stage_work(p, stage, plan, desc, mem, cluster, sizes, p == last_stage))
+        else:
+            works.append(_split_stage_work(p, stage, desc, mem, cluster, sizes, p == last_stage))
+    return works
+
+
+def _split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cluster: Cluster,
+                      sizes: list[int], is_last: bool) -> StageWork:
+    first, last = stage.first, stage.last
+    if stage.mode == "single":
+        alloc = None
+    else:
+        alloc = dict(stage.allocation or {})
+        if any(sizes[0] != s for s in sizes):
+            raise PlanError(f"stage {p}: a dp stage needs micro-batches of one size, got {sizes}")
+    group = list(stage.devices)
+    bn_layers = [i for i in range(first, last) if desc.layers[i].batch_normalize]
+    gang = alloc is not None and len(group) > 1 and bool(bn_layers)
+    sync = bn_sync_time(desc, first, last, group, cluster) if len(group) > 1 else 0.0
+    shares, fwd, bwd, act, trans = [], [], [], [], []
+    for size in sizes:
+        if alloc is None:
+            sh = [Share(group[0], 0, size)]
+        else:
+            sh, lo = [], 0
+            for d in group:
+                sh.append(Share(d, lo, lo + alloc[d]))
+                lo += alloc[d]
+        f, b = {}, {}
+        for s in sh:
+            costs = cluster.device(s.device).costs
+            f[s.device] = costs.fwd_range(first, last, s.samples)
+            b[s.device] = costs.bwd_range(first, last, s.samples)
+            if is_last and s.samples:
+                lf, lb = costs.loss_time(s.samples)
+                f[s.device] += lf
+                b[s.device] += lb
+        if gang:
+            f = _gang_time(sh, cluster, first, last, bn_layers, "fwd", is_last) + sync
+            b = _gang_time(sh, cluster, first, last, bn_layers, "bwd", is_last) + sync
+            f, b = {d: f for d in group}, {d: b for d in group}
+        shares.append(sh)
+        fwd.append(f)
+        bwd.append(b)
+        act.append({s.device: mem.activations(first, last, s.samples) for s in sh})
+        trans.append({s.device: mem.transient(first, last, s.samples) for s in sh})
+    weights = {d: mem.weights(first, last) for d in group}
+    reduce_bytes = float(mem.param_bytes[first:last].sum())
+    allreduce = ring_allreduce_time(reduce_bytes, group, cluster) if len(group) > 1 else 0.0
+    update = {d: cluster.device(d).costs.update_range(first, last) for d in group}
+    return StageWork(p, stage, gang, shares, fwd, bwd, act, trans, weights, allreduce, update,
+                     sync if gang else 0.0, sync if gang else 0.0)
+
+
+def _gang_time(shares: list[Share], cluster: Cluster, first: int, last: int, bn_layers: list[int],
+               kind: str, is_last: bool) -> float:
+    """A lock-step group's time: per segment between BN syncs, its slowest device."""
+    cuts = [first] + [i + 1 for i in bn_layers if i + 1 < last] + [last]
+    total = 0.0
+    for a, b in zip(cuts, cuts[1:]):
+        if b <= a:
+            continue
+        slowest = 0.0
+        for s in shares:
+            costs = cluster.device(s.device).costs
+            t = costs.fwd_range(a, b, s.samples) if kind == "fwd" else costs.bwd_range(a, b, s.samples)
+            if is_last and b == last and s.samples:
+                lf, lb = costs.loss_time(s.samples)
+                t += lf if kind == "fwd" else lb
+            slowest = max(slowest, t)
+        total += slowest
+    return total

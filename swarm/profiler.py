@@ -1,0 +1,318 @@
+"""Measuring this device for the planner: per-layer forward, backward and update time at several
+batch sizes, the bytes autograd keeps per layer, and the time and peak memory of whole
+local steps — cached per (device fingerprint, model, image size) in the state directory.
+
+    profile, cached = load_or_profile("yolov2-16", 128, state_dir=default_state_dir())
+    profile.costs.fwd_range(0, 17, 4)    # planner.profile.DeviceProfile, plain data
+
+Pairwise bandwidth needs the live swarm: measured rates go to
+planner.cluster.bandwidth_matrix({(a, b): bytes_per_s}) to build a Cluster.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from planner.costs import CostTable
+from planner.profile import DeviceProfile, ProfileError
+from swarm.device import cpu_quota, usable_cores, usable_memory
+from swarm.errors import SwarmError
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
+DEFAULT_REPEATS = 3
+OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats per parameter
+
+
+def default_state_dir() -> Path:
+    """Where swarm keeps its state: $SWARM_STATE_DIR, /var/lib/swarm as root, else the XDG
+    data directory (~/.local/share/swarm)."""
+    if os.environ.get("SWARM_STATE_DIR"):
+        return Path(os.environ["SWARM_STATE_DIR"])
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/var/lib/swarm")
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "swarm"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "processor\t: arm")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_facts(threads: int) -> dict:
+    """What decides this device's speed, and a fingerprint of it (cached profiles are per
+    fingerprint: other CPU, quota, thread count or torch means profiling again)."""
+    facts = {"cpu": _cpu_name(), "machine": platform.machine(), "cores": usable_cores(), "cpu_quota": cpu_quota(),
+             "threads": threads, "torch": torch.__version__}
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+    facts.update(fingerprint=digest, memory=usable_memory(), name=platform.node())
+    return facts
+
+
+def cache_path(state_dir: Path, fingerprint: str, model: str, img_size: int, classes: int | None, cfg_text: str) -> Path:
+    cfg = hashlib.sha256(cfg_text.encode()).hexdigest()[:8]
+    return Path(state_dir) / "profiles" / fingerprint / f"{model}-{img_size}-c{classes}-{cfg}.json"
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _PeakRSS:
+    """Samples this process's resident memory in a thread; `peak` is the largest seen."""
+
+    def __init__(self, interval: float = 0.001):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.interval = interval
+        self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Every layer's output (and the image as -1) for one batch, without autograd."""
+    with torch.no_grad():
+        outs = {-1: images.float().div(255.0)}
+        for i, layer in enumerate(desc.layers):
+            outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in layer.inputs}, keys=list(range(len(images)))))
+    return outs
+
+
+def _time_layers(net, desc, outs, batch: int, repeats: int) -> tuple[list[float], list[float], list[float]]:
+    """(forward, backward, saved bytes per sample) of every layer at this batch size."""
+    fwd, bwd, saved = [], [], []
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    keys = list(range(batch))
+    for i, layer in enumerate(desc.layers):
+        def make_inputs():
+            return {s: outs[s].detach().requires_grad_(s >= 0) for s in layer.inputs}
+
+        def forward():
+            return net.forward_range(i, i + 1, make_inputs(), keys)[i]
+
+        forward()  # warm-up
+        fwd.append(_median_time(forward, repeats))
+        grad = torch.ones_like(outs[i])
+        times = []
+        for _ in range(repeats + 1):
+            y = forward()
+            t0 = time.perf_counter()
+            torch.autograd.backward(y, grad)
+            times.append(time.perf_counter() - t0)
+            net.zero_grad(set_to_none=True)
+        bwd.append(statistics.median(times[1:]))
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            key = t.untyped_storage().data_ptr()
+            if key not in params and key not in seen:
+                seen[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+        saved.append(sum(seen.values()) / batch)
+    return fwd, bwd, saved
+
+
+def _time_updates(net, desc, repeats: int, optimizer: str) -> list[float]:
+    from swarm.trainer import TrainConfig, make_optimizer
+
+    out = []
+    for i in range(len(desc.layers)):
+        named = [(n, p) for n, p in net.layers[i].named_parameters()]
+        if not named:
+            out.append(0.0)
+            continue
+        opt = make_optimizer(named, TrainConfig(optimizer=optimizer))
+        for _, p in named:
+            p.grad = torch.randn_like(p) * 1e-6
+        with torch.no_grad():
+            before = [p.detach().clone() for _, p in named]
+            opt.step()  # creates the momentum buffers
+            out.append(_median_time(opt.step, repeats))
+            for (_, p), b in zip(named, before):
+                p.copy_(b)
+        for _, p in named:
+            p.grad = None
+    return out
+
+
+def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes: int | None = None,
+                  batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS, threads: int | None = None,
+                  cfg_text: str | None = None, optimizer: str = "sgd", log=None) -> DeviceProfile:
+    """Measure this device running `model` (uses the built-in synthetic data for inputs)."""
+    import psutil
+
+    from swarm.data import make_batch, open_datasets
+    from swarm.zoo import BUILTIN, build_model, describe_model
+    from swarm.zoo.loss import make_loss
+
+    batch_sizes = tuple(sorted(set(int(b) for b in batch_sizes)))
+    if not batch_sizes or batch_sizes[0] < 1:
+        raise SwarmError(f"batch sizes to profile must be positive, got {batch_sizes}")
+    if repeats < 1:
+        raise SwarmError(f"--repeats must be at least 1, got {repeats}")
+    threads = threads or usable_cores()
+    torch.set_num_threads(threads)
+    desc0 = describe_model(model, img_size, None, cfg_text)
+    data, _ = open_datasets(None, desc0.img_size, desc0.in_channels)
+    if classes is None and model in BUILTIN and desc0.loss == "region":
+        classes = data.num_classes
+    net, desc, text = build_model(model, desc0.img_size, classes, seed=0, cfg_text=cfg_text)
+    net.train()
+    loss_fn = make_loss(desc)
+    say = log or (lambda _msg: None)
+    fwd, bwd, loss_f, loss_b, step_time, peak = [], [], [], [], {}, {}
+    saved: list[float] = []
+    from swarm.data import class_targets
+    from swarm.trainer import TrainConfig, make_optimizer
+
+    opt = make_optimizer(net.named_parameters(), TrainConfig(optimizer=optimizer))
+    runtime = None
+    for b in batch_sizes:
+        say(f"batch {b}: whole steps")
+        images, targets = make_batch(data, np.arange(b) % len(data))
+        x = torch.from_numpy(images)
+        tgt = torch.from_numpy(targets if desc.loss == "region" else class_targets(targets))
+
+        def step():
+            out = net(x, list(range(b)))
+            loss_fn(out, tgt, b).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        if runtime is None:
+            # The idle process: torch initialised by a first step, minus what the model
+            # keeps between steps (weights and optimizer state; gradients are freed).
+            step()
+            gc.collect()
+            resident = sum(OPTIMIZER_COPIES[optimizer] * p.numel() * p.element_size() for p in net.parameters())
+            runtime = psutil.Process().memory_info().rss - resident
+        gc.collect()
+        with _PeakRSS() as rss:
+            step()
+        peak[b] = float(rss.peak - runtime)
+        step_time[b] = _median_time(step, repeats)
+        say(f"batch {b}: layers")
+        outs = _layer_inputs(net, desc, x)
+        f, bk, s = _time_layers(net, desc, outs, b, repeats)
+        fwd.append(f)
+        bwd.append(bk)
+        saved = s
+        final = outs[len(desc.layers) - 1].detach().requires_grad_(True)
+
+        def loss_forward():
+            return loss_fn(final, tgt, b)
+
+        loss_forward()
+        loss_f.append(_median_time(loss_forward, repeats))
+        times = []
+        for _ in range(repeats):
+            value = loss_forward()
+            t0 = time.perf_counter()
+            value.backward()
+            times.append(time.perf_counter() - t0)
+        loss_b.append(statistics.median(times))
+        del outs, final
+    say("optimizer updates")
+    update = _time_updates(net, desc, repeats, optimizer)
+    facts = device_facts(threads)
+    costs = CostTable(batch_sizes, np.array(fwd).T, np.array(bwd).T, update, loss_f, loss_b,
+                      f"measured on {facts['name']} ({threads} thread{'s' if threads > 1 else ''})")
+    return DeviceProfile(model=desc.name, img_size=desc.img_size, costs=costs, act_bytes=saved, device=facts,
+                         classes=classes, step_time=step_time, peak_bytes=peak, runtime_bytes=float(runtime),
+                         repeats=repeats, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+# ---- the cache ---------------------------------------------------------------------------
+
+def read_profile(path: Path) -> DeviceProfile:
+    try:
+        return DeviceProfile.from_dict(json.loads(Path(path).read_text()))
+    except OSError as exc:
+        raise SwarmError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SwarmError(f"profile {path} is not valid JSON: {exc}") from None
+    except ProfileError as exc:
+        raise SwarmError(f"{path}: {exc}") from None
+
+
+def write_profile(profile: DeviceProfile, path: Path) -> None:
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise SwarmError(f"cannot write profile {path}: {exc.strerror or exc}; choose another --state-dir") from None
+
+
+def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, classes: int | None = None,
+                    state_dir: Path | None = None, batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS,
+                    threads: int | None = None, cfg_text: str | None = None, refresh: bool = False,
+                    log=None) -> tuple[DeviceProfile, bool, Path]:
+    """The cached profile of this device for the model, or a fresh one (then cached).
+    Returns (profile, came from the cache, its path)."""
+    from swarm.data import open_datasets
+    from swarm.zoo import BUILTIN, describe_model, model_source
+
+    if cfg_text is None:
+        name, cfg_text, _ = model_source(model)
+    else:
+        name = model
+    desc = describe_model(model, img_size, None, cfg_text)
+    if classes is None and model in BUILTIN and desc.loss == "region":
+        classes = open_datasets(None, desc.img_size, desc.in_channels)[0].num_classes
+    threads = threads or usable_cores()
+    facts = device_facts(threads)
+    path = cache_path(Path(state_dir or default_state_dir()), facts["fingerprint"], desc.name, desc.img_size,
+                      classes, cfg_text)
+    if path.exists() and not refresh:
+        try:
+            return read_profile(path), True, path
+        except SwarmError:
+            pass  # a stale or broken cache entry: measure again
+    profile = profile_model(model, desc.img_size, classes, batch_sizes, repeats, threads, cfg_text, log=log)
+    write_profile(profile, path)
+    return profile, False, path
