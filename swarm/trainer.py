@@ -123,6 +123,14 @@ class LocalTrainer:
             return torch.from_numpy(targets)
         return torch.from_numpy(class_targets(targets))
 
+    def forward_backward(self, images: np.ndarray, targets: np.ndarray, keys: list[int], batch_total: int) -> float:
+        """Forward and backward of one micro-batch, accumulating gradients; returns its loss
+        (already divided by the mini-batch size). Other execution modes override this."""
+        out = self.net(torch.from_numpy(images), keys)
+        loss = self.loss_fn(out, self.targets_for_loss(targets), batch_total)
+        loss.backward()
+        return float(loss.detach())
+
     def step(self, images: np.ndarray, targets: np.ndarray) -> float:
         """One optimizer step on a mini-batch; returns the mini-batch loss."""
         cfg = self.cfg
@@ -130,10 +138,7 @@ class LocalTrainer:
         total = 0.0
         keys = sample_keys(self.step_count, range(bsz))
         for lo, hi in microbatch_bounds(bsz, cfg.microbatches):
-            out = self.net(torch.from_numpy(images[lo:hi]), keys[lo:hi])
-            loss = self.loss_fn(out, self.targets_for_loss(targets[lo:hi]), bsz)
-            loss.backward()
-            total += float(loss.detach())
+            total += self.forward_backward(images[lo:hi], targets[lo:hi], keys[lo:hi], bsz)
         if not math.isfinite(total):
             raise SwarmError(f"the loss became {total} at step {self.step_count + 1}; "
                              f"try a smaller --lr (now {cfg.resolved_lr()}) or a longer --warmup")
@@ -186,15 +191,18 @@ def prepare(cfg: TrainConfig, cfg_text: str | None = None):
 
 
 def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = None, metrics: str | None = None,
-          threads: int | None = None, evaluate_at_end: bool = True, save_every: int = 0, log=print) -> dict:
-    """Train locally; returns a summary dict (steps, losses, metric, checkpoint path)."""
+          threads: int | None = None, evaluate_at_end: bool = True, save_every: int = 0, log=print,
+          make_trainer=LocalTrainer) -> dict:
+    """Train in this process; returns a summary dict (steps, losses, metric, checkpoint path).
+    `make_trainer(cfg, cfg_text, state)` builds the trainer (LocalTrainer, or one that runs
+    each micro-batch another way, such as tiled)."""
     from swarm.evaluate import evaluate
 
     n_threads = set_threads(threads)
     cfg_text = state.get("cfg") if state else None
     cfg, train_set, heldout = prepare(cfg, cfg_text)
     total_steps = resolve_steps(cfg, len(train_set))
-    trainer = LocalTrainer(cfg, cfg_text, state)
+    trainer = make_trainer(cfg, cfg_text, state)
     check_classes(trainer.desc, cfg, train_set)
     skipped = getattr(train_set, "skipped", [])
     if skipped:

@@ -131,7 +131,10 @@ class TileWorker:
         [0, 1] as the untiled net does). Returns the output on the tile's owned rect."""
         lay, t = self.layout, self.regions
         if x.dtype == torch.uint8:
-            x = x.float().div_(255.0)
+            x = x.float().div_(255.0)  # as the untiled net does
+        first = self.parts[lay.first]
+        if first.conv is not None and x.dtype != first.conv.weight.dtype:
+            x = x.to(first.conv.weight.dtype)
         if tuple(x.shape[2:]) != t.input_rect.shape:
             raise TilingError(f"tile {self.tile} needs its input on {t.input_rect.shape}, got {tuple(x.shape[2:])}")
         state = MicroBatchState(x.shape[0])
@@ -170,7 +173,7 @@ class TileWorker:
         if p.bn is not None:
             count = state.batch * g.rows.size_out * g.cols.size_out
             total = yield ChannelSums(mb, "forward", l, ops.forward_sums(ops.crop(z, out_rect, t.own[l + 1])))
-            mean, var, invstd = ops.batch_stats(total, count, p.bn.eps)
+            mean, var, invstd = ops.batch_stats(total, count, p.bn.eps, z.dtype)
             if self.keeps_running_stats:
                 with torch.no_grad():
                     ops.update_running_stats(p.bn, mean, var, count)
@@ -235,8 +238,8 @@ class TileWorker:
         du = ops.activation_backward(p.act, saved.z * alpha + beta, dy)
         local = ops.backward_sums(ops.crop(du, rect, own), ops.crop(xhat, rect, own))
         if p.bn.affine:
-            self._accumulate(p.bn.weight, local[1].float())
-            self._accumulate(p.bn.bias, local[0].float())
+            self._accumulate(p.bn.weight, local[1].to(du.dtype))
+            self._accumulate(p.bn.bias, local[0].to(du.dtype))
         count = state.batch * g.rows.size_out * g.cols.size_out
         total = yield ChannelSums(mb, "backward", g.index, local)
         return ops.bn_input_grad(du, xhat, total, count, saved.invstd, p.bn.weight if p.bn.affine else None)

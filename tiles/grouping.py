@@ -20,6 +20,17 @@ from dataclasses import dataclass
 from tiles.regions import TilingError
 
 
+def parse_grid(text: str) -> tuple[int, int]:
+    """'RxC' (rows x columns), e.g. '2x3' -> (2, 3)."""
+    parts = text.lower().replace("*", "x").split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise TilingError(f"--grid takes ROWSxCOLS such as 2x2 or 2x3, got '{text}'")
+    rows, cols = (int(p) for p in parts)
+    if rows < 1 or cols < 1:
+        raise TilingError(f"--grid needs at least one row and one column, got '{text}'")
+    return rows, cols
+
+
 @dataclass(frozen=True)
 class Grouping:
     first: int

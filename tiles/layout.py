@@ -35,8 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from planner.model_desc import ModelDesc
 from tiles.grouping import Grouping
-from tiles.regions import EMPTY_RECT, LayerGeometry, Padding, Rect, TilingError, cut_spans, even_cuts
+from tiles.regions import (EMPTY_RECT, WINDOW_KINDS, LayerGeometry, Padding, Rect, TilingError, cut_spans,
+                           even_cuts)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,19 @@ class StageLayout:
                           for k, t in enumerate(self.tiles)],
                 "forward_transfers": transfers(self.forward_transfers),
                 "backward_transfers": transfers(self.backward_transfers)}
+
+
+def tileable_prefix(desc: ModelDesc) -> int:
+    """The end (exclusive) of the longest run of layers from 0 that one tiles stage can take:
+    window layers each reading the one before, whose maps nothing after the stage reads
+    except its output. 0 when the first layer cannot be tiled."""
+    best = 0
+    for i, d in enumerate(desc.layers):
+        if d.kind not in WINDOW_KINDS or d.kernel <= 0 or d.inputs != (i - 1,):
+            break
+        if set(desc.live_after(i + 1)) <= {i}:
+            best = i + 1
+    return best
 
 
 def check_chain(layers: list[LayerGeometry]) -> None:

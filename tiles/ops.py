@@ -40,15 +40,15 @@ def forward_sums(z_own: torch.Tensor) -> torch.Tensor:
     n = z_own.shape[0] * z_own.shape[2] * z_own.shape[3]
     var, mean = torch.var_mean(z_own, dim=(0, 2, 3), correction=0)
     mean, var = mean.double(), var.double()
-    return torch.stack([mean * n, var * n + mean * mean * n])
+    return torch.stack([mean * n, var * n + mean * mean * n])  # (2, C)
 
 
-def batch_stats(sums: torch.Tensor, count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean, biased var, 1/sqrt(var + eps)) as float32 (C,) from global sums."""
+def batch_stats(sums: torch.Tensor, count: int, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean, biased var, 1/sqrt(var + eps)), each (C,) in `dtype`, from global sums."""
     mean = sums[0] / count
     var = (sums[1] / count - mean * mean).clamp(min=0.0)
     invstd = 1.0 / torch.sqrt(var + eps)
-    return mean.float(), var.float(), invstd.float()
+    return mean.to(dtype), var.to(dtype), invstd.to(dtype)
 
 
 def update_running_stats(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
@@ -79,8 +79,8 @@ def backward_sums(du_own: torch.Tensor, xhat_own: torch.Tensor) -> torch.Tensor:
 def bn_input_grad(du: torch.Tensor, xhat: torch.Tensor, sums: torch.Tensor, count: int, invstd: torch.Tensor,
                   gamma: torch.Tensor | None) -> torch.Tensor:
     """dL/dz = gamma * invstd * (du - mean(du) - xhat * mean(du * xhat)), means over the whole map."""
-    mean_du = (sums[0] / count).float().view(1, -1, 1, 1)
-    mean_dux = (sums[1] / count).float().view(1, -1, 1, 1)
+    mean_du = (sums[0] / count).to(du.dtype).view(1, -1, 1, 1)
+    mean_dux = (sums[1] / count).to(du.dtype).view(1, -1, 1, 1)
     scale = invstd if gamma is None else invstd * gamma.detach()
     return (du - mean_du - xhat * mean_dux) * scale.view(1, -1, 1, 1)
 

@@ -10,7 +10,7 @@ from swarm.cli import non_negative_float, non_negative_int, positive_float, posi
 from swarm.errors import SwarmError
 from swarm.progress import format_seconds
 
-STRATEGIES = ("local",)
+STRATEGIES = ("local", "tiles")
 
 
 def add_parser(sub) -> None:
@@ -23,6 +23,11 @@ def add_parser(sub) -> None:
     p.add_argument("--data", help="a YOLO-format folder (images/, labels/); default: built-in synthetic shapes")
     p.add_argument("--classes", type=positive_int, help="number of classes for a built-in model (default: the data's)")
     p.add_argument("--strategy", choices=STRATEGIES, default="local", help="how to split the work (default: local)")
+    p.add_argument("--grid", metavar="RxC", help="tiles: split each feature map into R rows x C columns of tiles")
+    p.add_argument("--sync", metavar="LAYERS", help="tiles: layers where tiles exchange halos going forward, e.g. "
+                   "0,4,8 (groups 0-3, 4-7, 8-...); 'all' (default: every layer) or 'none' (one fused group)")
+    p.add_argument("--in-process", action="store_true", help="tiles: run every tile in this process, one after "
+                   "another")
     p.add_argument("--batch-size", type=positive_int, help="samples per optimizer step (default: 16)")
     p.add_argument("--microbatches", type=positive_int, help="micro-batches per step (default: 1)")
     p.add_argument("--steps", type=positive_int, help="total optimizer steps (default: 300)")
@@ -73,14 +78,36 @@ def training_config(args: argparse.Namespace):
     return cfg, state
 
 
+def trainer_for(args: argparse.Namespace, log):
+    """make_trainer for the chosen --strategy (the local trainer, or in-process tiles)."""
+    from swarm.trainer import LocalTrainer
+
+    tiles_flags = [flag for flag, given in (("--grid", args.grid), ("--sync", args.sync),
+                                            ("--in-process", args.in_process)) if given]
+    if args.strategy != "tiles":
+        if tiles_flags:
+            raise SwarmError(f"{' and '.join(tiles_flags)} apply to --strategy tiles only")
+        return LocalTrainer
+    if not args.grid:
+        raise SwarmError("--strategy tiles needs --grid ROWSxCOLS, e.g. --grid 2x2")
+    if not args.in_process:
+        raise SwarmError("--strategy tiles runs its tiles on other devices, which this version cannot drive yet; "
+                         "add --in-process to run all the tiles in this process")
+    from swarm.tiled_trainer import tiled_trainer_factory
+
+    return tiled_trainer_factory(args.grid, args.sync, log)
+
+
 def run(args: argparse.Namespace) -> int:
     from swarm.trainer import train
 
     cfg, state = training_config(args)
     save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    make_trainer = trainer_for(args, log)
     summary = train(cfg, state=state, save=save, metrics=args.metrics, threads=args.threads,
-                    evaluate_at_end=not args.no_eval, save_every=args.save_every, log=log)
+                    evaluate_at_end=not args.no_eval, save_every=args.save_every, log=log,
+                    make_trainer=make_trainer)
     first, last = summary["first_loss"], summary["last_loss"]
     parts = [f"trained {cfg.model} for {summary['steps']} steps"]
     if first is not None:

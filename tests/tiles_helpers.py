@@ -1,0 +1,46 @@
+"""Shared helpers of the tiles tests: float64 training through the real trainers, and tensor comparison."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from swarm.data import make_batch, open_datasets, step_indices
+from swarm.tiled_trainer import TiledTrainer
+from swarm.trainer import LocalTrainer, TrainConfig, make_optimizer
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def worst_state_diff(a: dict, b: dict) -> tuple[float, str]:
+    """Largest relative L2 difference over the floating tensors; integer buffers must be equal."""
+    assert set(a) == set(b)
+    worst = (0.0, "")
+    for k in a:
+        if a[k].is_floating_point():
+            worst = max(worst, (rel_diff(a[k], b[k]), k))
+        else:
+            assert torch.equal(a[k], b[k]), k
+    return worst
+
+
+def train_float64(cfg: TrainConfig, steps: int, grid=None, sync: str = "all") -> dict:
+    """`steps` optimizer steps of LocalTrainer (grid None) or TiledTrainer in float64, with the
+    trainers' own step(): data order, micro-batches, loss, optimizer and lr schedule.
+
+    float64 because float32 training of these BN networks is itself only reproducible to
+    ~1e-3 in some tensors under any reordering of sums (even another thread count)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the loss makes its target tensors in the default dtype
+    try:
+        trainer = LocalTrainer(cfg) if grid is None else TiledTrainer(cfg, grid=grid, sync=sync)
+        trainer.net.double()
+        trainer.optimizer = make_optimizer(trainer.net.named_parameters(), cfg)
+        train_set, _ = open_datasets(cfg.data, trainer.desc.img_size, trainer.desc.in_channels)
+        for step in range(steps):
+            images, targets = make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed))
+            trainer.step(images.astype(np.float64) / 255.0, targets.astype(np.float64))
+        return {k: v.clone() for k, v in trainer.net.state_dict().items()}
+    finally:
+        torch.set_default_dtype(old)
