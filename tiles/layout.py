@@ -179,12 +179,11 @@ def owned_cuts(layers: list[LayerGeometry], parts: int, axis: str, top_cuts: lis
     for g in reversed(layers):
         win = g.rows if axis == "rows" else g.cols
         cuts[g.index] = [win.input_cut(c) for c in cuts[g.index + 1]]
-    for b in range(first, last + 1):
+    for b in range(last, first - 1, -1):
         c = cuts[b]
         if any(y <= x for x, y in zip(c, c[1:])):
-            size = c[-1]
-            raise TilingError(f"a grid with {parts} {axis} does not fit: the map entering "
-                              f"{'the stage end' if b == last else f'layer {b}'} has only {size} {axis} "
+            where = f"layer {b - 1}'s output" if b > first else "the stage input"
+            raise TilingError(f"a grid with {parts} {axis} does not fit: {where} has only {c[-1]} {axis} "
                               f"(some tile would own none); use fewer {axis} or a larger image")
     return cuts
 
