@@ -1,0 +1,431 @@
+"""The agent behind `swarm join`: serves authenticated connections, answers probes and info
+requests, sends heartbeats to watchers, and holds one job at a time for a coordinator.
+
+Job lifecycle (messages from the coordinator; each answered with JobState):
+
+    JobAssign ──> assigned ──JobStart──> running ──(runner returns)──> done | failed
+                     ^                      │
+                     └─────── JobStop ──────┘ (stopped)          JobRelease: back to idle
+    JobAssign of the same job at a newer epoch: the run is cancelled, the job re-assigned.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import trio
+
+from swarm import __version__
+from swarm.agent.device_info import accelerator
+from swarm.agent.jobs import JobContext, job_runner
+from swarm.discovery import Advert, advertise, open_zeroconf
+from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection, connect_peer, parse_endpoint
+from swarm.net.peer import serve_peers
+from swarm.wire import (PROTOCOL_VERSION, Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobStart, JobState,
+                        JobStop, Limits, Ping, Pong, Watch)
+
+log = logging.getLogger("swarm.agent")
+
+DEFAULT_PORT = 4750
+MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
+MAX_EARLY = 1024         # job messages held for an assignment that has not arrived yet
+
+
+@dataclass
+class AgentConfig:
+    """How an agent runs. cores/memory default to what this device offers (cgroup-aware)."""
+    name: str
+    node_id: str
+    token: str = field(repr=False)
+    network: NetworkChoice
+    port: int = DEFAULT_PORT
+    peers: tuple[tuple[str, int], ...] = ()
+    advertise: bool = True          # publish on mDNS
+    orphan_timeout: float = 30.0    # release a job whose coordinator stays away this long
+    limits: Limits = Limits()
+    cores: int | None = None
+    memory: int | None = None
+
+
+def describe_failure(exc: BaseException) -> str:
+    """'Type: message' of the first real error inside (nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Peer:
+    """One authenticated connection as the agent sees it: replies go through an outbox
+    (one sender task), so the reading task never blocks on a send."""
+
+    def __init__(self, conn: PeerConnection):
+        self.conn = conn
+        self.outbox, self._outbox_out = trio.open_memory_channel(math.inf)
+        self.watch_interval = 0.0
+        self.watching = False
+        self.heartbeat_seq = 0
+
+    @property
+    def node_id(self) -> str:
+        return self.conn.peer_id
+
+    def reply(self, message) -> None:
+        self.outbox.send_nowait(message)
+
+    async def send_replies(self) -> None:
+        async for message in self._outbox_out:
+            await self.conn.send(message)
+
+
+class AgentJob:
+    """The job an agent holds: identity, coordinator, state, and the current epoch's context."""
+
+    def __init__(self, job_id: str, kind: str, coordinator_id: str, heartbeat_interval: float):
+        self.job_id = job_id
+        self.kind = kind
+        self.coordinator_id = coordinator_id
+        self.heartbeat_interval = heartbeat_interval
+        self.ctx: JobContext | None = None
+        self.state = "assigned"
+        self.detail = ""
+        self.result: dict | None = None
+        self.scope = trio.CancelScope()          # the job's whole stay on this agent
+        self.run_scope: trio.CancelScope | None = None
+        self.nursery: trio.Nursery | None = None
+        self.links: list[PeerConnection] = []
+        self.coordinator_changed = trio.Event()
+
+    @property
+    def epoch(self) -> int:
+        return self.ctx.epoch
+
+
+class Agent:
+    """Run with `await nursery.start(agent.run)`; started() hands back the agent once it listens."""
+
+    def __init__(self, config: AgentConfig):
+        from swarm.device import usable_cores, usable_memory
+
+        self.config = config
+        self.credentials = Credentials(config.node_id, config.token, config.limits)
+        self.cores = config.cores or usable_cores()
+        self.memory = config.memory or usable_memory()
+        self.accelerator = accelerator()
+        self.port: int | None = None
+        self.job: AgentJob | None = None
+        self.refused_messages = 0   # job messages refused (older epoch, no room), for tests and logs
+        self._peers: dict[str, list[Peer]] = {}
+        self._early: list[tuple[str, object]] = []
+        self._nursery: trio.Nursery | None = None
+        self._stale_logged: set[tuple[str, str, int]] = set()
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    @property
+    def address(self) -> str:
+        return self.config.network.address
+
+    # -- running ----------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        network = self.config.network
+        async with AsyncExitStack() as stack:
+            # zeroconf is entered first so that it closes last, after the advert's goodbye
+            zc = await stack.enter_async_context(open_zeroconf(network)) if self.config.advertise else None
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            self._nursery = nursery
+            self.port = await nursery.start(serve_peers, self._serve, self.credentials, network.listen_hosts,
+                                            self.config.port)
+            if zc is not None:
+                await nursery.start(advertise, zc, self.advert())
+            log.info("agent %s (node %s) listening on %s port %d, %d cores, %.1f GiB, %s; discovery on %s%s",
+                     self.config.name, self.node_id, ",".join(network.listen_hosts), self.port, self.cores,
+                     self.memory / 2**30, self.accelerator, network.interface,
+                     "" if self.config.advertise else " (mDNS off)")
+            task_status.started(self)
+
+    def advert(self) -> Advert:
+        return Advert(node_id=self.node_id, name=self.config.name, address=self.address, port=self.port,
+                      cores=self.cores, memory=self.memory, accelerator=self.accelerator, version=__version__,
+                      protocol=PROTOCOL_VERSION)
+
+    def info(self) -> Info:
+        job = self.job
+        return Info(self.node_id, self.config.name, self.cores, self.memory, self.accelerator, __version__,
+                    self.port or 0, [f"{h}:{p}" for h, p in self.config.peers],
+                    job.job_id if job else None, job.state if job else None)
+
+    # -- connections ------------------------------------------------------------------
+
+    async def _serve(self, conn: PeerConnection) -> None:
+        log.info("connection from %s (node %s)", conn.address, conn.peer_id)
+        await self._converse(conn)
+
+    async def _converse(self, conn: PeerConnection, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Read one connection until it ends, dispatching each message."""
+        peer = Peer(conn)
+        self._peers.setdefault(peer.node_id, []).append(peer)
+        job = self.job
+        if job is not None and peer.node_id == job.coordinator_id:
+            job.coordinator_changed.set()
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peer.send_replies)
+                try:
+                    async for message in conn:
+                        await self._dispatch(peer, message, nursery)
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._peers[peer.node_id].remove(peer)
+            if not self._peers[peer.node_id]:
+                del self._peers[peer.node_id]
+            job = self.job
+            if job is not None and peer.node_id == job.coordinator_id:
+                job.coordinator_changed.set()
+
+    async def _dispatch(self, peer: Peer, message, nursery: trio.Nursery) -> None:
+        if isinstance(message, Ping):
+            peer.reply(Pong(message.seq))
+        elif isinstance(message, InfoRequest):
+            peer.reply(self.info())
+        elif isinstance(message, Watch):
+            peer.watch_interval = max(MIN_INTERVAL, message.interval) if message.interval > 0 else 0.0
+            if peer.watch_interval and not peer.watching:
+                nursery.start_soon(self._watch_heartbeats, peer)
+        elif isinstance(message, JobAssign):
+            await self._assign(peer, message)
+        elif isinstance(message, (JobStart, JobStop, JobRelease)):
+            self._lifecycle(peer, message)
+        elif getattr(message, "JOB_DATA", False):
+            self._deliver(peer.node_id, message)
+        else:
+            log.debug("ignoring %s from node %s", type(message).__name__, peer.node_id)
+
+    def _heartbeat(self, seq: int) -> Heartbeat:
+        job = self.job
+        if job is None:
+            return Heartbeat(seq, None, None, None, {})
+        return Heartbeat(seq, job.job_id, job.epoch, job.state, dict(job.ctx.progress))
+
+    async def _watch_heartbeats(self, peer: Peer) -> None:
+        peer.watching = True
+        try:
+            while peer.watch_interval:
+                peer.heartbeat_seq += 1
+                await peer.conn.send(self._heartbeat(peer.heartbeat_seq))
+                await trio.sleep(peer.watch_interval)
+        except ConnectionLost:
+            pass
+        finally:
+            peer.watching = False
+
+    def _peer(self, node_id: str) -> Peer | None:
+        peers = [p for p in self._peers.get(node_id, ()) if not p.conn.closed]
+        return peers[-1] if peers else None
+
+    async def send_to_node(self, node_id: str, message) -> None:
+        """Send over the newest open connection to `node_id` (ourselves: deliver locally)."""
+        if node_id == self.node_id:
+            self._deliver(self.node_id, message)
+            return
+        peer = self._peer(node_id)
+        if peer is None:
+            raise ConnectionLost(f"no open connection to node {node_id}")
+        await peer.conn.send(message)
+
+    async def open_link(self, address, node_id: str | None = None) -> PeerConnection:
+        """An authenticated connection to another agent, read by this agent like any other."""
+        if node_id == self.node_id:
+            raise ValueError("a job cannot open a connection to its own agent; send to ctx.node_id instead")
+        if node_id is not None and (peer := self._peer(node_id)) is not None:
+            return peer.conn
+        host, port = parse_endpoint(address, DEFAULT_PORT) if isinstance(address, str) else address
+        conn = await connect_peer(host, port, self.credentials, source_address=self.config.network.source_address,
+                                  expected_peer_id=node_id)
+        if self.job is not None:
+            self.job.links.append(conn)
+        await self._nursery.start(self._converse, conn)
+        return conn
+
+    # -- jobs -------------------------------------------------------------------------
+
+    def _reply_state(self, peer: Peer | None, job_id: str, epoch: int, state: str, detail: str = "",
+                     result: dict | None = None) -> None:
+        if peer is not None and not peer.conn.closed:
+            peer.reply(JobState(job_id, epoch, state, detail, result))
+
+    def _coordinator(self, job: AgentJob) -> Peer | None:
+        return self._peer(job.coordinator_id)
+
+    async def _assign(self, peer: Peer, msg: JobAssign) -> None:
+        refuse = None
+        try:  # a kind's module may be slow to import (torch): not on the event loop
+            runner = await trio.to_thread.run_sync(job_runner, msg.kind)
+        except ImportError as exc:
+            runner, refuse = None, f"job kind '{msg.kind}' cannot be loaded here: {exc}"
+        job = self.job
+        if job is not None and job.job_id != msg.job_id:
+            refuse = f"busy with job {job.job_id} of coordinator {job.coordinator_id}"
+        elif job is not None and msg.epoch < job.epoch:
+            refuse = f"epoch {msg.epoch} is older than the job's epoch {job.epoch}"
+        elif runner is None and refuse is None:
+            refuse = f"unknown job kind '{msg.kind}' (this agent runs swarm {__version__})"
+        if refuse:
+            log.warning("refused job %s epoch %d from node %s: %s", msg.job_id, msg.epoch, peer.node_id, refuse)
+            self._reply_state(peer, msg.job_id, msg.epoch, "refused", refuse)
+            return
+        interval = max(MIN_INTERVAL, msg.heartbeat_interval)
+        if job is not None and msg.epoch == job.epoch:  # the same assignment again: re-attach
+            job.coordinator_id = peer.node_id
+            job.coordinator_changed.set()
+            self._reply_state(peer, job.job_id, job.epoch, job.state, job.detail, job.result)
+            return
+        ctx = JobContext(self, msg.job_id, msg.epoch, msg.kind, msg.spec, peer.node_id)
+        if job is None:
+            job = AgentJob(msg.job_id, msg.kind, peer.node_id, interval)
+            job.ctx = ctx
+            self.job = job
+            await self._nursery.start(self._job_lifetime, job)
+        else:
+            if job.run_scope is not None:
+                job.run_scope.cancel()
+            job.ctx, job.coordinator_id, job.kind, job.heartbeat_interval = ctx, peer.node_id, msg.kind, interval
+            job.coordinator_changed.set()
+        job.state, job.detail, job.result, job.run_scope = "assigned", "", None, None
+        log.info("assigned job %s epoch %d (%s) by node %s", msg.job_id, msg.epoch, msg.kind, peer.node_id)
+        self._reply_state(peer, msg.job_id, msg.epoch, "assigned")
+        self._release_early(job)
+
+    def _lifecycle(self, peer: Peer, msg) -> None:
+        job = self.job
+        if job is None or job.job_id != msg.job_id or job.epoch != msg.epoch:
+            held = f"job {job.job_id} epoch {job.epoch}" if job else "no job"
+            self._reply_state(peer, msg.job_id, msg.epoch, "refused", f"this agent holds {held}")
+            return
+        if peer.node_id != job.coordinator_id:
+            self._reply_state(peer, msg.job_id, msg.epoch, "refused", f"node {peer.node_id} is not the coordinator "
+                                                                      f"of job {job.job_id}")
+            return
+        if isinstance(msg, JobStart):
+            if job.state == "running":
+                self._reply_state(peer, job.job_id, job.epoch, "running", "already running")
+                return
+            job.state, job.detail, job.result = "running", "", None
+            job.run_scope = trio.CancelScope()
+            job.nursery.start_soon(self._run, job, job.ctx, job.run_scope)
+            self._reply_state(peer, job.job_id, job.epoch, "running")
+        elif isinstance(msg, JobStop):
+            if job.run_scope is not None:
+                job.run_scope.cancel()
+            if job.state == "running":
+                job.state, job.detail = "stopped", msg.reason
+            self._reply_state(peer, job.job_id, job.epoch, job.state, job.detail, job.result)
+        else:
+            self._release(job, f"released by node {peer.node_id}")
+            self._reply_state(peer, job.job_id, job.epoch, "released")
+
+    def _release(self, job: AgentJob, why: str) -> None:
+        log.info("left job %s epoch %d: %s", job.job_id, job.epoch, why)
+        job.scope.cancel()
+        job.state = "released"
+        if self.job is job:
+            self.job = None
+        self._early = [(s, m) for s, m in self._early if m.job_id != job.job_id]
+
+    async def _job_lifetime(self, job: AgentJob, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Heartbeats to the coordinator and the orphan watch, from assignment to release."""
+        try:
+            with job.scope:
+                async with trio.open_nursery() as nursery:
+                    job.nursery = nursery
+                    nursery.start_soon(self._job_heartbeats, job)
+                    nursery.start_soon(self._orphan_watch, job)
+                    task_status.started()
+        finally:
+            with trio.CancelScope(shield=True):
+                for link in job.links:
+                    await link.aclose("job released")
+
+    async def _job_heartbeats(self, job: AgentJob) -> None:
+        seq = 0
+        while True:
+            coordinator = self._coordinator(job)
+            if coordinator is not None:
+                seq += 1
+                try:
+                    await coordinator.conn.send(self._heartbeat(seq))
+                except ConnectionLost:
+                    pass
+            await trio.sleep(job.heartbeat_interval)
+
+    async def _orphan_watch(self, job: AgentJob) -> None:
+        while True:
+            if self._coordinator(job) is not None:
+                await job.coordinator_changed.wait()
+                job.coordinator_changed = trio.Event()
+                continue
+            log.warning("coordinator %s of job %s disconnected; waiting %g s for it to come back",
+                        job.coordinator_id, job.job_id, self.config.orphan_timeout)
+            with trio.move_on_after(self.config.orphan_timeout):
+                while self._coordinator(job) is None:
+                    await job.coordinator_changed.wait()
+                    job.coordinator_changed = trio.Event()
+                continue
+            self._release(job, f"its coordinator stayed away for {self.config.orphan_timeout:g} s")
+            return
+
+    async def _run(self, job: AgentJob, ctx: JobContext, scope: trio.CancelScope) -> None:
+        runner = job_runner(ctx.kind)
+        state, detail, result = "done", "", None
+        try:
+            with scope:
+                value = await runner(ctx)
+                result = value if isinstance(value, dict) or value is None else {"value": value}
+        except Exception as exc:  # the job's own failure: reported, the agent goes on
+            log.exception("job %s epoch %d (%s) failed", ctx.job_id, ctx.epoch, ctx.kind)
+            state, detail = "failed", describe_failure(exc)
+        if scope.cancelled_caught:
+            state, detail = "stopped", job.detail
+        if job.ctx is not ctx or self.job is not job:  # a newer epoch or a release took over
+            return
+        job.state, job.detail, job.result, job.run_scope = state, detail, result, None
+        log.info("job %s epoch %d %s%s", ctx.job_id, ctx.epoch, state, f": {detail}" if detail else "")
+        self._reply_state(self._coordinator(job), ctx.job_id, ctx.epoch, state, detail, result)
+
+    def _deliver(self, sender: str, message) -> None:
+        """Route a job-data message to the current job's context, after the epoch check."""
+        job = self.job
+        if job is None or message.job_id != job.job_id or message.epoch > job.epoch:
+            if len(self._early) >= MAX_EARLY:
+                self._refuse(sender, message, f"more than {MAX_EARLY} messages wait for an assignment")
+            else:
+                self._early.append((sender, message))
+            return
+        if message.epoch < job.epoch:
+            self._refuse(sender, message, f"epoch {message.epoch} is older than the job's epoch {job.epoch}")
+            return
+        job.ctx.deliver(sender, message)
+
+    def _release_early(self, job: AgentJob) -> None:
+        keep = []
+        for sender, message in self._early:
+            if message.job_id != job.job_id or message.epoch > job.epoch:
+                keep.append((sender, message))
+            elif message.epoch == job.epoch:
+                job.ctx.deliver(sender, message)
+            else:
+                self._refuse(sender, message, f"epoch {message.epoch} is older than the job's epoch {job.epoch}")
+        self._early = keep
+
+    def _refuse(self, sender: str, message, why: str) -> None:
+        self.refused_messages += 1
+        key = (sender, message.job_id, message.epoch)
+        if key not in self._stale_logged:  # one line per sender and epoch, not per message
+            self._stale_logged.add(key)
+            log.warning("refused %s of job %s from node %s: %s", type(message).__name__, message.job_id, sender, why)

@@ -1,0 +1,90 @@
+"""Job kind "bandwidth": measure latency and throughput between pairs of agents, for the profiler.
+
+Agent side (run_bandwidth_job): waits for commands from the coordinator on channel
+"probe" — {"to": node, "address": "host:port", "nbytes": N} — sends an empty then an
+N-byte probe straight to that peer, which acknowledges each; reports
+{"to", "nbytes", "latency", "seconds"} on channel "probe-result". {"done": true} ends it.
+
+Coordinator side (measure_bandwidth): runs every ordered pair, one at a time so that
+no two probes share a link, and returns the measurements.
+"""
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import trio
+
+from swarm.agent.jobs import JobContext
+
+KIND = "bandwidth"
+DEFAULT_PROBE_BYTES = 4 * 1024 * 1024
+
+
+async def run_bandwidth_job(ctx: JobContext) -> dict:
+    measured = 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_answer_probes, ctx)
+        seq = 0
+        while True:
+            _, command = await ctx.receive("probe")
+            body = command.body
+            if body.get("done"):
+                nursery.cancel_scope.cancel()
+                return {"probes": measured}
+            peer, nbytes = body["to"], int(body["nbytes"])
+            await ctx.connect(body["address"], peer)
+            timings = []
+            for payload in (np.zeros(0, np.uint8), np.zeros(nbytes, np.uint8)):
+                seq += 1
+                start = trio.current_time()
+                await ctx.send(peer, ctx.data("probe-data", {"seq": seq, "payload": payload}))
+                while True:
+                    sender, ack = await ctx.receive("probe-ack")
+                    if sender == peer and ack.body["seq"] == seq:
+                        break
+                timings.append(trio.current_time() - start)
+            measured += 1
+            await ctx.send_to_coordinator(ctx.data("probe-result", {"to": peer, "nbytes": nbytes,
+                                                                    "latency": timings[0], "seconds": timings[1]}))
+
+
+async def _answer_probes(ctx: JobContext) -> None:
+    while True:
+        sender, probe = await ctx.receive("probe-data")
+        await ctx.send(sender, ctx.data("probe-ack", {"seq": probe.body["seq"]}))
+
+
+async def measure_bandwidth(cluster, node_ids: list[str], *, nbytes: int = DEFAULT_PROBE_BYTES,
+                            timeout: float = 60.0) -> dict[tuple[str, str], dict]:
+    """{(sender, receiver): {"bytes_per_second", "latency", "seconds", "nbytes"}} for every
+    ordered pair of `node_ids` (devices of `cluster`, alive)."""
+    job = cluster.job(f"bandwidth-{secrets.token_hex(4)}", 0)
+    results: dict[tuple[str, str], dict] = {}
+    try:
+        for node in node_ids:
+            await job.assign(node, KIND, {})
+        for node in node_ids:
+            await job.start(node)
+        for src in node_ids:
+            for dst in node_ids:
+                if src == dst:
+                    continue
+                device = cluster.device(dst)
+                await job.send(src, job.data("probe", {"to": dst, "address": f"{device.address}:{device.port}",
+                                                       "nbytes": nbytes}))
+                with trio.fail_after(timeout):
+                    sender, reply = await job.receive("probe-result")
+                r = reply.body
+                transfer = max(r["seconds"] - r["latency"], 1e-9)
+                results[(src, dst)] = {"nbytes": r["nbytes"], "seconds": r["seconds"], "latency": r["latency"],
+                                       "bytes_per_second": r["nbytes"] / transfer}
+        for node in node_ids:
+            await job.send(node, job.data("probe", {"done": True}))
+        for node in node_ids:
+            with trio.fail_after(timeout):
+                await job.wait_done(node)
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            await job.release_all()
+    return results

@@ -1,0 +1,291 @@
+"""The coordinator side of the runtime: find agents (mDNS and --peers), keep a connection to
+each, track who is alive, and carry job messages.
+
+    async with open_cluster(credentials, network, peers=[("10.0.0.5", 4750)]) as cluster:
+        devices = await cluster.wait_for(4, timeout=10)
+        events = cluster.subscribe()               # MembershipEvent: joined/suspect/dead/...
+        job = cluster.job("j1", epoch=0)
+
+Each agent is asked for heartbeats (Watch) on its connection. A broken connection makes
+the device suspect at once; the probe is a Ping on the connection or, if it is gone, a
+reconnection within the probe timeout; no answer makes it dead.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import trio
+
+from swarm.cluster.devices import Device
+from swarm.cluster.jobs import CoordinatorJob
+from swarm.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
+from swarm.membership import Membership, MembershipEvent
+from swarm.net import (ConnectionLost, Credentials, HandshakeFailed, NetworkChoice, PeerUnavailable, connect_peer,
+                       parse_endpoint)
+from swarm.wire import Heartbeat, Info, InfoRequest, JobState, Ping, Pong, RemoteProtocolError, Watch
+
+log = logging.getLogger("swarm.cluster")
+
+DEFAULT_AGENT_PORT = 4750
+RETRY_MIN, RETRY_MAX, RETRY_REFUSED = 0.1, 2.0, 10.0
+
+
+class Cluster:
+    """Use open_cluster(); the attributes below are read-only for callers."""
+
+    def __init__(self, credentials: Credentials, network: NetworkChoice, *, peers=(), discover: bool = True,
+                 heartbeat_interval: float = 0.25, suspect_after: float | None = None, probe_timeout: float = 0.5,
+                 connect_timeout: float = 3.0):
+        self.credentials = credentials
+        self.network = network
+        self.discover = discover
+        self.heartbeat_interval = heartbeat_interval
+        self.connect_timeout = connect_timeout
+        self.membership = Membership(self._probe, interval=heartbeat_interval, suspect_after=suspect_after,
+                                     probe_timeout=probe_timeout)
+        self._static_peers = list(peers)
+        self._devices: dict[str, Device] = {}             # node id (or "host:port" before a handshake) -> Device
+        self._endpoints: dict[tuple[str, int], tuple[trio.CancelScope, str | None]] = {}  # -> (loop, node id)
+        self._jobs: dict[str, CoordinatorJob] = {}
+        self._pongs: dict[int, trio.Event] = {}
+        self._seq = itertools.count(1)
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    # -- asking -----------------------------------------------------------------------
+
+    def devices(self) -> list[Device]:
+        return sorted(self._devices.values(), key=lambda d: (d.name, d.node_id))
+
+    def device(self, node_id: str) -> Device | None:
+        return self._devices.get(node_id)
+
+    def alive(self) -> list[Device]:
+        return [d for d in self.devices() if d.health == "alive"]
+
+    async def wait_for(self, count: int, timeout: float) -> list[Device]:
+        """Wait until `count` devices are alive or `timeout` passes; the alive devices."""
+        with trio.move_on_after(timeout):
+            while len(self.alive()) < count:
+                await self._changed.wait()
+        return self.alive()
+
+    def subscribe(self) -> trio.MemoryReceiveChannel:
+        """A channel of every MembershipEvent from now on."""
+        return self.membership.subscribe()
+
+    def job(self, job_id: str, epoch: int = 0) -> CoordinatorJob:
+        """A handle for driving job `job_id` at `epoch` (replaces an older epoch's handle)."""
+        handle = CoordinatorJob(self, job_id, epoch, self.heartbeat_interval)
+        self._jobs[job_id] = handle
+        return handle
+
+    async def send(self, node_id: str, message) -> None:
+        device = self._devices.get(node_id)
+        if device is None or device.conn is None or device.conn.closed:
+            raise PeerUnavailable(f"{device.name if device else 'node ' + node_id} is not connected")
+        await device.conn.send(message)
+
+    # -- running ----------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with AsyncExitStack() as stack:
+            zc = await stack.enter_async_context(open_zeroconf(self.network)) if self.discover else None
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            self._nursery = nursery
+            await nursery.start(self.membership.run)
+            nursery.start_soon(self._follow_membership, self.membership.subscribe())
+            for host, port in self._static_peers:
+                self.add_endpoint(host, port, source="peers")
+            if zc is not None:
+                found_in, found = trio.open_memory_channel(math.inf)
+                await nursery.start(browse, zc, found_in)
+                nursery.start_soon(self._follow_discovery, found)
+            task_status.started(self)
+
+    def add_endpoint(self, host: str, port: int, *, node_id: str | None = None, source: str = "peers") -> None:
+        """Connect to an agent at host:port (and keep reconnecting) unless already doing so."""
+        known = self._endpoints.get((host, port))
+        if known is not None:
+            if node_id is None or known[1] in (None, node_id):
+                return
+            known[0].cancel()  # another agent now answers at this address
+        scope = trio.CancelScope()
+        self._endpoints[(host, port)] = (scope, node_id)
+        self._nursery.start_soon(self._endpoint_loop, host, port, node_id, source, scope)
+
+    async def _follow_discovery(self, found: trio.MemoryReceiveChannel) -> None:
+        async for event in found:
+            if isinstance(event, DeviceSeen):
+                advert = event.advert
+                device = self._devices.get(advert.node_id)
+                if device is None:
+                    device = self._devices[advert.node_id] = Device(advert.node_id, advert.address, advert.port)
+                for name in ("name", "cores", "memory", "accelerator", "version"):
+                    setattr(device, name, getattr(advert, name))
+                self.add_endpoint(advert.address, advert.port, node_id=advert.node_id, source="mdns")
+            elif isinstance(event, DeviceGone):
+                device = self._devices.get(event.node_id)
+                if device is not None:
+                    known = self._endpoints.pop(device.endpoint, None)
+                    if known is not None:
+                        known[0].cancel()
+                    device.health = "left"
+                    self.membership.remove(event.node_id, "said goodbye on mDNS")
+                    self._touch()
+
+    async def _follow_membership(self, events: trio.MemoryReceiveChannel) -> None:
+        async for event in events:
+            event: MembershipEvent
+            device = self._devices.get(event.node_id)
+            if device is not None and event.kind != "left":
+                device.health = self.membership.health(event.node_id) or device.health
+                if event.kind in ("dead", "suspect"):
+                    device.error = event.reason
+            if event.kind != "joined":
+                log.info("%s %s (%s)", device.name if device else event.node_id, event.kind, event.reason)
+            for job in self._jobs.values():
+                if event.kind in ("dead", "left"):
+                    job.on_lost(event.node_id, event.reason)
+                elif event.kind == "recovered":
+                    job.on_back(event.node_id)
+            self._touch()
+
+    async def _endpoint_loop(self, host: str, port: int, node_id: str | None, source: str,
+                             scope: trio.CancelScope) -> None:
+        where = f"{host}:{port}"
+        delay = RETRY_MIN
+        with scope:
+            while True:
+                try:
+                    conn = await connect_peer(host, port, self.credentials, source_address=self.network.source_address,
+                                              expected_peer_id=node_id, timeout=self.connect_timeout)
+                except (PeerUnavailable, HandshakeFailed) as exc:
+                    refused = isinstance(exc, HandshakeFailed)
+                    if refused and exc.kind == "identity" and source == "peers" and node_id is not None:
+                        node_id = None  # the agent at this address was replaced: take the new one
+                        continue
+                    self._connect_failed(node_id or where, host, port, source, str(exc), refused)
+                    await trio.sleep(RETRY_REFUSED if refused else delay)
+                    delay = min(RETRY_MAX, delay * 2)
+                    continue
+                delay = RETRY_MIN
+                if node_id is None and where in self._devices:  # a --peers entry now known by its id
+                    del self._devices[where]
+                node_id = conn.peer_id
+                device = self._devices.get(node_id)
+                if device is None:
+                    device = self._devices[node_id] = Device(node_id, host, port, source=source)
+                elif device.conn is not None and not device.conn.closed:  # reached by another address too
+                    await conn.aclose("already connected")
+                    return
+                await self._converse(device, conn)
+
+    def _connect_failed(self, key: str, host: str, port: int, source: str, error: str, refused: bool) -> None:
+        device = self._devices.get(key)
+        if device is None:
+            device = self._devices[key] = Device(key, host, port, source=source)
+        device.error = error
+        if self.membership.health(key) is None:  # never connected: not a member yet
+            if device.health not in ("refused",) or not refused:
+                log.info("%s: %s", device.name if device.name != "?" else key, error)
+            device.health = "refused" if refused else "unreachable"
+        self._touch()
+
+    async def _converse(self, device: Device, conn) -> None:
+        node_id = device.node_id
+        device.conn, device.error = conn, ""
+        device.seen()
+        conn.on_activity = lambda: (self.membership.heard_from(node_id), device.seen())
+        try:
+            await conn.send(InfoRequest())
+            await conn.send(Watch(self.heartbeat_interval))
+            ping = next(self._seq)
+            self._pongs[ping] = trio.Event()
+            sent_at = trio.current_time()
+            await conn.send(Ping(ping))
+            async for message in conn:
+                if isinstance(message, Pong) and message.seq == ping:
+                    device.rtt = trio.current_time() - sent_at
+                self._on_message(device, message)
+        except ConnectionLost:
+            pass
+        except RemoteProtocolError as exc:
+            log.warning("closed connection to %s: %s", conn.address, exc)
+        finally:
+            device.conn = None
+            device.connected = trio.Event()
+            await conn.aclose()
+            self.membership.lost(node_id, "its connection closed")
+            self._touch()
+
+    def _on_message(self, device: Device, message) -> None:
+        if isinstance(message, Info):
+            first = device.name == "?" or self.membership.health(device.node_id) is None
+            for name in ("name", "cores", "memory", "accelerator", "version", "peers", "job_id", "job_state"):
+                setattr(device, name, getattr(message, name))
+            device.port = message.port or device.port
+            if first:
+                self.membership.add(device.node_id, f"connected at {device.address}:{device.port}")
+                device.health = self.membership.health(device.node_id)
+            device.connected.set()
+            for text in message.peers:  # static peers an agent knows of: reach them too
+                try:
+                    host, port = parse_endpoint(text, DEFAULT_AGENT_PORT)
+                except Exception:  # noqa: BLE001 - a malformed entry from an agent is skipped
+                    continue
+                self.add_endpoint(host, port, source="peers")
+        elif isinstance(message, Heartbeat):
+            device.job_id, device.job_state = message.job_id, message.job_state
+        elif isinstance(message, Pong):
+            event = self._pongs.pop(message.seq, None)
+            if event is not None:
+                event.set()
+        elif isinstance(message, JobState):
+            job = self._jobs.get(message.job_id)
+            if job is not None:
+                job.on_state(device.node_id, message)
+        elif getattr(message, "JOB_DATA", False):
+            job = self._jobs.get(message.job_id)
+            if job is not None:
+                job.deliver(device.node_id, message)
+        self._touch()
+
+    async def _probe(self, node_id: str) -> bool:
+        """Does `node_id` answer? A Ping on its connection, or a reconnection."""
+        device = self._devices.get(node_id)
+        if device is None:
+            return False
+        if device.conn is not None and not device.conn.closed:
+            seq = next(self._seq)
+            answered = self._pongs[seq] = trio.Event()
+            try:
+                await device.conn.send(Ping(seq))
+                await answered.wait()
+                return True
+            except ConnectionLost:
+                pass
+            finally:
+                self._pongs.pop(seq, None)
+        connected = device.connected
+        await connected.wait()
+        return True
+
+    def _touch(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+@asynccontextmanager
+async def open_cluster(credentials: Credentials, network: NetworkChoice, **options):
+    """A running Cluster for the body of the `async with` (see Cluster for options)."""
+    cluster = Cluster(credentials, network, **options)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(cluster.run)
+        try:
+            yield cluster
+        finally:
+            nursery.cancel_scope.cancel()

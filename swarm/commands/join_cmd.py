@@ -1,0 +1,67 @@
+"""`swarm join`: run this device's agent in the foreground until SIGTERM or Ctrl-C."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+
+from swarm.commands.runtime_common import add_network_args, add_token_args, port_number, run_trio, setup_logging
+
+log = logging.getLogger("swarm.agent")
+
+
+def add_parser(sub) -> None:
+    from swarm.agent import DEFAULT_PORT
+
+    p = sub.add_parser("join", help="offer this device to the swarm (runs the agent)", description=(
+        "Run the agent: advertise this device on the local network, accept work from a coordinator, "
+        "and send it heartbeats. Runs in the foreground and logs to stderr (systemd-friendly); "
+        "SIGTERM or Ctrl-C stops it cleanly. The first start creates a cluster token in the state "
+        "directory unless one is given: copy it to the other devices with `swarm token`."))
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT,
+                   help=f"TCP port to listen on (default: {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--name", help="name shown in `swarm status` (default: the host name)")
+    add_token_args(p)
+    add_network_args(p)
+    p.add_argument("--no-mdns", action="store_true", help="do not advertise on mDNS (reach it with --peers)")
+    p.add_argument("--verbose", "-v", action="store_true", help="log debug detail too")
+    p.set_defaults(run=run)
+
+
+def agent_config(args):
+    """The AgentConfig the flags ask for; SwarmError for anything the user must fix."""
+    from swarm.agent import DEFAULT_PORT, AgentConfig
+    from swarm.net import parse_peers, resolve_network
+    from swarm.state import ensure_state_dir, find_token, node_id, state_dir_from
+
+    state_dir = ensure_state_dir(state_dir_from(args.state_dir))
+    token, token_from = find_token(args.token_file, state_dir, create=True)
+    network = resolve_network(args.interface)
+    peers = parse_peers(args.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
+    config = AgentConfig(name=args.name or socket.gethostname(), node_id=node_id(state_dir), token=token,
+                         network=network, port=args.port, peers=tuple(peers), advertise=not args.no_mdns)
+    return config, state_dir, token_from
+
+
+def run(args) -> int:
+    config, state_dir, token_from = agent_config(args)
+    setup_logging(f"swarm[{config.name}]", args.verbose)
+    log.info("state in %s; cluster token from %s", state_dir, token_from)
+    run_trio(_serve_until_signalled, config)
+    return 0
+
+
+async def _serve_until_signalled(config) -> None:
+    import trio
+
+    from swarm.agent import Agent
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(Agent(config).run)
+            async for signum in signals:
+                log.info("%s: saying goodbye and shutting down", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+    log.info("stopped")

@@ -1,0 +1,106 @@
+"""`swarm testbed`: a cluster of agents on this one machine, for tests and experiments."""
+from __future__ import annotations
+
+import argparse
+import re
+
+from swarm.cli import positive_float, positive_int
+
+UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def memory_size(text: str) -> int:
+    """'1G', '512M', '1GiB', '2048' (bytes) -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (e.g. 1G, 512M)")
+    value = int(float(match.group(1)) * UNITS[match.group(2)])
+    if value < 32 * 2**20:
+        raise argparse.ArgumentTypeError(f"{text} is too little memory for an agent (at least 32M)")
+    return value
+
+
+def bandwidth_rate(text: str) -> str:
+    if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)", text.lower()):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a rate tc understands (e.g. 100mbit, 20mbit, 1gbit)")
+    return text.lower()
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("testbed", help="a cluster of agents on this machine (tests, experiments)", description=(
+        "Run several agents on this machine as a cluster. As root: each device gets its own network "
+        "namespace and address on a bridge, a CPU quota and memory limit, and a capped link. "
+        "With --loopback (no root): agents on 127.0.0.1 ports that know each other by --peers."))
+    commands = p.add_subparsers(dest="testbed_command", metavar="ACTION")
+    commands.required = True
+
+    up = commands.add_parser("up", help="start the devices")
+    up.add_argument("--devices", type=positive_int, required=True, help="how many devices (dev0, dev1, ...)")
+    up.add_argument("--cpu", type=positive_float, help="CPU quota per device in cores, e.g. 0.25 (cgroup)")
+    up.add_argument("--mem", type=memory_size, help="memory limit per device, e.g. 1G (cgroup)")
+    up.add_argument("--bandwidth", type=bandwidth_rate, help="cap of each device's link, e.g. 100mbit (tc tbf)")
+    up.add_argument("--loopback", action="store_true", help="agents on 127.0.0.1 instead of namespaces (no root)")
+    commands.add_parser("down", help="stop and remove everything the testbed made (safe to repeat)")
+    for action, text in (("kill", "SIGKILL a device's agent"),
+                         ("cut", "take a device's link down (loopback: freeze its agent)"),
+                         ("heal", "bring a device's link back up (loopback: resume its agent)")):
+        commands.add_parser(action, help=text).add_argument("device", help="e.g. dev1")
+    ex = commands.add_parser("exec", help="run a command as one of the devices (in its namespace)",
+                             description="Run CMD inside the device's network namespace, with SWARM_TOKEN and "
+                                         "SWARM_INTERFACE set for the testbed: e.g. "
+                                         "`swarm testbed exec dev0 -- swarm status`.")
+    ex.add_argument("device", help="e.g. dev0")
+    ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    st = commands.add_parser("status", help="the devices, their agents and links")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from swarm.testbed import testbed
+
+    action = args.testbed_command
+    if action == "up":
+        record = testbed.up(args.devices, cpu=args.cpu, memory=args.mem, bandwidth=args.bandwidth,
+                            loopback=args.loopback)
+        limits = ", ".join(x for x in (f"{record.cpu:g} cores" if record.cpu else "",
+                                       f"{record.memory / 2**30:g} GiB" if record.memory else "",
+                                       record.bandwidth or "") if x) or "no limits"
+        print(f"testbed up: {len(record.devices)} devices ({record.kind}, {limits})")
+        for d in record.devices:
+            print(f"  {d.name}  {d.address}:{d.port}  pid {d.pid}")
+        if record.kind == "netns":
+            print(f"host address on the bridge: {testbed.HOST_ADDRESS} ({testbed.BRIDGE}); "
+                  f"try: swarm testbed exec dev0 -- swarm status")
+        return 0
+    if action == "down":
+        removed = testbed.down()
+        print(f"testbed down: removed {len(removed)} things" if removed else "testbed down: nothing to remove")
+        return 0
+    if action in ("kill", "cut", "heal"):
+        device = getattr(testbed, action)(args.device)
+        print({"kill": f"killed the agent of {device.name} (pid {device.pid})",
+               "cut": f"cut {device.name} off", "heal": f"healed {device.name}"}[action])
+        return 0
+    if action == "exec":
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        return testbed.exec_in(args.device, argv)
+    record = testbed.load()
+    if record is None:
+        if args.json:
+            print("null")
+        else:
+            print("no testbed is up")
+        return 0
+    rows = testbed.status_rows(record)
+    if args.json:
+        import json
+
+        print(json.dumps({"kind": record.kind, "cpu": record.cpu, "memory": record.memory,
+                          "bandwidth": record.bandwidth, "devices": rows}, indent=2))
+    else:
+        print(f"{record.kind} testbed, {len(rows)} devices")
+        for r in rows:
+            print(f"  {r['device']:6} {r['address']:21} pid {r['pid']:<7} agent {r['agent']:8} link {r['link']}")
+    return 0
+

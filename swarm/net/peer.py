@@ -1,0 +1,250 @@
+"""The thin trio layer over the sans-IO connection: connect, serve, send and receive messages.
+
+One task reads a connection (receive() or `async for`); any number of tasks may send
+(sends are serialised, whole frames at a time). Tensor bytes are sent from the array's
+own memory and, on socket streams, received with recv_into straight into the new array.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import trio
+
+from swarm.errors import SwarmError
+from swarm.wire import (CLIENT, NEED_DATA, SERVER, Authenticated, Closed, Connection, Limits, LocalProtocolError,
+                        RemoteProtocolError)
+
+log = logging.getLogger("swarm.net")
+
+RECEIVE_SIZE = 256 * 1024
+HANDSHAKE_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Who we are on the wire: our node id, the cluster token, and the size limits we enforce."""
+    node_id: str
+    token: str = field(repr=False)
+    limits: Limits = Limits()
+
+
+class PeerUnavailable(SwarmError):
+    """Nothing answered at that address (refused, unreachable, or too slow)."""
+
+
+class HandshakeFailed(SwarmError):
+    """Something answered but the handshake failed: wrong token, other version, not a swarm peer."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class ConnectionLost(Exception):
+    """The conversation ended: the peer said Goodbye, closed, or the connection broke."""
+
+
+class PeerConnection:
+    """An authenticated connection to another swarm process."""
+
+    def __init__(self, stream: trio.abc.Stream, protocol: Connection, address: str):
+        self.stream = stream
+        self.protocol = protocol
+        self.address = address
+        self.closed = False
+        self.last_received = trio.current_time()
+        self.on_activity: Callable[[], None] | None = None  # called whenever bytes arrive
+        self._send_lock = trio.StrictFIFOLock()
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+
+    @property
+    def peer_id(self) -> str | None:
+        return self.protocol.peer_id
+
+    def __repr__(self):
+        return f"<PeerConnection {self.peer_id or '?'} at {self.address}>"
+
+    # -- handshake --------------------------------------------------------------------
+
+    async def handshake(self) -> None:
+        """Run the handshake; HandshakeFailed or ConnectionLost if it does not succeed."""
+        try:
+            await self._flush()
+            while True:
+                event = self.protocol.next_event()
+                await self._flush()
+                if isinstance(event, Authenticated):
+                    return
+                if event is NEED_DATA:
+                    await self._read_more()
+        except RemoteProtocolError as exc:
+            await self.aclose()
+            if exc.kind == "closed":
+                raise ConnectionLost(str(exc)) from None
+            raise HandshakeFailed(str(exc), exc.kind) from None
+        except BaseException:
+            await self.aclose()
+            raise
+
+    # -- messages ---------------------------------------------------------------------
+
+    async def send(self, message) -> None:
+        """Send one message; ConnectionLost if the connection is gone."""
+        async with self._send_lock:
+            if self.closed:
+                raise ConnectionLost(f"connection to {self.address} is closed")
+            self.protocol.send(message)
+            await self._flush()
+
+    async def receive(self):
+        """The next message; ConnectionLost when the conversation is over; RemoteProtocolError
+        (after telling the peer why and closing) if the peer broke the protocol."""
+        while True:
+            try:
+                event = self.protocol.next_event()
+            except RemoteProtocolError:
+                await self.aclose()
+                raise
+            except LocalProtocolError:
+                raise ConnectionLost(f"connection to {self.address} is closed") from None
+            if event is NEED_DATA:
+                await self._read_more()
+            elif isinstance(event, Closed):
+                await self.aclose()
+                raise ConnectionLost(event.reason)
+            else:
+                return event
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self.receive()
+        except ConnectionLost:
+            raise StopAsyncIteration from None
+
+    async def aclose(self, reason: str = "closing") -> None:
+        """Say Goodbye (if we can within a second) and close the stream."""
+        if self.closed:
+            return
+        self.closed = True
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            try:
+                async with self._send_lock:
+                    self.protocol.close(reason)
+                    await self._flush()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        await trio.aclose_forcefully(self.stream)
+
+    # -- inside -----------------------------------------------------------------------
+
+    async def _flush(self) -> None:
+        for buffer in self.protocol.data_to_send():
+            try:
+                await self.stream.send_all(buffer)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.closed = True
+                raise ConnectionLost(f"connection to {self.address} broke: {exc}") from None
+
+    async def _read_more(self) -> None:
+        view = self.protocol.payload_buffer()
+        try:
+            if view is not None and self._socket is not None:
+                count = await self._socket.recv_into(view)
+                self.protocol.payload_received(count)
+            else:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+                count = len(data)
+                self.protocol.receive_data(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise ConnectionLost(f"connection to {self.address} broke: {exc}") from None
+        if count:
+            self.last_received = trio.current_time()
+            if self.on_activity is not None:
+                self.on_activity()
+
+
+def _address_of(stream: trio.abc.Stream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except (AttributeError, OSError):
+        return "?"
+
+
+async def connect_peer(host: str, port: int, credentials: Credentials, *, source_address: str | None = None,
+                       expected_peer_id: str | None = None, timeout: float = HANDSHAKE_TIMEOUT) -> PeerConnection:
+    """Open and authenticate a connection; PeerUnavailable or HandshakeFailed (both SwarmError)."""
+    where = f"{host}:{port}"
+    with trio.move_on_after(timeout) as scope:
+        try:
+            stream = await trio.open_tcp_stream(host, port, local_address=source_address)
+        except OSError as exc:
+            raise PeerUnavailable(f"cannot reach {where}: {exc.strerror or exc}") from None
+        protocol = Connection(CLIENT, credentials.node_id, credentials.token, limits=credentials.limits,
+                              expected_peer_id=expected_peer_id)
+        conn = PeerConnection(stream, protocol, where)
+        try:
+            await conn.handshake()
+        except ConnectionLost as exc:
+            raise PeerUnavailable(f"{where} closed the connection during the handshake ({exc})") from None
+        except HandshakeFailed as exc:
+            raise HandshakeFailed(f"{where}: {exc}", exc.kind) from None
+        return conn
+    assert scope.cancelled_caught
+    raise PeerUnavailable(f"{where} did not complete a handshake within {timeout:g} s")
+
+
+Handler = Callable[[PeerConnection], Awaitable[None]]
+
+
+async def serve_peers(handler: Handler, credentials: Credentials, hosts: list[str], port: int, *,
+                      handshake_timeout: float = HANDSHAKE_TIMEOUT, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Accept connections on `hosts`:`port`, authenticate each, and run `handler` on those
+    that pass. Strangers, wrong tokens and protocol errors are logged (one line) and closed;
+    the others are not affected. task_status.started(port actually bound)."""
+    listeners: list[trio.SocketListener] = []
+    try:
+        for host in hosts:
+            listeners += await trio.open_tcp_listeners(port, host=host)
+            port = port or listeners[0].socket.getsockname()[1]
+    except OSError as exc:
+        for listener in listeners:
+            await listener.aclose()
+        raise SwarmError(f"cannot listen on {','.join(hosts)} port {port}: {exc.strerror or exc}"
+                         + (" (is another swarm join running? pick another --port)" if exc.errno == 98 else "")) from None
+
+    async def accept(stream: trio.SocketStream) -> None:
+        address = _address_of(stream)
+        protocol = Connection(SERVER, credentials.node_id, credentials.token, limits=credentials.limits)
+        conn = PeerConnection(stream, protocol, address)
+        try:
+            with trio.fail_after(handshake_timeout):
+                await conn.handshake()
+        except HandshakeFailed as exc:
+            log.warning("refused connection from %s: %s", address, exc)
+            return
+        except trio.TooSlowError:
+            log.warning("refused connection from %s: no handshake within %g s", address, handshake_timeout)
+            await conn.aclose()
+            return
+        except ConnectionLost as exc:
+            log.info("connection from %s ended during the handshake (%s)", address, exc)
+            return
+        try:
+            await handler(conn)
+        except RemoteProtocolError as exc:
+            log.warning("closed connection from %s (node %s): %s", address, conn.peer_id, exc)
+        except ConnectionLost:
+            pass
+        except Exception:  # a bug in a handler must not stop the others being served
+            log.exception("error serving %s (node %s); connection closed", address, conn.peer_id)
+        finally:
+            await conn.aclose()
+
+    task_status.started(port)
+    await trio.serve_listeners(accept, listeners)

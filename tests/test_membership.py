@@ -1,0 +1,132 @@
+"""Membership in virtual time: exact moments of suspect, dead and recovered."""
+from __future__ import annotations
+
+import pytest
+import trio
+
+from swarm.membership import Membership
+
+pytestmark = pytest.mark.trio
+
+
+class FakeDevice:
+    """Sends heartbeats every `interval` until told to stop; answers probes if `answers`."""
+
+    def __init__(self, membership: Membership, node_id: str, interval: float = 0.25):
+        self.membership, self.node_id, self.interval = membership, node_id, interval
+        self.beating = True
+        self.answers = True
+        self.probe_delay = 0.125
+
+    async def heartbeats(self):
+        while True:
+            if self.beating:
+                self.membership.heard_from(self.node_id)
+            await trio.sleep(self.interval)
+
+
+def setup(nursery, devices: dict, **kw) -> Membership:
+    async def probe(node_id):
+        device = devices[node_id]
+        if not device.answers:
+            await trio.sleep_forever()
+        await trio.sleep(device.probe_delay)
+        return True
+
+    return Membership(probe, interval=0.25, probe_timeout=0.5, **kw)
+
+
+def timeline(membership: Membership) -> list[tuple[str, str, float]]:
+    return [(e.node_id, e.kind, e.time) for e in membership.log]
+
+
+async def test_silent_device_is_suspect_then_dead_at_exact_times(autojump_clock):
+    devices = {}
+    async with trio.open_nursery() as nursery:
+        membership = setup(nursery, devices)
+        await nursery.start(membership.run)
+        for name in ("a", "b"):
+            devices[name] = FakeDevice(membership, name)
+            membership.add(name)
+            nursery.start_soon(devices[name].heartbeats)
+        await trio.sleep(1.1)
+        devices["b"].beating = False      # last heartbeat of b was at t=1.0
+        devices["b"].answers = False
+        await trio.sleep(3.0)
+        nursery.cancel_scope.cancel()
+    assert timeline(membership) == [("a", "joined", 0.0), ("b", "joined", 0.0),
+                                    ("b", "suspect", 1.75),   # 1.0 + 3 intervals of silence
+                                    ("b", "dead", 2.25)]      # + probe timeout 0.5
+    assert membership.health("a") == "alive" and membership.health("b") == "dead"
+
+
+async def test_slow_but_alive_device_recovers_after_its_probe(autojump_clock):
+    devices = {}
+    async with trio.open_nursery() as nursery:
+        membership = setup(nursery, devices)
+        await nursery.start(membership.run)
+        devices["a"] = FakeDevice(membership, "a")
+        membership.add("a")
+        # no heartbeats at all: suspect at 0.75, probe answers 0.125 s later
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    assert timeline(membership)[:3] == [("a", "joined", 0.0), ("a", "suspect", 0.75), ("a", "recovered", 0.875)]
+
+
+async def test_dead_device_that_comes_back_is_recovered(autojump_clock):
+    devices = {}
+    async with trio.open_nursery() as nursery:
+        membership = setup(nursery, devices)
+        await nursery.start(membership.run)
+        device = devices["a"] = FakeDevice(membership, "a")
+        device.answers = False
+        membership.add("a")
+        nursery.start_soon(device.heartbeats)
+        await trio.sleep(0.6)
+        device.beating = False            # last heartbeat at 0.5: suspect 1.25, dead 1.75
+        await trio.sleep(2.5)             # t = 3.1
+        device.beating = True             # a cut link healed: the next heartbeat (3.25) gets through
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    assert timeline(membership) == [("a", "joined", 0.0), ("a", "suspect", 1.25), ("a", "dead", 1.75),
+                                    ("a", "recovered", 3.25)]
+
+
+async def test_broken_connection_is_suspected_at_once(autojump_clock):
+    devices = {}
+    async with trio.open_nursery() as nursery:
+        membership = setup(nursery, devices)
+        await nursery.start(membership.run)
+        device = devices["a"] = FakeDevice(membership, "a")
+        device.answers = False
+        membership.add("a")
+        nursery.start_soon(device.heartbeats)
+        await trio.sleep(0.3)
+        device.beating = False
+        membership.lost("a", "connection closed")   # t = 0.3, well before the deadline
+        await trio.sleep(2.0)
+        nursery.cancel_scope.cancel()
+    assert timeline(membership) == [("a", "joined", 0.0), ("a", "suspect", 0.3), ("a", "dead", 0.8)]
+    assert membership.log[1].reason == "connection closed"
+
+
+async def test_left_and_subscribers(autojump_clock):
+    devices = {}
+    async with trio.open_nursery() as nursery:
+        membership = setup(nursery, devices, suspect_after=0.5)
+        events = membership.subscribe()
+        await nursery.start(membership.run)
+        devices["a"] = FakeDevice(membership, "a")
+        devices["a"].answers = False
+        membership.add("a")
+        await trio.sleep(0.25)
+        membership.remove("a", "mDNS goodbye")
+        await trio.sleep(2.0)
+        nursery.cancel_scope.cancel()
+    seen = []
+    while True:
+        try:
+            seen.append(events.receive_nowait())
+        except trio.WouldBlock:
+            break
+    assert [(e.kind, e.time) for e in seen] == [("joined", 0.0), ("left", 0.25)]  # no suspect after leaving
