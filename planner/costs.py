@@ -132,27 +132,32 @@ class CostTable:
 
     @classmethod
     def from_flops(cls, desc: ModelDesc, gflops: float, mem_gbps: float | None = None) -> "CostTable":
-        """An analytical table: time = FLOPs / speed (+ bytes touched / memory bandwidth when
-        given). Forward FLOPs per layer come from the model; backward is about twice the
-        forward for layers with weights (input and weight gradients), once for the rest;
-        an SGD update reads and writes about four floats per parameter."""
+        """An analytical table: time = FLOPs / speed, plus bytes moved / memory bandwidth when
+        that is given. Forward FLOPs per layer come from the model; backward is about twice
+        the forward for layers with weights (input and weight gradients), once for the rest.
+        Bytes moved: per sample, a layer's input and output (twice backward); per call,
+        its weights (read forward; read, and gradient written, backward) — so time is
+        affine in the batch size. An SGD update reads and writes about four floats per
+        parameter."""
         if not gflops > 0:
             raise ValueError(f"gflops must be positive, got {gflops}")
         rate = gflops * 1e9
-        f = np.array([layer.flops for layer in desc.layers], dtype=float) / rate
-        b = np.array([layer.backward_flops for layer in desc.layers], dtype=float) / rate
-        up = np.zeros(len(desc.layers))
-        if mem_gbps:
-            bw = mem_gbps * 1e9
-            moved = np.array([_in_bytes(desc, layer.index) + layer.out_bytes for layer in desc.layers], dtype=float)
-            f = f + moved / bw
-            b = b + 2 * moved / bw
-            up = np.array([4 * layer.param_bytes for layer in desc.layers], dtype=float) / bw
+        f1 = np.array([layer.flops for layer in desc.layers], dtype=float) / rate
+        b1 = np.array([layer.backward_flops for layer in desc.layers], dtype=float) / rate
         out = desc.layers[-1].out_bytes
-        loss_f = [out * 10 / rate]  # a few operations per output value
-        loss_b = [out * 10 / rate]
-        src = f"{gflops:g} GFLOP/s" + (f", {mem_gbps:g} GB/s" if mem_gbps else "")
-        return cls((1,), f, b, up, loss_f, loss_b, src)
+        loss = out * 10 / rate  # a few operations per output value
+        if not mem_gbps:
+            src = f"{gflops:g} GFLOP/s"
+            return cls((1,), f1, b1, np.zeros(len(desc.layers)), [loss], [loss], src)
+        bw = float(mem_gbps) * 1e9
+        moved = np.array([_in_bytes(desc, layer.index) + layer.out_bytes for layer in desc.layers], dtype=float) / bw
+        weights = np.array([layer.param_bytes for layer in desc.layers], dtype=float) / bw
+        per_f, per_b = f1 + moved, b1 + 2 * moved
+        f = np.column_stack([per_f + weights, 2 * per_f + weights])  # at batch 1 and 2: affine
+        b = np.column_stack([per_b + 2 * weights, 2 * per_b + 2 * weights])
+        up = 4 * weights
+        src = f"{gflops:g} GFLOP/s, {mem_gbps:g} GB/s"
+        return cls((1, 2), f, b, up, [loss, 2 * loss], [loss, 2 * loss], src)
 
 
 def _in_bytes(desc: ModelDesc, index: int) -> int:

@@ -1,0 +1,218 @@
+"""Asteroid's stage costs for every layer range at once: Algorithm 1 vectorised over ranges.
+
+For a group of devices (a block of the memory-sorted device list) and a warm-up K, every
+layer range [i, j) gets the allocation of Alg. 1 (planner/allocation.py, the same steps in
+the same order, on numpy arrays of ranges) and from it E_f, E_b (eq. 8) and whether the
+group can hold the stage at all (eq. 3 on every device, weights included). Stages start
+and end at candidate cuts (all layer boundaries for models up to a few dozen layers);
+ranges are indexed by the flat position of (cut i, cut j) in a C x C array, entries with
+j <= i unused.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from planner.inputs import PlanInputs
+from planner.memory import OPTIMIZER_STATE_FLOATS
+
+
+class AsteroidTables:
+    def __init__(self, inputs: PlanInputs, order: list[str], cuts: list[int] | None = None):
+        self.inputs = inputs
+        self.order = order
+        cl, mem = inputs.cluster, inputs.mem
+        L = self.L = inputs.num_layers
+        self.cuts = np.array(cuts if cuts is not None else range(L + 1))
+        C = len(self.cuts)
+        self.B = inputs.microbatch
+        self.block = max(1, self.B // 16)
+        ii, jj = np.meshgrid(np.arange(C), np.arange(C), indexing="ij")
+        self.valid = np.flatnonzero((jj > ii).ravel())
+        self.vi, self.vj = self.cuts[ii.ravel()[self.valid]], self.cuts[jj.ravel()[self.valid]]
+        ends_last = self.vj == L
+        # per device: forward and backward range times at each grid batch size, shape (K, ranges)
+        self.f_tab, self.b_tab, self.loss, self.loss_f, self.loss_b, self.interp = [], [], [], [], [], []
+        for name in order:
+            costs = cl.device(name).costs
+            cf, cb = costs.cumulative("fwd"), costs.cumulative("bwd")
+            self.f_tab.append((cf[self.vj] - cf[self.vi]).T.copy())
+            self.b_tab.append((cb[self.vj] - cb[self.vi]).T.copy())
+            wmat = np.zeros((self.B + 1, len(costs.batch_sizes)))
+            for y in range(self.B + 1):  # time(y) = sum_k wmat[y, k] * time at grid size k
+                k0, k1, w0, w1 = costs.weights(y)
+                wmat[y, k0] += w0
+                wmat[y, k1] += w1
+            self.interp.append(wmat)
+            self.loss.append(np.array([sum(costs.loss_time(y)) for y in range(self.B + 1)]))
+            self.loss_f.append(np.array([costs.loss_time(y)[0] for y in range(self.B + 1)]))
+            self.loss_b.append(np.array([costs.loss_time(y)[1] for y in range(self.B + 1)]))
+        self.ends_last = ends_last
+        self.budget = np.array([cl.device(n).memory for n in order], dtype=float)
+        # memory per range (eq. 3 pieces)
+        cum_p = np.concatenate([[0.0], np.cumsum(mem.param_bytes)])
+        cum_a = np.concatenate([[0.0], np.cumsum(mem.act_bytes)])
+        grads = mem.out_bytes + mem.in_bytes
+        runmax = np.zeros((L + 1, L + 1))
+        for i in range(L):
+            runmax[i, i + 1:] = np.maximum.accumulate(grads[i:])
+        copies = 2 + OPTIMIZER_STATE_FLOATS[mem.optimizer]
+        self.weights = copies * (cum_p[self.vj] - cum_p[self.vi])
+        self.act = cum_a[self.vj] - cum_a[self.vi]
+        self.grad_peak = runmax.ravel()[self.valid]
+        self.param_bytes = cum_p[self.vj] - cum_p[self.vi]
+        self._uncapped: dict = {}
+        self._capped: dict = {}
+
+    # ---- times -----------------------------------------------------------------------
+    def times(self, d: int, y: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) of device d (position in `order`) on y[k] samples of range cols[k],
+        with the same floating-point steps as CostTable.range_time (the added terms are zeros)."""
+        w = self.interp[d][y]  # (n, grid)
+        full = cols.size == len(self.valid) and cols[0] == 0 and cols[-1] == cols.size - 1
+        out = []
+        for tab in (self.f_tab[d], self.b_tab[d]):
+            sub = tab if full else tab[:, cols]
+            acc = w[:, 0] * sub[0]
+            for k in range(1, sub.shape[0]):
+                acc = acc + w[:, k] * sub[k]
+            out.append(np.maximum(0.0, acc))
+        return out[0], out[1]
+
+    def total(self, d: int, y: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        f, b = self.times(d, y, cols)
+        t = f + b
+        last = self.ends_last[cols] & (y > 0)
+        t = np.where(last, t + self.loss[d][y], t)
+        return np.where(y > 0, t, 0.0)
+
+    def caps(self, group: list[int], K: int, cols: np.ndarray) -> np.ndarray:
+        """Most samples each device can hold (MemoryModel.max_batch), shape (g, n); -1 where
+        even the weights do not fit."""
+        free = self.budget[group][:, None] - self.weights[cols][None, :]
+        per = K * self.act[cols] + self.grad_peak[cols]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cap = np.where(per[None, :] > 0, np.floor(free / np.where(per > 0, per, 1.0)[None, :]), float(1 << 30))
+        cap = np.where(free < 0, -1.0, cap)
+        return np.minimum(cap, float(1 << 30)).astype(np.int64)
+
+    # ---- Alg. 1 ------------------------------------------------------------------------
+    def allocate(self, group: list[int], cols: np.ndarray, caps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Alg. 1 for every range in `cols`: (y of shape (g, n), feasible of shape (n,))."""
+        g, n, B = len(group), len(cols), self.B
+        if caps is None:
+            caps = np.full((g, n), B, dtype=np.int64)
+        caps_ok = np.maximum(caps, 0)
+        feasible = caps_ok.sum(axis=0) >= B
+        full = np.full(n, B)
+        speed = np.stack([1.0 / np.maximum(self.total(d, full, cols), 1e-12) for d in group])
+        y = np.zeros((g, n), dtype=np.int64)
+        left = np.where(feasible, B, 0)
+        active = caps_ok > 0
+        rows = np.arange(g)[:, None]
+        while (left > 0).any():
+            w = np.where(active, speed, 0.0)
+            s = w.sum(axis=0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                exact = np.where(s > 0, left * w / np.where(s > 0, s, 1.0), 0.0)
+            fl = np.floor(exact).astype(np.int64)
+            fl = np.where(active, fl, 0)
+            rem = left - fl.sum(axis=0)
+            frac = np.where(active, exact - fl, -1.0)
+            order = np.argsort(-frac, axis=0, kind="stable")
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, rows.repeat(n, axis=1), axis=0)
+            shares = fl + ((rank < rem[None, :]) & active)
+            take = np.minimum(shares, caps_ok - y)
+            take = np.where(left[None, :] > 0, take, 0)
+            y += take
+            given = take.sum(axis=0)
+            left = left - given
+            active = active & (y < caps_ok)
+            stuck = (left > 0) & (given == 0)
+            if stuck.any():
+                best = np.argmax(np.where(active, speed, -np.inf), axis=0)
+                c = np.flatnonzero(stuck)
+                y[best[c], c] += 1
+                left[c] -= 1
+        # Phase 2: straggler offloading
+        live = np.flatnonzero(feasible & (g > 1))
+        t_all = None
+        for _ in range(B * g + 1):
+            if live.size == 0:
+                break
+            cl = cols[live]
+            yl = y[:, live]
+            t = np.stack([self.total(d, yl[k], cl) for k, d in enumerate(group)]) if t_all is None else t_all
+            slow = np.argmax(t, axis=0)
+            idx = np.arange(live.size)
+            move = np.minimum(self.block, yl[slow, idx])
+            plus = np.minimum(yl + move[None, :], B)  # (capped at B only where there is no room anyway)
+            room = (yl + move[None, :] <= caps_ok[:, live]) & (np.arange(g)[:, None] != slow[None, :])
+            t_plus = np.stack([self.total(d, plus[k], cl) for k, d in enumerate(group)])
+            t_plus = np.where(room, t_plus, np.inf)
+            fast = np.argmin(t_plus, axis=0)
+            has_room = room.any(axis=0) & (move > 0)
+            trial = yl.copy()
+            trial[slow, idx] -= move
+            trial[fast, idx] += np.where(has_room, move, 0)
+            trial[slow, idx] += np.where(has_room, 0, move)
+            minus = np.maximum(yl - move[None, :], 0)
+            t_minus = np.stack([self.total(d, minus[k], cl) for k, d in enumerate(group)])
+            t_new = t.copy()
+            t_new[slow, idx] = np.where(has_room, t_minus[slow, idx], t[slow, idx])
+            t_new[fast, idx] = np.where(has_room, t_plus[fast, idx], t_new[fast, idx])
+            accept = has_room & (t_new.max(axis=0) < t[slow, idx] - 1e-15)
+            y[:, live[accept]] = trial[:, accept]
+            live = live[accept]
+            t_all = t_new[:, accept]
+        return y, feasible
+
+    def stage(self, group: list[int], K: int) -> tuple[np.ndarray, np.ndarray]:
+        """(E_f, E_b) over all ranges for the group at warm-up K (inf where it cannot fit)."""
+        key = (tuple(group), K)
+        if key in self._capped:
+            return self._capped[key]
+        n = len(self.valid)
+        cols = np.arange(n)
+        caps = self.caps(group, K, cols)
+        binding = (caps < self.B).any(axis=0)
+        ef, eb = np.empty(n), np.empty(n)
+        base = self._uncapped.get(tuple(group))
+        if base is None:
+            y, _ = self.allocate(group, cols, None)
+            base = self._uncapped[tuple(group)] = self._eval(group, y, cols)
+        ef[:], eb[:] = base
+        if binding.any():
+            bc = np.flatnonzero(binding)
+            y, feasible = self.allocate(group, bc, caps[:, bc])
+            feasible &= (caps[:, bc] >= 0).all(axis=0)  # every member holds the stage's weights
+            f2, b2 = self._eval(group, y, bc)
+            ef[bc] = np.where(feasible, f2, np.inf)
+            eb[bc] = np.where(feasible, b2, np.inf)
+        self._capped[key] = (ef, eb)
+        return ef, eb
+
+    def _eval(self, group: list[int], y: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Eq. 8: the slowest device's forward and backward (loss included on the last stage)."""
+        ef = np.zeros(len(cols))
+        eb = np.zeros(len(cols))
+        last = self.ends_last[cols]
+        for k, d in enumerate(group):
+            f, b = self.times(d, y[k], cols)
+            has = y[k] > 0
+            f = np.where(has, f, 0.0)
+            b = np.where(has, b, 0.0)
+            f = np.where(last & has, f + self.loss_f[d][y[k]], f)
+            b = np.where(last & has, b + self.loss_b[d][y[k]], b)
+            ef = np.maximum(ef, f)
+            eb = np.maximum(eb, b)
+        return ef, eb
+
+    def allocation_of(self, group: list[int], K: int, first: int, last: int) -> dict[str, int] | None:
+        """The Alg. 1 allocation of one range (for building the final plan)."""
+        col = np.flatnonzero((self.vi == first) & (self.vj == last))
+        caps = self.caps(group, K, col)
+        y, feasible = self.allocate(group, col, caps)
+        if not (feasible[0] and (caps[:, 0] >= 0).all()):
+            return None
+        return {self.order[d]: int(y[k, 0]) for k, d in enumerate(group)}

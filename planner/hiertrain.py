@@ -1,0 +1,259 @@
+"""HierTrain (Liu et al., sections IV-V): tasks O, S and L over a device/edge/cloud hierarchy.
+
+worker_o trains the whole model on b_o samples, worker_s layers 1..m_s on b_s samples,
+worker_l layers 1..m_l on b_l samples; outputs of S and L go to O, which finishes their
+samples. Algorithm 1: for each of the six mappings of three devices onto (o, s, l) and every
+0 <= m_s <= m_l <= N, solve the relaxed LP of P1 (eqs. 5-19, the max terms as epigraph
+variables) for b_o, b_s, b_l, round as the paper does (the largest fractional parts go up
+until the sum is B), evaluate T_total (eq. 12) and keep the best. The LPs of one mapping
+are independent, so they are solved as one block-diagonal LP by scipy's HiGHS.
+
+Its timing model is HierTrain's: linear in the number of samples (per-sample layer times
+taken at the micro-batch size), with no pipelining. As a Plan, the result is
+    [0, m_s)    dp over (o, s, l) with allocation (b_o, b_s, b_l)
+    [m_s, m_l)  dp over (o, l)    with (b_o + b_s, b_l)
+    [m_l, N)    single on o
+(empty ranges and devices with no samples left out), simulated like any other plan.
+
+Which three devices: one per tier when devices carry "tier" (device, edge, cloud — the
+fastest of each); otherwise the data source and the two fastest other devices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import permutations
+
+import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import coo_matrix
+
+from planner.inputs import NoPlan, PlanInputs
+from planner.plan import Plan, Stage
+from planner.stage_work import IMAGE_BYTES_PER_VALUE
+
+ROLES = ("o", "s", "l")
+
+
+@dataclass
+class Schedule:
+    mapping: dict[str, str | None]  # role -> device
+    m_s: int
+    m_l: int
+    b: dict[str, int]  # role -> samples
+    total: float  # T_total, eq. 12
+
+
+def choose_workers(inputs: PlanInputs) -> list[str]:
+    cl = inputs.cluster
+    fastest = cl.by_speed(inputs.microbatch)
+    tiers = {}
+    for name in fastest:
+        tier = cl.device(name).tier
+        if tier in ("device", "edge", "cloud") and tier not in tiers:
+            tiers[tier] = name
+    if len(tiers) == 3:
+        return [tiers["device"], tiers["edge"], tiers["cloud"]]
+    chosen = [cl.data_source] if cl.data_source else []
+    chosen += [n for n in fastest if n not in chosen]
+    return chosen[:3]
+
+
+class HierTrainModel:
+    """The per-sample quantities of eqs. 1-11 for one mapping of devices onto roles."""
+
+    def __init__(self, inputs: PlanInputs, mapping: dict[str, str | None]):
+        cl, mem, L = inputs.cluster, inputs.mem, inputs.num_layers
+        self.L, self.B = L, inputs.microbatch
+        self.mapping = mapping
+        data = cl.data_source or next(d for d in mapping.values() if d)
+        image = inputs.desc.input_bytes // 4 * IMAGE_BYTES_PER_VALUE
+        self.f, self.b, self.cum_f, self.cum_b, self.upd, self.t_in = {}, {}, {}, {}, {}, {}
+        for role, dev in mapping.items():
+            if dev is None:
+                continue
+            costs = cl.device(dev).costs.per_sample(self.B)
+            f = costs.fwd[:, 0].copy()
+            b = costs.bwd[:, 0].copy()
+            f[-1] += costs.loss_fwd[0]
+            b[-1] += costs.loss_bwd[0]
+            self.cum_f[role] = np.concatenate([[0.0], np.cumsum(f)])
+            self.cum_b[role] = np.concatenate([[0.0], np.cumsum(b)])
+            self.upd[role] = np.concatenate([[0.0], np.cumsum(costs.update)])
+            self.t_in[role] = 0.0 if dev == data else image / cl.bw(data, dev)
+        o = mapping["o"]
+        self.mo = np.array([mem.boundary(k) for k in range(L + 1)])  # MO at boundary k (output of layer k)
+        self.bw = {r: (cl.bw(mapping[r], o) if mapping[r] else np.inf) for r in ("s", "l")}
+        self.latency = cl.latency
+        self.mp = np.concatenate([[0.0], np.cumsum(mem.param_bytes)])
+
+    def fsum(self, role, a, b):
+        return self.cum_f[role][b] - self.cum_f[role][a]
+
+    def bsum(self, role, a, b):
+        return self.cum_b[role][b] - self.cum_b[role][a]
+
+    def coefficients(self, ms: int, ml: int) -> dict:
+        """Per-sample coefficients of each term of eqs. 5-10 for partition points (m_s, m_l)."""
+        L = self.L
+        has_s, has_l = "s" in self.cum_f and ms > 0, "l" in self.cum_f and ml > 0
+        out_s = self.mo[ms] / self.bw["s"] if has_s else 0.0
+        out_l = self.mo[ml] / self.bw["l"] if has_l else 0.0
+        c = {
+            "f1": [self.t_in["o"] + self.fsum("o", 0, ms),
+                   (self.t_in["s"] + self.fsum("s", 0, ms) + out_s) if has_s else 0.0,
+                   (self.t_in["l"] + self.fsum("l", 0, ms)) if has_l else 0.0],
+            "b1": [self.bsum("o", 0, ms),
+                   (self.bsum("s", 0, ms) + out_s) if has_s else 0.0,
+                   self.bsum("l", 0, ms) if has_l else 0.0],
+            "f2": [self.fsum("o", ms, ml), (self.fsum("l", ms, ml) + out_l) if has_l else 0.0],
+            "b2": [self.bsum("o", ms, ml), (self.bsum("l", ms, ml) + out_l) if has_l else 0.0],
+            "f3": self.fsum("o", ml, L), "b3": self.bsum("o", ml, L),
+            "has_s": has_s, "has_l": has_l,
+        }
+        upd = [self.upd["o"][L], self.upd["s"][ms] if has_s else 0.0, self.upd["l"][ml] if has_l else 0.0]
+        wg_s = 2 * self.mp[ms] / self.bw["s"] + 2 * self.latency if has_s else 0.0
+        wg_l = 2 * self.mp[ml] / self.bw["l"] + 2 * self.latency if has_l else 0.0
+        c["update"] = max(upd) + max(wg_s, wg_l)  # eq. 11
+        return c
+
+    def total(self, ms: int, ml: int, bo: float, bs: float, bl: float, c: dict | None = None) -> float:
+        """T_total, eq. 12."""
+        c = c or self.coefficients(ms, ml)
+        t1f = max(c["f1"][0] * bo, c["f1"][1] * bs, c["f1"][2] * bl)
+        t1b = max(c["b1"][0] * bo, c["b1"][1] * bs, c["b1"][2] * bl)
+        t2f = max(c["f2"][0] * (bo + bs), c["f2"][1] * bl)
+        t2b = max(c["b2"][0] * (bo + bs), c["b2"][1] * bl)
+        B = bo + bs + bl
+        return t1f + t1b + t2f + t2b + (c["f3"] + c["b3"]) * B + c["update"]
+
+
+def round_samples(x: list[float], total: int) -> list[int]:
+    """HierTrain's rounding: integer parts, then +1 for the largest fractional parts (one,
+    then two) until the parts sum to `total`."""
+    ints = [int(np.floor(v + 1e-9)) for v in x]
+    fracs = [v - i for v, i in zip(x, ints)]
+    order = sorted(range(len(x)), key=lambda k: -fracs[k])
+    for extra in range(len(x) + 1):
+        trial = [ints[k] + (1 if k in order[:extra] else 0) for k in range(len(x))]
+        if sum(trial) == total:
+            return trial
+    trial = list(ints)  # only when the LP's sum is off by more than the paper's two steps
+    trial[order[0]] += total - sum(trial)
+    return trial
+
+
+def solve_mapping(model: HierTrainModel, pairs: list[tuple[int, int]]) -> list[tuple[float, float, float]]:
+    """The relaxed LP of P1 for every (m_s, m_l) in `pairs`, as one block-diagonal LP.
+    Block variables: b_o, b_s, b_l, t1f, t1b, t2f, t2b."""
+    nv = 7
+    rows, cols, vals, ub = [], [], [], []
+    eq_rows, eq_cols, eq_vals = [], [], []
+    cost = np.zeros(nv * len(pairs))
+    upper = np.full(nv * len(pairs), np.inf)
+    r = 0
+    B = model.B
+    for k, (ms, ml) in enumerate(pairs):
+        c = model.coefficients(ms, ml)
+        base = nv * k
+        cost[base + 3:base + 7] = 1.0
+
+        def le(terms, t):  # sum(coef * var) - t <= 0
+            nonlocal r
+            for var, coef in terms:
+                rows.append(r)
+                cols.append(base + var)
+                vals.append(coef)
+            rows.append(r)
+            cols.append(base + t)
+            vals.append(-1.0)
+            ub.append(0.0)
+            r += 1
+
+        for j in range(3):
+            le([(j, c["f1"][j])], 3)
+            le([(j, c["b1"][j])], 4)
+        le([(0, c["f2"][0]), (1, c["f2"][0])], 5)
+        le([(2, c["f2"][1])], 5)
+        le([(0, c["b2"][0]), (1, c["b2"][0])], 6)
+        le([(2, c["b2"][1])], 6)
+        for var in range(3):
+            eq_rows.append(k)
+            eq_cols.append(base + var)
+            eq_vals.append(1.0)
+        if not c["has_s"]:
+            upper[base + 1] = 0.0  # eq. 18 with m_s = 0 (or no worker_s)
+        if not c["has_l"]:
+            upper[base + 2] = 0.0  # eq. 19
+    n = nv * len(pairs)
+    a_ub = coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsr()
+    a_eq = coo_matrix((eq_vals, (eq_rows, eq_cols)), shape=(len(pairs), n)).tocsr()
+    res = linprog(cost, A_ub=a_ub, b_ub=np.array(ub), A_eq=a_eq, b_eq=np.full(len(pairs), float(B)),
+                  bounds=np.column_stack([np.zeros(n), upper]), method="highs")
+    if res.status != 0:
+        raise NoPlan(f"HierTrain's LP failed: {res.message}")
+    x = res.x.reshape(len(pairs), nv)
+    return [tuple(row[:3]) for row in x]
+
+
+def hiertrain_search(inputs: PlanInputs, workers: list[str]) -> Schedule:
+    """Algorithm 1 over the given (up to three) devices."""
+    L = inputs.num_layers
+    pairs = [(ms, ml) for ms in range(L + 1) for ml in range(ms, L + 1)]
+    best: Schedule | None = None
+    padded = list(workers) + [None] * (3 - len(workers))
+    seen = set()
+    for perm in permutations(padded):
+        if perm[0] is None or perm in seen:
+            continue
+        seen.add(perm)
+        mapping = dict(zip(ROLES, perm))
+        model = HierTrainModel(inputs, mapping)
+        for (ms, ml), relaxed in zip(pairs, solve_mapping(model, pairs)):
+            bo, bs, bl = round_samples(list(relaxed), model.B)
+            if bs and not (mapping["s"] and ms > 0) or bl and not (mapping["l"] and ml > 0):
+                continue
+            total = float(model.total(ms, ml, bo, bs, bl))
+            if best is None or total < best.total - 1e-12:
+                best = Schedule(mapping, ms, ml, {"o": bo, "s": bs, "l": bl}, total)
+    assert best is not None
+    return best
+
+
+def schedule_stages(s: Schedule, num_layers: int) -> list[Stage]:
+    o, sdev, ldev = s.mapping["o"], s.mapping["s"], s.mapping["l"]
+    b = s.b
+    stages = []
+
+    def add(first, last, alloc):
+        alloc = {d: y for d, y in alloc if d is not None and y > 0}
+        if last <= first:
+            return
+        if len(alloc) == 1:
+            stages.append(Stage(first, last, "single", list(alloc)))
+        else:
+            stages.append(Stage(first, last, "dp", list(alloc), allocation=alloc))
+
+    add(0, s.m_s, [(o, b["o"]), (sdev, b["s"]), (ldev, b["l"])])
+    add(s.m_s, s.m_l, [(o, b["o"] + b["s"]), (ldev, b["l"])])
+    add(s.m_l, num_layers, [(o, b["o"] + b["s"] + b["l"])])
+    # neighbouring stages with the same single device are one stage
+    merged: list[Stage] = []
+    for st in stages:
+        if merged and st.mode == "single" and merged[-1].mode == "single" and merged[-1].devices == st.devices:
+            merged[-1] = Stage(merged[-1].first, st.last, "single", st.devices)
+        else:
+            merged.append(st)
+    return merged
+
+
+def plan_hiertrain(inputs: PlanInputs, workers: list[str] | None = None) -> Plan:
+    if inputs.batch_size % inputs.microbatches:
+        raise NoPlan(f"HierTrain splits micro-batches between workers: the batch ({inputs.batch_size}) must "
+                     f"split evenly into {inputs.microbatches} micro-batches")
+    workers = workers or choose_workers(inputs)
+    best = hiertrain_search(inputs, workers)
+    plan = inputs.plan(schedule_stages(best, inputs.num_layers), "hiertrain")
+    plan = inputs.finish(plan)
+    plan.predicted["hiertrain"] = {"mapping": best.mapping, "m_s": best.m_s, "m_l": best.m_l, "b": best.b,
+                                   "t_total_s": best.total}
+    return plan
