@@ -1,0 +1,156 @@
+"""The simulator against hand-computed timelines: local steps, 1F1B pipelines, transfers,
+data-parallel groups, the data source, memory (Asteroid eq. 3) and the schedule order."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from planner.cluster import Cluster, Device
+from planner.costs import CostTable
+from planner.memory import MemoryModel
+from planner.plan import Plan, PlanError, Stage
+from planner.schedule import asteroid_warmup, stage_schedule
+from planner.simulator import simulate
+from swarm.zoo import describe_model
+
+FAST = 1e15  # bytes/s: transfers that take no time
+
+
+def uniform_table(n_layers: int, fwd: float, bwd: float, update: float = 0.0) -> CostTable:
+    """Every layer takes `fwd`/`bwd` seconds per sample (linear in the batch), no loss cost."""
+    return CostTable((1,), np.full(n_layers, fwd), np.full(n_layers, bwd), np.full(n_layers, update), [0.0], [0.0])
+
+
+def cluster_of(tables: dict[str, CostTable], bw: float = FAST, latency: float = 0.0, memory: float = 2**40,
+               data_source: str | None = None) -> Cluster:
+    devs = [Device(n, t, memory) for n, t in tables.items()]
+    n = len(devs)
+    return Cluster(devs, np.full((n, n), bw), latency, data_source)
+
+
+@pytest.fixture(scope="module")
+def lenet():
+    desc = describe_model("lenet5")
+    return desc, MemoryModel.estimated(desc)
+
+
+def plan_of(stages, batch=4, micro=4, devices=("a", "b", "c")):
+    return Plan("lenet5", 32, batch, micro, stages, devices={d: {} for d in devices})
+
+
+def test_local_step_is_the_sum_of_its_parts(lenet):
+    desc, mem = lenet
+    cl = cluster_of({"a": uniform_table(7, 0.01, 0.02, update=0.001)})
+    t = simulate(plan_of([Stage(0, 7, "single", ["a"])], batch=8, micro=2, devices=("a",)), desc, mem, cl)
+    # two micro-batches of 4: 7 layers x 4 samples x (0.01 + 0.02), then one update of 7 layers
+    assert t.step_time == pytest.approx(2 * 7 * 4 * 0.03 + 7 * 0.001)
+    assert t.throughput == pytest.approx(8 / t.step_time)
+    kinds = [(e.kind, e.micro) for e in t.events]
+    assert kinds == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("update", None)]
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4, 6])
+def test_balanced_pipeline_takes_m_plus_p_minus_one_rounds(lenet, micro):
+    """P equal stages, free transfers: 1F1B finishes after (M + P - 1) forward+backward rounds."""
+    desc, mem = lenet
+    table = uniform_table(7, 0.01, 0.02)
+    table.fwd[6] = table.bwd[6] = 0.0  # so that layers 4-6 take as long as 0-1 and 2-3
+    cl = cluster_of({"a": table, "b": table, "c": table})
+    stages = [Stage(0, 2, "single", ["a"]), Stage(2, 4, "single", ["b"]), Stage(4, 7, "single", ["c"])]
+    t = simulate(plan_of(stages, batch=micro, micro=micro), desc, mem, cl)
+    round_time = 2 * 0.03  # two layers per stage, one sample per micro-batch
+    assert t.step_time == pytest.approx((micro + 3 - 1) * round_time)
+
+
+def test_each_stage_follows_stage_schedule(lenet):
+    desc, mem = lenet
+    cl = cluster_of({n: uniform_table(7, 0.01 * (k + 1), 0.02) for k, n in enumerate("abc")})
+    stages = [Stage(0, 2, "single", ["a"]), Stage(2, 4, "single", ["b"]), Stage(4, 7, "single", ["c"])]
+    t = simulate(plan_of(stages, batch=6, micro=6), desc, mem, cl)
+    for p, dev in enumerate("abc"):
+        order = [(e.kind, e.micro) for e in t.events if e.device == dev and e.kind in "FB"]
+        assert order == stage_schedule(6, asteroid_warmup(3, p))
+
+
+def test_transfers_cost_latency_plus_bytes_over_bandwidth(lenet):
+    desc, mem = lenet
+    bw, lat = 1e6, 0.002
+    table = uniform_table(7, 0.01, 0.02)
+    cl = cluster_of({"a": table, "b": table}, bw=bw, latency=lat)
+    t = simulate(plan_of([Stage(0, 3, "single", ["a"]), Stage(3, 7, "single", ["b"])], batch=1, micro=1,
+                         devices=("a", "b")), desc, mem, cl)
+    x = lat + mem.boundary(3) / bw  # activation forward, the same bytes of gradient backward
+    expected = 3 * 0.01 + x + 4 * 0.03 + x + 3 * 0.02 + 2 * lat  # + the commit round trip
+    assert t.step_time == pytest.approx(expected)
+    sends = [e for e in t.events if e.kind == "send"]
+    assert [(e.device, e.peer) for e in sends] == [("a", "b"), ("b", "a")]
+    assert all(e.nbytes == mem.boundary(3) for e in sends)
+
+
+def test_data_source_sends_uint8_images(lenet):
+    desc, mem = lenet
+    table = uniform_table(7, 0.01, 0.02)
+    cl = cluster_of({"a": table, "src": table}, bw=1e6, data_source="src")
+    t = simulate(plan_of([Stage(0, 7, "single", ["a"])], batch=2, micro=1, devices=("a", "src")), desc, mem, cl)
+    inputs = [e for e in t.events if e.kind == "input"]
+    assert len(inputs) == 1 and inputs[0].nbytes == 2 * 32 * 32  # one channel of 32x32 bytes per sample
+    assert t.step_time == pytest.approx(2 * 32 * 32 / 1e6 + 2 * 7 * 0.03)
+
+
+def test_dp_group_splits_samples_and_all_reduces(lenet):
+    desc, mem = lenet
+    bw, lat = 1e7, 0.001
+    cl = cluster_of({"a": uniform_table(7, 0.01, 0.02), "b": uniform_table(7, 0.02, 0.04)}, bw=bw, latency=lat)
+    plan = plan_of([Stage(0, 7, "dp", ["a", "b"], allocation={"a": 4, "b": 2})], batch=6, micro=1, devices=("a", "b"))
+    t = simulate(plan, desc, mem, cl)
+    compute = 7 * 4 * 0.03  # both take 0.84 s: a on 4 samples, b (half as fast) on 2
+    allreduce = 2 * lat + 2 * (2 - 1) / 2 * float(mem.param_bytes.sum()) / bw
+    assert t.step_time == pytest.approx(compute + allreduce + 2 * lat)
+    assert [e.kind for e in t.events if e.kind == "allreduce"] == ["allreduce", "allreduce"]
+
+
+def test_memory_is_asteroid_eq3(lenet):
+    desc, mem = lenet
+    table = uniform_table(7, 0.01, 0.02)
+    cl = cluster_of({"a": table, "b": table})
+    stages = [Stage(0, 3, "single", ["a"]), Stage(3, 7, "single", ["b"])]
+    t = simulate(plan_of(stages, batch=8, micro=4, devices=("a", "b")), desc, mem, cl)
+    # stage 0 warms up with K = 3 micro-batches of 2 samples; stage 1 with 1
+    assert t.peak_memory["a"] == pytest.approx(mem.stage(0, 3, 2, 3))
+    assert t.peak_memory["b"] == pytest.approx(mem.stage(3, 7, 2, 1))
+    assert t.eq3_memory == pytest.approx(t.peak_memory)
+
+
+def test_overflow_names_device_and_shortfall(lenet):
+    desc, mem = lenet
+    cl = cluster_of({"a": uniform_table(7, 0.01, 0.02)}, memory=100_000)
+    plan = plan_of([Stage(0, 7, "single", ["a"])], batch=8, micro=1, devices=("a",))
+    t = simulate(plan, desc, mem, cl)
+    assert not t.fits
+    (over,) = t.overflows(plan)
+    assert over.device == "a" and over.need == pytest.approx(mem.stage(0, 7, 8, 1))
+    assert "stage 0 needs" in over.message() and "device a, which has 97.7 KiB" in over.message()
+
+
+def test_device_serving_two_stages_finishes(lenet):
+    """A HierTrain-like plan: device a runs stages 0 and 2, b helps with stage 0."""
+    desc, mem = lenet
+    table = uniform_table(7, 0.01, 0.02)
+    cl = cluster_of({"a": table, "b": table}, bw=1e8)
+    stages = [Stage(0, 2, "dp", ["a", "b"], allocation={"a": 1, "b": 1}), Stage(2, 4, "single", ["b"]),
+              Stage(4, 7, "single", ["a"])]
+    t = simulate(plan_of(stages, batch=8, micro=4, devices=("a", "b")), desc, mem, cl)
+    for p, s in enumerate(stages):
+        for d in s.devices:
+            order = [(e.kind, e.micro) for e in t.events if e.device == d and e.stage == p and e.kind in "FB"]
+            assert order == stage_schedule(4, asteroid_warmup(3, p))
+    assert t.step_time > 0 and t.fits
+
+
+def test_unknown_device_is_refused(lenet):
+    desc, mem = lenet
+    cl = cluster_of({"a": uniform_table(7, 0.01, 0.02)})
+    with pytest.raises(Exception, match="no device 'zz'"):
+        simulate(plan_of([Stage(0, 7, "single", ["zz"])], devices=("zz",)), desc, mem, cl)
+    with pytest.raises(PlanError):
+        simulate(plan_of([Stage(0, 6, "single", ["a"])], devices=("a",)), desc, mem, cl)
