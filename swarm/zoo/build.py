@@ -245,6 +245,8 @@ def make_modules(plans: list[LayerPlan], only: range | None = None):
     stage allocates just that stage's weights, under the same state_dict keys."""
     from torch import nn
 
+    from swarm.zoo.layers import Reorg
+
     def act_module(act: str) -> nn.Module:
         return {"leaky": lambda: nn.LeakyReLU(0.1), "relu": nn.ReLU, "linear": nn.Identity,
                 "logistic": nn.Sigmoid, "tanh": nn.Tanh}[act]()
@@ -279,7 +281,7 @@ def make_modules(plans: list[LayerPlan], only: range | None = None):
         elif d.kind == "route":
             modules.append(nn.Identity())
         elif d.kind == "reorg":
-            modules.append(nn.PixelUnshuffle(d.stride))
+            modules.append(Reorg(d.stride))
         elif d.kind == "dropout":
             modules.append(nn.Identity())
         else:  # pragma: no cover

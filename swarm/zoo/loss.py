@@ -73,6 +73,8 @@ class RegionLoss:
         With `window` (row0, col0, H, W) `out` is the block of cells [row0, row0+h) x
         [col0, col0+w) of a full H x W grid; the losses of the blocks of a grid add up to
         the loss of the whole grid, so tiles can each take theirs."""
+        if out.shape[0] == 0:
+            return out.sum() * 0.0
         p = self.split(out)
         bsz, na, bh_cells, bw_cells, _ = p.shape
         r0, c0, gh, gw = window if window is not None else (0, 0, bh_cells, bw_cells)
@@ -85,11 +87,12 @@ class RegionLoss:
                 iou = iou.masked_fill(~valid.unsqueeze(1), 0.0)
                 best_iou = iou.max(dim=-1).values.view(bsz, na, bh_cells, bw_cells)
             else:
-                best_iou = torch.zeros(bsz, na, bh_cells, bw_cells)
+                best_iou = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=p.dtype)
             assigned = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=torch.bool)
-            tbox = torch.zeros(bsz, na, bh_cells, bw_cells, 4)
+            tbox = torch.zeros(bsz, na, bh_cells, bw_cells, 4, dtype=p.dtype)
             tcls = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=torch.long)
-            tscale = torch.zeros(bsz, na, bh_cells, bw_cells)
+            tscale = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=p.dtype)
+            anchors = self.anchors.to(p.dtype)
             bi, ni = valid.nonzero(as_tuple=True)
             if bi.numel():
                 t = targets[bi, ni]  # (T, 5)
@@ -97,9 +100,9 @@ class RegionLoss:
                 gy = (t[:, 2] * gh).clamp(0, gh - 1e-4)
                 tw_cells, th_cells = t[:, 3] * gw, t[:, 4] * gh
                 # best anchor by shape: IoU of boxes sharing a centre
-                inter = torch.minimum(tw_cells[:, None], self.anchors[None, :, 0]) * \
-                    torch.minimum(th_cells[:, None], self.anchors[None, :, 1])
-                union = tw_cells[:, None] * th_cells[:, None] + self.anchors.prod(-1)[None, :] - inter
+                inter = torch.minimum(tw_cells[:, None], anchors[None, :, 0]) * \
+                    torch.minimum(th_cells[:, None], anchors[None, :, 1])
+                union = tw_cells[:, None] * th_cells[:, None] + anchors.prod(-1)[None, :] - inter
                 ai = (inter / union).argmax(dim=1)
                 ci, cj = gx.long(), gy.long()
                 # Two truths on the same (cell, anchor): the later one wins, as in darknet.
@@ -116,16 +119,16 @@ class RegionLoss:
                 assigned[bi, ai, cj, ci] = True
                 tbox[bi, ai, cj, ci] = torch.stack([
                     gx - ci, gy - cj,
-                    torch.log(tw_cells.clamp(min=1e-6) / self.anchors[ai, 0]),
-                    torch.log(th_cells.clamp(min=1e-6) / self.anchors[ai, 1])], dim=-1)
+                    torch.log(tw_cells.clamp(min=1e-6) / anchors[ai, 0]),
+                    torch.log(th_cells.clamp(min=1e-6) / anchors[ai, 1])], dim=-1)
                 tcls[bi, ai, cj, ci] = t[:, 0].long()
                 tscale[bi, ai, cj, ci] = 2.0 - t[:, 3] * t[:, 4]
             noobj = (~assigned) & (best_iou <= self.thresh)
             if self.rescore:
                 obj_target = box_iou_cxcywh(pred[assigned].unsqueeze(-2),
-                                            truth_at(assigned, tbox, self.anchors, (r0, c0, gh, gw)).unsqueeze(-2)).view(-1)
+                                            truth_at(assigned, tbox, anchors, (r0, c0, gh, gw)).unsqueeze(-2)).view(-1)
             else:
-                obj_target = torch.ones(int(assigned.sum()))
+                obj_target = torch.ones(int(assigned.sum()), dtype=p.dtype)
 
         obj = torch.sigmoid(p[..., 4])
         loss = self.noobject_scale * (obj[noobj] ** 2).sum()

@@ -41,8 +41,8 @@ class Net(nn.Module):
         image) that this range reads from before `first`; returns those that layers at or
         after `last` read (or the final output when `last` is the end)."""
         outs = dict(live)
-        if -1 in outs and outs[-1].dtype == torch.uint8:
-            outs[-1] = outs[-1].float().div_(255.0)
+        if -1 in outs and outs[-1].dtype == torch.uint8:  # images travel as bytes
+            outs[-1] = outs[-1].to(self.dtype).div_(255.0)
         layers = self.desc.layers
         for i in range(first, last):
             d = layers[i]
@@ -60,6 +60,13 @@ class Net(nn.Module):
             outs[i] = y
         wanted = self.desc.live_after(last) if last < len(layers) else (last - 1,)
         return {k: outs[k] for k in wanted}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The floating type of the weights (float32 unless the net was converted)."""
+        for p in self.parameters():
+            return p.dtype
+        return torch.get_default_dtype()
 
     def _dropout(self, x: torch.Tensor, layer: int, keys: list[int] | None) -> torch.Tensor:
         p = self.dropout_p[layer]

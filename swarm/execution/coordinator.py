@@ -1,0 +1,145 @@
+"""The coordinator's side of a training job: ship the starting weights, feed each step's
+samples (uint8 images to the first stage, targets to the last), commit steps when every
+device is ready, and collect the weights at the end into a local-format checkpoint.
+
+Messages it receives: ("ready", step, device) and ("state", stage, device).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import trio
+
+from swarm.data import class_targets, make_batch, microbatch_bounds, step_indices
+from swarm.errors import SwarmError
+from swarm.execution.blocks import cut
+from swarm.execution.endpoint import Endpoint
+from swarm.execution.routing import Block, Layout, stage_parts
+from swarm.execution.worker import JobSpec
+from swarm.trainer import LocalTrainer
+
+
+@dataclass
+class StepReport:
+    step: int  # 1-based count of finished steps
+    loss: float
+    seconds: float
+    busy_s: dict[str, float] = field(default_factory=dict)
+
+
+def stage_state(full: dict[str, torch.Tensor], first: int, last: int) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in full.items() if first <= int(k.split(".")[1]) < last}
+
+
+def optimizer_slots(trainer: LocalTrainer) -> dict[str, torch.Tensor]:
+    """The local optimizer's per-parameter state as {"param name|slot": tensor}."""
+    by_param = {id(p): n for n, p in trainer.net.named_parameters()}
+    out = {}
+    for param, st in trainer.optimizer.state.items():
+        for slot, v in st.items():
+            if torch.is_tensor(v):
+                out[f"{by_param[id(param)]}|{slot}"] = v
+    return out
+
+
+def load_optimizer_slots(trainer: LocalTrainer, slots: dict[str, torch.Tensor]) -> None:
+    params = dict(trainer.net.named_parameters())
+    for key, value in slots.items():
+        name, slot = key.split("|", 1)
+        trainer.optimizer.state[params[name]][slot] = value.clone()
+
+
+class TrainingCoordinator:
+    def __init__(self, endpoint: Endpoint, job: JobSpec, trainer: LocalTrainer, train_set, layout: Layout):
+        self.ep = endpoint
+        self.job = job
+        self.plan = job.plan
+        self.trainer = trainer  # holds the whole model: the start, and the end result
+        self.train_set = train_set
+        self.layout = layout
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-feed")
+
+    async def get(self, key):
+        return await self.ep.mailbox.get(key, self.job.timeout_s)
+
+    async def ship_initial_state(self) -> None:
+        full = self.trainer.net.state_dict()
+        slots = optimizer_slots(self.trainer)
+        for p, stage in enumerate(self.plan.stages):
+            state = stage_state(full, stage.first, stage.last)
+            momentum = {k: v for k, v in slots.items() if stage.first <= int(k.split(".")[1]) < stage.last}
+            for device in stage.devices:
+                await self.ep.send(device, ("init", p), {"state": state, "momentum": momentum,
+                                                         "step": self.trainer.step_count})
+
+    def load_batch(self, step: int):
+        cfg = self.trainer.cfg
+        return make_batch(self.train_set, step_indices(len(self.train_set), cfg.batch_size, step, cfg.seed))
+
+    async def feed(self, step: int, batch) -> None:
+        images, targets = batch
+        images = torch.from_numpy(images)
+        if self.trainer.desc.loss == "region":
+            targets = torch.from_numpy(targets)
+        else:
+            targets = torch.from_numpy(class_targets(targets))
+        last = len(self.plan.stages) - 1
+        for m, (lo, hi) in enumerate(microbatch_bounds(self.plan.batch_size, self.plan.microbatches)):
+            mb = hi - lo
+            whole = Block((0, mb))
+            for holding in self.layout.inputs(0, mb):
+                block = cut(images[lo:hi], whole, holding.block).contiguous()
+                await self.ep.send(holding.part.device, ("feed", step, holding.part.index, m), {"arrays": [block]})
+            for holding in self.layout.outputs(last, mb):
+                s0, s1 = holding.block.samples
+                await self.ep.send(holding.part.device, ("tgt", step, holding.part.index, m),
+                                   {"arrays": [targets[lo + s0:lo + s1].contiguous()]})
+
+    async def run(self, total_steps: int, on_step=None) -> None:
+        """Train from the trainer's step to `total_steps`, then collect the weights into it."""
+        devices = self.plan.used_devices()
+        start = self.trainer.step_count
+        await self.ship_initial_state()
+        next_batch = await trio.to_thread.run_sync(self.load_batch, start) if start < total_steps else None
+        for step in range(start, total_steps):
+            t0 = time.monotonic()
+            await self.feed(step, next_batch)
+            if step + 1 < total_steps:  # load the next batch while this step runs
+                pending = self.pool.submit(self.load_batch, step + 1)
+            loss, busy = 0.0, {}
+            for device in devices:
+                report = await self.get(("ready", step, device))
+                loss += report["loss"]
+                busy[device] = report["busy_s"]
+            is_last = step + 1 == total_steps
+            for device in devices:
+                await self.ep.send(device, ("decide", step), {"commit": True, "last": is_last})
+            self.trainer.step_count = step + 1
+            if not np.isfinite(loss):
+                raise SwarmError(f"the loss became {loss} at step {step + 1}; try a smaller --lr")
+            if on_step is not None:
+                on_step(StepReport(step + 1, loss, time.monotonic() - t0, busy))
+            if step + 1 < total_steps:
+                next_batch = await trio.to_thread.run_sync(pending.result)
+        await self.collect()
+
+    async def collect(self) -> None:
+        """Fetch every stage's weights and optimizer state into the coordinator's model."""
+        full = self.trainer.net.state_dict()
+        slots = {}
+        for p, stage in enumerate(self.plan.stages):
+            device = stage_parts(self.plan, p)[0].device
+            await self.ep.send(device, ("get_state", p), {})
+            msg = await self.get(("state", p, device))
+            for k, v in msg["state"].items():
+                full[k] = v
+            slots.update(msg["momentum"])
+        self.trainer.net.load_state_dict(full)
+        load_optimizer_slots(self.trainer, slots)
+        for device in self.plan.used_devices():
+            await self.ep.send(device, ("stop",), {})
+        self.pool.shutdown(wait=False)

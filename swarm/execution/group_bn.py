@@ -1,0 +1,106 @@
+"""BatchNorm over a micro-batch that is spread across the replicas of a dp group.
+
+Each replica summarises its samples per channel (count, mean, sum of squared deviations),
+the group combines the summaries (Chan et al.'s parallel variance), and every replica
+normalises with the statistics of the whole micro-batch. Backward, the per-channel sums of
+dy and dy * xhat are combined the same way. Weight and bias gradients stay local partial
+sums: the group's gradient all-reduce at the end of the step adds them up. The result is
+BatchNorm2d on the whole micro-batch, and running statistics advance identically
+everywhere.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+# exchange(tag, tensors) -> list over the group (in group order) of each member's tensors
+Exchange = Callable[[str, list[torch.Tensor]], list[list[torch.Tensor]]]
+
+
+class _GroupBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, exchange: Exchange):
+        # x: (b, C, H, W), this replica's samples
+        dims = [d for d in range(x.dim()) if d != 1]
+        count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64)
+        if x.numel():
+            mean = x.mean(dims, dtype=torch.float64)
+            m2 = ((x.double() - _bc(mean, x)) ** 2).sum(dims)
+        else:  # a replica with no samples in this micro-batch still takes part
+            mean = m2 = torch.zeros(x.shape[1], dtype=torch.float64)
+        parts = exchange("fwd", [count, mean, m2])
+        n = sum(p[0] for p in parts)
+        gmean = sum(p[0] * p[1] for p in parts) / n
+        gm2 = sum(p[2] + p[0] * (p[1] - gmean) ** 2 for p in parts)
+        var = gm2 / n
+        invstd = torch.rsqrt(var + eps).to(x.dtype)
+        gmean = gmean.to(x.dtype)
+        xhat = (x - _bc(gmean, x)) * _bc(invstd, x)
+        y = xhat * _bc(weight, x) + _bc(bias, x)
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.exchange = exchange
+        ctx.n = float(n)
+        unbiased = (gm2 / max(float(n) - 1.0, 1.0)).to(x.dtype)
+        ctx.mark_non_differentiable(gmean, unbiased)
+        return y, gmean, unbiased
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar):
+        xhat, invstd, weight = ctx.saved_tensors
+        dims = [d for d in range(dy.dim()) if d != 1]
+        sum_dy = dy.sum(dims)
+        sum_dy_xhat = (dy * xhat).sum(dims)
+        parts = ctx.exchange("bwd", [sum_dy.double(), sum_dy_xhat.double()])
+        g_dy = sum(p[0] for p in parts).to(dy.dtype)
+        g_dy_xhat = sum(p[1] for p in parts).to(dy.dtype)
+        n = ctx.n
+        dx = _bc(weight * invstd / n, dy) * (n * dy - _bc(g_dy, dy) - xhat * _bc(g_dy_xhat, dy))
+        return dx, sum_dy_xhat, sum_dy, None, None
+
+
+def _bc(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    shape = [1] * like.dim()
+    shape[1] = -1
+    return v.view(shape)
+
+
+class GroupBatchNorm(nn.BatchNorm2d):
+    """A drop-in for BatchNorm2d/1d with the same parameters, buffers and state_dict keys;
+    `exchange` is set by the worker before each forward (it names the micro-batch)."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+        super().__init__(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+        self.weight, self.bias = bn.weight, bn.bias
+        self.running_mean, self.running_var = bn.running_mean, bn.running_var
+        self.num_batches_tracked = bn.num_batches_tracked
+        self.exchange: Exchange | None = None
+
+    def _check_input_dim(self, x):  # 2-D (connected) and 4-D inputs alike
+        if x.dim() not in (2, 4):
+            raise ValueError(f"expected 2-D or 4-D input, got {x.dim()}-D")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.exchange is None:
+            return super().forward(x)
+        y, mean, var = _GroupBatchNorm.apply(x, self.weight, self.bias, self.eps, self.exchange)
+        with torch.no_grad():
+            momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked + 1)
+            self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            self.running_var.mul_(1 - momentum).add_(var, alpha=momentum)
+            self.num_batches_tracked.add_(1)
+        return y
+
+
+def replace_batchnorm(module: nn.Module) -> list[tuple[str, GroupBatchNorm]]:
+    """Swap every BatchNorm in `module` for a GroupBatchNorm sharing its tensors; returns
+    (qualified name, new module) pairs in forward order."""
+    swapped = []
+    for name, child in list(module.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and not isinstance(sub, GroupBatchNorm):
+                new = GroupBatchNorm(sub)
+                setattr(child, attr, new)
+                swapped.append((f"{name}.{attr}" if name else attr, new))
+    return swapped

@@ -1,0 +1,143 @@
+"""One device's copy of one stage: its layers, optimizer, and in-flight micro-batches.
+
+The compute methods here run in a worker thread; they see only tensors and callables
+(the group BatchNorm exchange), never sockets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from planner.model_desc import ModelDesc
+from planner.plan import Plan
+from swarm.execution.group_bn import GroupBatchNorm, replace_batchnorm
+from swarm.trainer import TrainConfig, make_optimizer, set_lr
+from swarm.zoo import build_model
+from swarm.zoo.loss import make_loss
+
+
+@dataclass
+class InFlight:
+    """What a forward keeps until its backward: input leaves, outputs, the loss."""
+
+    leaves: dict[int, torch.Tensor]
+    outputs: dict[int, torch.Tensor]
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class StageCopy:
+    """The weights of stage `p` on one device, shared by the device's parts of that stage."""
+
+    plan: Plan
+    p: int
+    desc: ModelDesc
+    cfg: TrainConfig
+    net: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    group_bns: list[tuple[str, GroupBatchNorm]] = field(default_factory=list)
+    inflight: dict[tuple[int, int], InFlight] = field(default_factory=dict)  # (part, micro-batch)
+
+    @classmethod
+    def build(cls, plan: Plan, p: int, cfg: TrainConfig, cfg_text: str | None, group_size: int) -> "StageCopy":
+        stage = plan.stages[p]
+        net, desc, _ = build_model(cfg.model, plan.img_size, cfg.classes, cfg_text=cfg_text,
+                                   only=range(stage.first, stage.last))
+        net.train()
+        group_bns = replace_batchnorm(net) if stage.mode == "dp" and group_size > 1 else []
+        optimizer = make_optimizer(net.named_parameters(), cfg)
+        return cls(plan, p, desc, cfg, net, optimizer, group_bns)
+
+    @property
+    def stage(self):
+        return self.plan.stages[self.p]
+
+    @property
+    def is_last(self) -> bool:
+        return self.p == len(self.plan.stages) - 1
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers of this stage's layers (state_dict keys of the whole net)."""
+        return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+
+    def momentum(self) -> dict[str, torch.Tensor]:
+        """Optimizer state per parameter name (momentum buffers for SGD, moments for Adam)."""
+        by_param = {id(p): n for n, p in self.net.named_parameters()}
+        out = {}
+        for param, st in self.optimizer.state.items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    out[f"{by_param[id(param)]}|{k}"] = v.detach().clone()
+        return out
+
+    def load(self, state: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor] | None = None,
+             step: int = 0) -> None:
+        own = self.net.state_dict()
+        missing = [k for k in own if k not in state]
+        if missing:
+            raise ValueError(f"stage {self.p}: initial state lacks {missing[:3]}")
+        self.net.load_state_dict({k: state[k] for k in own})
+        if momentum:
+            params = dict(self.net.named_parameters())
+            for key, value in momentum.items():
+                name, slot = key.split("|", 1)
+                st = self.optimizer.state[params[name]]
+                st[slot] = value.clone()
+
+    # ---- compute (worker thread) ---------------------------------------------------------
+    def forward(self, part: int, m: int, inputs: dict[int, torch.Tensor], keys: list[int],
+                targets: torch.Tensor | None, batch_total: int, window=None) -> dict[int, torch.Tensor]:
+        """Run the stage on one micro-batch; keep what backward needs; return the outputs."""
+        stage = self.stage
+        leaves = {}
+        for k, t in inputs.items():
+            leaves[k] = t.detach().requires_grad_(True) if t.is_floating_point() and k >= 0 else t
+        with torch.enable_grad():
+            outs = self.net.forward_range(stage.first, stage.last, leaves, keys)
+            loss = None
+            if self.is_last:
+                out = outs[stage.last - 1]
+                loss_fn = make_loss(self.desc)
+                loss = loss_fn(out, targets, batch_total, window) if window is not None else \
+                    loss_fn(out, targets, batch_total)
+        self.inflight[(part, m)] = InFlight(leaves, outs, loss)
+        return {k: v.detach() for k, v in outs.items()}
+
+    def loss_value(self, part: int, m: int) -> float:
+        return float(self.inflight[(part, m)].loss.detach())
+
+    def backward(self, part: int, m: int, grads: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+        """Backward for one micro-batch; returns gradients of the stage's float inputs."""
+        held = self.inflight.pop((part, m))
+        if self.is_last:
+            held.loss.backward()
+        else:
+            tensors, grad_tensors = [], []
+            for k, g in (grads or {}).items():
+                out = held.outputs[k]
+                if out.requires_grad:
+                    tensors.append(out)
+                    grad_tensors.append(g)
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+        return {k: leaf.grad for k, leaf in held.leaves.items()
+                if k >= 0 and leaf.is_floating_point() and leaf.grad is not None}
+
+    def flat_grads(self) -> torch.Tensor:
+        """All parameter gradients in one vector (zeros where a parameter got none)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.net.parameters()]) if any(True for _ in self.net.parameters()) \
+            else torch.zeros(0)
+
+    def set_flat_grads(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.net.parameters():
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def apply_step(self, step: int) -> None:
+        set_lr(self.optimizer, self.cfg.lr_at(step))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,275 @@
+"""A device's side of a training job: run its stage parts on the 1F1B schedule, move blocks
+to and from neighbouring stages, reduce gradients in its groups, and apply a step only when
+the coordinator commits it.
+
+Messages a worker receives (keys; see also coordinator.py):
+    ("init", stage)                          stage weights (+ optimizer state) to start from
+    ("feed", step, part, m)                  uint8 image block for a first-stage part
+    ("tgt", step, part, m)                   targets for a last-stage part
+    ("act", step, stage, part, m, t, src)    activation block of tensor t from part src of stage-1
+    ("grad", step, stage, part, m, t, src)   gradient block of tensor t from part src of stage+1
+    ("decide", step)                         {"commit": bool, "last": bool}
+    ("get_state", stage)                     send the stage's weights and optimizer state back
+    ("stop",)
+and sends ("ready", step, device) {"loss": float, "busy_s": float} when its share of a step is
+done and its gradients are reduced.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from planner.plan import Plan
+from planner.schedule import stage_schedule
+from swarm.data import microbatch_bounds, sample_keys
+from swarm.execution.blocks import assemble, cut, map_shape
+from swarm.execution.collectives import allgather, allreduce_sum
+from swarm.execution.endpoint import Endpoint
+from swarm.execution.routing import Layout, Part, parts_on
+from swarm.execution.stage import StageCopy
+from swarm.trainer import TrainConfig
+
+COORDINATOR = "coordinator"
+
+
+@dataclass
+class JobSpec:
+    plan: Plan
+    cfg: TrainConfig
+    cfg_text: str | None
+    timeout_s: float = 120.0  # longest wait for any one message before the job is given up
+    threads: int | None = None
+
+
+class ComputeLock:
+    """One stage computes at a time on a device; a thread waiting on the network lets go,
+    so two stages on one device cannot block each other."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+    def released(self):
+        lock = self._lock
+
+        class _Released:
+            def __enter__(self_inner):
+                lock.release()
+
+            def __exit__(self_inner, *exc):
+                lock.acquire()
+        return _Released()
+
+
+class DeviceWorker:
+    def __init__(self, endpoint: Endpoint, job: JobSpec):
+        self.ep = endpoint
+        self.job = job
+        self.plan = job.plan
+        self.cfg = job.cfg
+        self.device = endpoint.name
+        self.parts = parts_on(self.plan, self.device)
+        self.copies: dict[int, StageCopy] = {}
+        self.layout: Layout | None = None
+        self.compute_lock = ComputeLock()
+        self.busy_s = 0.0
+        self.token = None  # trio token, for exchanges from compute threads
+
+    # ---- helpers ---------------------------------------------------------------------
+    async def get(self, key):
+        return await self.ep.mailbox.get(key, self.job.timeout_s)
+
+    async def compute(self, fn, *args):
+        def run():
+            with self.compute_lock:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    self.busy_s += time.perf_counter() - t0
+        return await trio.to_thread.run_sync(run)
+
+    def group_of(self, p: int) -> list[str]:
+        return list(self.plan.stages[p].devices)
+
+    def bn_exchange(self, step: int, p: int, m: int, layer: str):
+        """The group BatchNorm exchange for one layer of one micro-batch (called from the
+        compute thread; blocks it, with the compute lock released, until the group answers)."""
+        group = self.group_of(p)
+
+        def exchange(tag: str, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+            key = ("bn", step, p, m, layer, tag)
+            with self.compute_lock.released():
+                return trio.from_thread.run(allgather, self.ep, group, key, tensors, self.job.timeout_s,
+                                            trio_token=self.token)
+        return exchange
+
+    # ---- the job ---------------------------------------------------------------------
+    async def run(self) -> None:
+        from swarm.zoo import describe_model
+
+        self.token = trio.lowlevel.current_trio_token()
+        if self.job.threads:
+            torch.set_num_threads(self.job.threads)
+        desc = describe_model(self.cfg.model, self.plan.img_size, self.cfg.classes, self.job.cfg_text)
+        self.desc = desc
+        self.layout = Layout(self.plan, desc)
+        step = None
+        for p in sorted({part.stage for part in self.parts}):
+            copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
+                                                 len(self.group_of(p)))
+            init = await self.get(("init", p))
+            copy.load(init["state"], init.get("momentum"), init.get("step", 0))
+            self.copies[p] = copy
+            step = init.get("step", 0)
+        while True:
+            last = await self.run_step(step)
+            if last:
+                break
+            step += 1
+        await self.serve_state_requests()
+
+    async def run_step(self, step: int) -> bool:
+        self.busy_s = 0.0
+        losses: list[float] = []
+        async with trio.open_nursery() as nursery:
+            for p in sorted(self.copies):
+                nursery.start_soon(self.run_stage, step, p, losses)
+        await self.reduce_gradients(step)
+        await self.ep.send(COORDINATOR, ("ready", step, self.device), {"loss": float(sum(losses)), "busy_s": self.busy_s})
+        decision = await self.get(("decide", step))
+        for copy in self.copies.values():
+            if decision["commit"]:
+                copy.apply_step(step)
+            else:
+                copy.optimizer.zero_grad(set_to_none=True)
+        return bool(decision.get("last"))
+
+    async def run_stage(self, step: int, p: int, losses: list[float]) -> None:
+        """The 1F1B schedule of this device's parts of stage p for one step."""
+        plan = self.plan
+        copy = self.copies[p]
+        my_parts = [part for part in self.parts if part.stage == p]
+        bounds = microbatch_bounds(plan.batch_size, plan.microbatches)
+        for kind, m in stage_schedule(plan.microbatches, plan.warmups()[p]):
+            lo, hi = bounds[m]
+            for part in my_parts:
+                if kind == "F":
+                    await self.forward(step, copy, part, m, lo, hi, losses)
+                else:
+                    await self.backward(step, copy, part, m, hi - lo)
+
+    async def forward(self, step: int, copy: StageCopy, part: Part, m: int, lo: int, hi: int, losses) -> None:
+        p, mb = part.stage, hi - lo
+        holding = self.layout.inputs(p, mb)[part.index].block
+        first = copy.stage.first
+        if p == 0:
+            inputs = {-1: (await self.get(("feed", step, part.index, m)))["arrays"][0]}
+        else:
+            inputs = {}
+            incoming = [t for t in self.layout.forward_transfers(p - 1, mb) if t.dst == part]
+            for tensor in self.desc.live_after(first):
+                pieces = []
+                for t in incoming:
+                    msg = await self.get(("act", step, p, part.index, m, tensor, t.src.index))
+                    pieces.append((t.block, msg["arrays"][0]))
+                inputs[tensor] = assemble(holding, map_shape(self.desc, tensor), pieces, add=False)
+        targets = None
+        if copy.is_last:
+            targets = (await self.get(("tgt", step, part.index, m)))["arrays"][0]
+        span = holding.samples
+        keys = sample_keys(step, range(lo + span[0], lo + span[1]))
+        for name, bn in copy.group_bns:
+            bn.exchange = self.bn_exchange(step, p, m, name)
+        outputs = await self.compute(copy.forward, part.index, m, inputs, keys, targets, plan_batch(self.plan))
+        if copy.is_last:
+            losses.append(await self.compute(copy.loss_value, part.index, m))
+            return
+        out_block = self.layout.outputs(p, mb)[part.index].block
+        for t in self.layout.forward_transfers(p, mb):
+            if t.src != part:
+                continue
+            for tensor, value in outputs.items():
+                piece = cut(value, out_block, t.block)
+                await self.ep.send(t.dst.device, ("act", step, p + 1, t.dst.index, m, tensor, part.index),
+                                   {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
+
+    async def backward(self, step: int, copy: StageCopy, part: Part, m: int, mb: int) -> None:
+        p = part.stage
+        grads = None
+        if not copy.is_last:
+            grads = {}
+            out_block = self.layout.outputs(p, mb)[part.index].block
+            incoming = [t for t in self.layout.backward_transfers(p, mb) if t.dst == part]
+            for tensor in self.desc.live_after(copy.stage.last):
+                pieces = []
+                for t in incoming:
+                    msg = await self.get(("grad", step, p, part.index, m, tensor, t.src.index))
+                    pieces.append((t.block, msg["arrays"][0]))
+                grads[tensor] = assemble(out_block, map_shape(self.desc, tensor), pieces, add=True)
+        in_grads = await self.compute(copy.backward, part.index, m, grads)
+        if p == 0:
+            return
+        in_block = self.layout.inputs(p, mb)[part.index].block
+        for t in self.layout.backward_transfers(p - 1, mb):
+            if t.src != part:
+                continue
+            for tensor in self.desc.live_after(copy.stage.first):
+                g = in_grads.get(tensor)
+                if g is None:
+                    continue
+                piece = cut(g, in_block, t.block)
+                await self.ep.send(t.dst.device, ("grad", step, p - 1, t.dst.index, m, tensor, part.index),
+                                   {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
+
+    async def reduce_gradients(self, step: int) -> None:
+        """Sum each stage's gradients over the devices of its group (dp replicas, tiles)."""
+        for p, copy in sorted(self.copies.items()):
+            group = self.group_of(p)
+            if len(group) < 2:
+                continue
+            flat = await trio.to_thread.run_sync(copy.flat_grads)
+            total = await allreduce_sum(self.ep, group, ("grads", step, p), flat, self.job.timeout_s)
+            await trio.to_thread.run_sync(copy.set_flat_grads, total)
+
+    async def serve_state_requests(self) -> None:
+        while True:
+            # the coordinator asks for the stages it needs, then says stop
+            msg_key = await self._next_control()
+            if msg_key[0] == "stop":
+                return
+            p = msg_key[1]
+            copy = self.copies[p]
+            await self.ep.send(COORDINATOR, ("state", p, self.device),
+                               {"state": copy.state(), "momentum": copy.momentum()})
+
+    async def _next_control(self):
+        """Wait for ("get_state", p) for any hosted stage, or ("stop",)."""
+        result = {}
+
+        async def watch(key):
+            await self.ep.mailbox.get(key, math.inf)
+            result.setdefault("key", key)
+            nursery.cancel_scope.cancel()
+
+        with trio.fail_after(self.job.timeout_s):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, ("stop",))
+                for p in self.copies:
+                    nursery.start_soon(watch, ("get_state", p))
+        return result["key"]
+
+
+def plan_batch(plan: Plan) -> int:
+    return plan.batch_size
