@@ -48,12 +48,12 @@ class Pipeline:
 
 
 class AsteroidDP:
-    def __init__(self, inputs: PlanInputs, max_stages: int | None = None, max_cuts: int = MAX_CUTS):
+    def __init__(self, inputs: PlanInputs, max_stages: int | None = None, max_cuts: int = MAX_CUTS, start: int = 0):
         self.inputs = inputs
         cl = inputs.cluster
         self.order = sorted(cl.names, key=lambda n: (-cl.device(n).memory, cl.reference_time(n, inputs.microbatch),
                                                     cl.index(n)))
-        self.cuts = candidate_cuts(inputs, max_cuts)
+        self.cuts = candidate_cuts(inputs, max_cuts, start)  # the pipeline covers layers [start, L)
         self.N, self.M, self.B = len(self.order), inputs.microbatches, inputs.microbatch
         self.L = len(self.cuts) - 1  # the DP's "layers" are the spans between candidate cuts
         self.P = min(self.N, self.L, max_stages or self.N)
@@ -235,19 +235,20 @@ def pipeline_estimate(inputs: PlanInputs, order: list[str], stages: list[tuple[i
     return D + A
 
 
-def candidate_cuts(inputs: PlanInputs, limit: int) -> list[int]:
-    """Every layer boundary, or for deep models about `limit` of them (module docstring)."""
+def candidate_cuts(inputs: PlanInputs, limit: int, start: int = 0) -> list[int]:
+    """Every layer boundary from `start` on, or for deep models about `limit` of them (module docstring)."""
     L = inputs.num_layers
-    if L + 1 <= limit:
-        return list(range(L + 1))
+    if L + 1 - start <= limit:
+        return list(range(start, L + 1))
     ref = inputs.cluster.devices[0].costs
-    work = np.array([ref.range_time(i, i + 1, inputs.microbatch) for i in range(L)])
+    work = np.array([ref.range_time(i, i + 1, inputs.microbatch) for i in range(start, L)])
     cum = np.concatenate([[0.0], np.cumsum(work)])
     parts = limit - 1
-    window = np.minimum((cum[1:L] / max(cum[L], 1e-30) * parts).astype(int), parts - 1)  # boundaries 1..L-1
-    cuts = {0, L}
+    inner = len(work)  # boundaries start+1 .. L-1 are cum[1:inner]
+    window = np.minimum((cum[1:inner] / max(cum[inner], 1e-30) * parts).astype(int), parts - 1)
+    cuts = {start, L}
     for k in np.unique(window):
-        members = np.flatnonzero(window == k) + 1
+        members = np.flatnonzero(window == k) + 1 + start
         centre = members[len(members) // 2]
         cuts.add(int(min(members, key=lambda b: (inputs.mem.boundary(int(b)), abs(int(b) - int(centre))))))
     return sorted(cuts)

@@ -2,9 +2,10 @@
 
 A CostTable holds times measured at a few batch sizes (the profiler's output) and
 interpolates between them piecewise linearly — time is not linear in the batch size
-(Asteroid, Fig. 6). Beyond the largest measured size it extends the last segment. A
-FLOPs-based table (one "batch size" of 1, so time grows linearly) stands in for a device
-described only by its speed.
+(Asteroid, Fig. 6). Beyond the largest measured size it extends the last segment, unless
+that segment is flatter than half the time per sample there (measurement noise): then it
+grows in proportion to the batch. A FLOPs-based table stands in for a device described
+only by its speed.
 
     table = CostTable.from_profile(profile_dict)
     table.fwd_range(0, 8, batch=4)      # seconds for layers 0..7 forward on 4 samples
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.model_desc import ModelDesc
+
+
+AFFINE_UP_TO = 4096  # analytical tables are given at batch 1 and this size: exactly affine between
 
 
 @dataclass
@@ -47,6 +51,11 @@ class CostTable:
             raise ValueError("forward, backward and update times must cover the same layers")
         if min(self.fwd.min(initial=0), self.bwd.min(initial=0), self.update.min(initial=0)) < 0:
             raise ValueError("times cannot be negative")
+        # more samples never take less time: measurement noise that says so is smoothed away
+        self.fwd = np.maximum.accumulate(self.fwd, axis=1)
+        self.bwd = np.maximum.accumulate(self.bwd, axis=1)
+        self.loss_fwd = np.maximum.accumulate(self.loss_fwd)
+        self.loss_bwd = np.maximum.accumulate(self.loss_bwd)
 
     @property
     def num_layers(self) -> int:
@@ -64,8 +73,20 @@ class CostTable:
             return 0, 0, batch / bs[0], 0.0
         k = int(np.searchsorted(bs, batch))
         if k >= len(bs):
-            k = len(bs) - 1
+            return self._beyond(batch)
         lo, hi = bs[k - 1], bs[k]
+        w1 = (batch - lo) / (hi - lo)
+        return k - 1, k, 1.0 - w1, w1
+
+    def _beyond(self, batch: float) -> tuple[int, int, float, float]:
+        """Past the largest measured size: the last segment, or proportional where it is too flat."""
+        bs = self.batch_sizes
+        k, lo, hi = len(bs) - 1, bs[-2], bs[-1]
+        total = self.fwd.sum() + self.bwd.sum()
+        last = self.fwd[:, k].sum() + self.bwd[:, k].sum()
+        prev = self.fwd[:, k - 1].sum() + self.bwd[:, k - 1].sum()
+        if total > 0 and (last - prev) / (hi - lo) < 0.5 * last / hi:
+            return k, k, batch / hi, 0.0
         w1 = (batch - lo) / (hi - lo)
         return k - 1, k, 1.0 - w1, w1
 
@@ -153,11 +174,12 @@ class CostTable:
         moved = np.array([_in_bytes(desc, layer.index) + layer.out_bytes for layer in desc.layers], dtype=float) / bw
         weights = np.array([layer.param_bytes for layer in desc.layers], dtype=float) / bw
         per_f, per_b = f1 + moved, b1 + 2 * moved
-        f = np.column_stack([per_f + weights, 2 * per_f + weights])  # at batch 1 and 2: affine
-        b = np.column_stack([per_b + 2 * weights, 2 * per_b + 2 * weights])
+        big = AFFINE_UP_TO
+        f = np.column_stack([per_f + weights, big * per_f + weights])  # affine in the batch size
+        b = np.column_stack([per_b + 2 * weights, big * per_b + 2 * weights])
         up = 4 * weights
         src = f"{gflops:g} GFLOP/s, {mem_gbps:g} GB/s"
-        return cls((1, 2), f, b, up, [loss, 2 * loss], [loss, 2 * loss], src)
+        return cls((1, big), f, b, up, [loss, big * loss], [loss, big * loss], src)
 
 
 def _in_bytes(desc: ModelDesc, index: int) -> int:

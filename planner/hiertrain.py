@@ -188,7 +188,7 @@ def solve_mapping(model: HierTrainModel, pairs: list[tuple[int, int]]) -> list[t
     a_ub = coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsr()
     a_eq = coo_matrix((eq_vals, (eq_rows, eq_cols)), shape=(len(pairs), n)).tocsr()
     res = linprog(cost, A_ub=a_ub, b_ub=np.array(ub), A_eq=a_eq, b_eq=np.full(len(pairs), float(B)),
-                  bounds=np.column_stack([np.zeros(n), upper]), method="highs")
+                  bounds=np.column_stack([np.zeros(n), upper]), method="highs-ds")
     if res.status != 0:
         raise NoPlan(f"HierTrain's LP failed: {res.message}")
     x = res.x.reshape(len(pairs), nv)

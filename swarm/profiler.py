@@ -22,7 +22,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from planner.costs import CostTable
 from planner.profile import DeviceProfile, ProfileError
@@ -30,19 +29,16 @@ from swarm.device import cpu_quota, usable_cores, usable_memory
 from swarm.errors import SwarmError
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
-DEFAULT_REPEATS = 3
+DEFAULT_REPEATS = 5
 OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats per parameter
 
 
 def default_state_dir() -> Path:
-    """Where swarm keeps its state: $SWARM_STATE_DIR, /var/lib/swarm as root, else the XDG
-    data directory (~/.local/share/swarm)."""
-    if os.environ.get("SWARM_STATE_DIR"):
-        return Path(os.environ["SWARM_STATE_DIR"])
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return Path("/var/lib/swarm")
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "swarm"
+    """Where swarm keeps its state (swarm.state: --state-dir, $SWARM_STATE_DIR, /var/lib/swarm
+    as root, else ~/.local/share/swarm); profiles go to its profiles/ folder."""
+    from swarm.state import default_state_dir as runtime_state_dir
+
+    return runtime_state_dir()
 
 
 def _cpu_name() -> str:
@@ -59,15 +55,41 @@ def device_facts(threads: int) -> dict:
     """What decides this device's speed, and a fingerprint of it (cached profiles are per
     fingerprint: other CPU, quota, thread count or torch means profiling again)."""
     facts = {"cpu": _cpu_name(), "machine": platform.machine(), "cores": usable_cores(), "cpu_quota": cpu_quota(),
-             "threads": threads, "torch": torch.__version__}
+             "threads": threads, "torch": _torch_version()}
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
     facts.update(fingerprint=digest, memory=usable_memory(), name=platform.node())
     return facts
 
 
+def _torch_version() -> str:
+    """torch's version without importing it (reading a cached profile should not load torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        import torch
+
+        return torch.__version__
+
+
 def cache_path(state_dir: Path, fingerprint: str, model: str, img_size: int, classes: int | None, cfg_text: str) -> Path:
     cfg = hashlib.sha256(cfg_text.encode()).hexdigest()[:8]
     return Path(state_dir) / "profiles" / fingerprint / f"{model}-{img_size}-c{classes}-{cfg}.json"
+
+
+def default_classes(model: str, img_size: int | None = None) -> int | None:
+    """The head's classes when none are given, as `swarm train` picks them: a built-in
+    detector gets the built-in data's classes; anything else keeps its .cfg's."""
+    from swarm.data import open_datasets
+    from swarm.zoo import BUILTIN, describe_model
+
+    if model not in BUILTIN:
+        return None
+    desc = describe_model(model, img_size)
+    if desc.loss != "region":
+        return None
+    return open_datasets(None, desc.img_size, desc.in_channels)[0].num_classes
 
 
 # ---- measuring ---------------------------------------------------------------------------
@@ -110,6 +132,8 @@ class _PeakRSS:
 
 def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
     """Every layer's output (and the image as -1) for one batch, without autograd."""
+    import torch
+
     with torch.no_grad():
         outs = {-1: images.float().div(255.0)}
         for i, layer in enumerate(desc.layers):
@@ -119,6 +143,8 @@ def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
 
 def _time_layers(net, desc, outs, batch: int, repeats: int) -> tuple[list[float], list[float], list[float]]:
     """(forward, backward, saved bytes per sample) of every layer at this batch size."""
+    import torch
+
     fwd, bwd, saved = [], [], []
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     keys = list(range(batch))
@@ -155,6 +181,8 @@ def _time_layers(net, desc, outs, batch: int, repeats: int) -> tuple[list[float]
 
 
 def _time_updates(net, desc, repeats: int, optimizer: str) -> list[float]:
+    import torch
+
     from swarm.trainer import TrainConfig, make_optimizer
 
     out = []
@@ -182,9 +210,10 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
                   cfg_text: str | None = None, optimizer: str = "sgd", log=None) -> DeviceProfile:
     """Measure this device running `model` (uses the built-in synthetic data for inputs)."""
     import psutil
+    import torch
 
     from swarm.data import make_batch, open_datasets
-    from swarm.zoo import BUILTIN, build_model, describe_model
+    from swarm.zoo import build_model, describe_model
     from swarm.zoo.loss import make_loss
 
     batch_sizes = tuple(sorted(set(int(b) for b in batch_sizes)))
@@ -196,8 +225,8 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     torch.set_num_threads(threads)
     desc0 = describe_model(model, img_size, None, cfg_text)
     data, _ = open_datasets(None, desc0.img_size, desc0.in_channels)
-    if classes is None and model in BUILTIN and desc0.loss == "region":
-        classes = data.num_classes
+    if classes is None and cfg_text is None:
+        classes = default_classes(model, desc0.img_size)
     net, desc, text = build_model(model, desc0.img_size, classes, seed=0, cfg_text=cfg_text)
     net.train()
     loss_fn = make_loss(desc)
@@ -294,16 +323,13 @@ def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, class
                     log=None) -> tuple[DeviceProfile, bool, Path]:
     """The cached profile of this device for the model, or a fresh one (then cached).
     Returns (profile, came from the cache, its path)."""
-    from swarm.data import open_datasets
-    from swarm.zoo import BUILTIN, describe_model, model_source
+    from swarm.zoo import describe_model, model_source
 
     if cfg_text is None:
-        name, cfg_text, _ = model_source(model)
-    else:
-        name = model
+        _, cfg_text, _ = model_source(model)
+        if classes is None:
+            classes = default_classes(model, img_size)
     desc = describe_model(model, img_size, None, cfg_text)
-    if classes is None and model in BUILTIN and desc.loss == "region":
-        classes = open_datasets(None, desc.img_size, desc.in_channels)[0].num_classes
     threads = threads or usable_cores()
     facts = device_facts(threads)
     path = cache_path(Path(state_dir or default_state_dir()), facts["fingerprint"], desc.name, desc.img_size,

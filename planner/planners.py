@@ -1,0 +1,115 @@
+"""Every planner by name, `auto`, and comparing them all on the same inputs.
+
+    plan = make_plan("auto", inputs)
+    rows = compare(inputs)      # one CompareRow per planner: plan or the reason there is none
+
+auto takes the best predicted plan of all the planners, and also tries hybrids the single
+planners do not build: the tileable front of the network as a tiles stage on the k fastest
+devices, followed by Asteroid's pipeline (dp and single stages) over the layers after it on
+the other devices. A plan that fits beats one that does not; then the shorter step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from planner.asteroid import AsteroidDP, pipeline_plan, plan_asteroid
+from planner.baselines import plan_dp, plan_local, plan_pp
+from planner.hiertrain import plan_hiertrain
+from planner.inputs import NoPlan, PlanInputs
+from planner.jointdnn import plan_jointdnn
+from planner.plan import Plan, PlanError, Stage
+from planner.tiles_planner import grids_for, plan_tiles
+
+HYBRID_CANDIDATES = 4  # Asteroid pipelines tried after each tiles front
+
+
+def _fits_then_time(plan: Plan) -> tuple[bool, float]:
+    return (not plan.predicted["fits"], plan.predicted["step_time_s"])
+
+
+def plan_hybrids(inputs: PlanInputs) -> list[Plan]:
+    """Tiles front + Asteroid pipeline on the remaining devices."""
+    from tiles.layout import tileable_prefix
+
+    end = tileable_prefix(inputs.desc)
+    cl = inputs.cluster
+    n = len(cl.names)
+    if end == 0 or end >= inputs.num_layers or n < 2 or inputs.batch_size % inputs.microbatches:
+        return []
+    fastest = cl.by_speed(inputs.microbatch)
+    plans = []
+    for k in sorted({k for k in (2 ** i for i in range(1, 8)) if k < n} | {n - 1}):
+        group, rest = fastest[:k], fastest[k:]
+        grid = grids_for(k)[0]
+        front = Stage(0, end, "tiles", list(group), grid=grid, tile_devices=list(group), syncs=list(range(end)))
+        sub = PlanInputs(inputs.desc, inputs.mem, cl.subset(rest), inputs.batch_size, inputs.microbatches)
+        dp = AsteroidDP(sub, start=end)
+        for pipe in sorted(dp.solve(), key=lambda q: q.estimate)[:HYBRID_CANDIDATES]:
+            tail = pipeline_plan(sub, dp, pipe).stages
+            plan = inputs.plan([front, *tail], "auto")
+            try:
+                plans.append(inputs.finish(plan))
+            except PlanError:
+                break  # the grid does not fit the maps
+    return plans
+
+
+PLANNERS = {
+    "local": plan_local,
+    "dp": plan_dp,
+    "pp": plan_pp,
+    "tiles": plan_tiles,
+    "jointdnn": plan_jointdnn,
+    "hiertrain": plan_hiertrain,
+    "asteroid": plan_asteroid,
+}
+STRATEGIES = (*PLANNERS, "auto")
+
+
+def plan_auto(inputs: PlanInputs) -> Plan:
+    candidates = []
+    reasons = []
+    for name, planner in PLANNERS.items():
+        try:
+            candidates.append(planner(inputs))
+        except NoPlan as exc:
+            reasons.append(f"{name}: {exc}")
+    candidates += plan_hybrids(inputs)
+    if not candidates:
+        raise NoPlan("no planner found a plan: " + "; ".join(reasons))
+    best = min(candidates, key=_fits_then_time)
+    plan = Plan.from_dict(best.to_dict())
+    plan.planner = "auto"
+    plan.predicted["chosen"] = best.planner if best.planner != "auto" else "tiles+asteroid"
+    return plan
+
+
+def make_plan(strategy: str, inputs: PlanInputs) -> Plan:
+    if strategy == "auto":
+        return plan_auto(inputs)
+    try:
+        planner = PLANNERS[strategy]
+    except KeyError:
+        raise PlanError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}") from None
+    return planner(inputs)
+
+
+@dataclass
+class CompareRow:
+    strategy: str
+    plan: Plan | None
+    error: str | None
+    seconds: float  # how long planning took
+
+
+def compare(inputs: PlanInputs, strategies=STRATEGIES) -> list[CompareRow]:
+    rows = []
+    for name in strategies:
+        t0 = time.perf_counter()
+        try:
+            plan, error = make_plan(name, inputs), None
+        except NoPlan as exc:
+            plan, error = None, str(exc)
+        rows.append(CompareRow(name, plan, error, time.perf_counter() - t0))
+    return rows

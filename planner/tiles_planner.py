@@ -1,0 +1,93 @@
+"""Rama et al.'s planner: the feature-map-heavy front of the network as one tiles stage.
+
+The stage covers the longest tileable run of layers from the input (tiles.layout.
+tileable_prefix); the rest of the network, if any, follows as one stage on the fastest
+device outside the group (or the group's device with the most memory). The group is the k fastest devices for k = 2, 4, 8, ... and all of them, one tile
+each (k = N - 1 too, leaving a device for the layers after the tiles), on the most square
+grid of k tiles that the maps allow. Each candidate is simulated
+with a sync at every layer; for the best, the tiles cost model's grouping choice
+(tiles.cost.choose_grouping: its dynamic program over sync points, from the devices'
+speed and link) gives the syncs, and whichever of the two simulates faster is the plan.
+"""
+from __future__ import annotations
+
+import math
+
+from planner.inputs import NoPlan, PlanInputs
+from planner.plan import Plan, PlanError, Stage
+
+
+def grids_for(k: int) -> list[tuple[int, int]]:
+    """The most square rows x cols grid of k tiles (rows <= cols), and its transpose."""
+    r = max(d for d in range(1, int(math.isqrt(k)) + 1) if k % d == 0)
+    return [(r, k // r)] if r == k // r else [(r, k // r), (k // r, r)]
+
+
+def effective_flops(inputs: PlanInputs, device: str, first: int, last: int) -> float:
+    """The device's FLOP/s on layers [first, last), forward and backward, at the micro-batch size."""
+    desc = inputs.desc
+    flops = sum(layer.flops + layer.backward_flops for layer in desc.layers[first:last]) * inputs.microbatch
+    t = inputs.cluster.device(device).costs.range_time(first, last, inputs.microbatch)
+    return flops / t if t > 0 else float("inf")
+
+
+def rest_device(inputs: PlanInputs, group: list[str]) -> str:
+    """Who runs the layers after the tiles: the fastest device outside the group, else the
+    group's device with the most memory."""
+    cl = inputs.cluster
+    outside = [d for d in cl.by_speed(inputs.microbatch) if d not in group]
+    return outside[0] if outside else max(group, key=lambda d: (cl.device(d).memory, -group.index(d)))
+
+
+def tiles_stages(inputs: PlanInputs, group: list[str], grid: tuple[int, int], end: int, syncs: list[int],
+                 back_syncs: list[int] | None) -> list[Stage]:
+    stages = [Stage(0, end, "tiles", list(group), grid=grid, tile_devices=list(group), syncs=list(syncs),
+                    back_syncs=list(back_syncs) if back_syncs is not None else None)]
+    if end < inputs.num_layers:
+        stages.append(Stage(end, inputs.num_layers, "single", [rest_device(inputs, group)]))
+    return stages
+
+
+def plan_tiles(inputs: PlanInputs) -> Plan:
+    from tiles.cost import choose_grouping
+    from tiles.layout import tileable_prefix
+    from tiles.regions import TilingError
+
+    end = tileable_prefix(inputs.desc)
+    if end == 0:
+        raise NoPlan(f"{inputs.desc.name} cannot be tiled: its first layer is not a convolution or local pooling")
+    cl = inputs.cluster
+    fastest = cl.by_speed(inputs.microbatch)
+    n = len(fastest)
+    sizes = sorted({k for k in (2 ** i for i in range(1, 8)) if k <= n} | {n} | ({n - 1} if n > 2 else set()))
+    best = None  # (key, plan, group, grid)
+    for k in sizes:
+        group = fastest[:k]
+        for grid in grids_for(k):
+            stages = tiles_stages(inputs, group, grid, end, list(range(end)), None)
+            plan = inputs.plan(stages, "tiles")
+            try:
+                timeline = inputs.simulate(plan)
+            except PlanError:
+                continue  # the grid does not fit the maps
+            key = (not timeline.fits, timeline.step_time)
+            if best is None or key < best[0]:
+                best = (key, plan, group, grid)
+    if best is None:
+        raise NoPlan(f"no grid of tiles fits the maps of {inputs.desc.name} at {inputs.desc.img_size}x{inputs.desc.img_size}")
+    _, plan, group, grid = best
+    slowest = min(effective_flops(inputs, d, 0, end) for d in group)
+    try:
+        choice = choose_grouping(inputs.desc.layers[0:end], grid, flops_per_s=slowest,
+                                 bytes_per_s=cl.min_bw(group) if len(group) > 1 else 1e30,
+                                 latency_s=cl.latency, samples=inputs.microbatch)
+        grouped = inputs.plan(tiles_stages(inputs, group, grid, end, list(choice.grouping.forward),
+                                           list(choice.grouping.backward)), "tiles")
+        candidates = [plan, grouped]
+    except TilingError:
+        candidates = [plan]
+    timelines = [inputs.simulate(p) for p in candidates]
+    k = min(range(len(candidates)), key=lambda i: (not timelines[i].fits, timelines[i].step_time))
+    plan = candidates[k]
+    plan.predicted = timelines[k].summary()
+    return plan

@@ -1,0 +1,185 @@
+"""`swarm plan`: what would run where, and how fast — for a described cluster or this machine."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from swarm.cli import positive_int
+from swarm.errors import SwarmError
+
+STRATEGY_HELP = ("local, dp, pp, tiles, jointdnn, hiertrain, asteroid, or auto (default: the best predicted of all, "
+                 "including tiles + pipeline hybrids)")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan how to split training over devices, predict its speed and memory",
+                       description="Plan which layers run where and how they are split, and predict the step time "
+                                   "and memory per device. With --devices, plan a cluster described in a JSON file "
+                                   "(docs/planner.md); without it, plan for this machine.")
+    p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
+    p.add_argument("--img-size", type=positive_int, help="input size (default: the model's own)")
+    p.add_argument("--classes", type=positive_int, help="classes of a built-in detector's head (default: the built-in "
+                   "data's)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="samples per optimizer step (default: 16)")
+    p.add_argument("--microbatches", type=positive_int, default=1,
+                   help="micro-batches per step, as for swarm train (default: 1; pipelines need several)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="decides the optimizer state in memory")
+    p.add_argument("--devices", metavar="CLUSTER.json", help="a cluster description (see examples/*cluster*.json)")
+    p.add_argument("--strategy", default="auto", metavar="NAME", help=STRATEGY_HELP)
+    p.add_argument("--out", metavar="PLAN.json", help="write the plan (JSON) here")
+    p.add_argument("--show", metavar="PLAN.png", help="draw one step's timeline per device (and tile grids) here")
+    p.add_argument("--compare", action="store_true", help="run every planner and compare them side by side")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.add_argument("--state-dir", metavar="DIR", help="where profiles are cached (default: $SWARM_STATE_DIR, "
+                   "/var/lib/swarm as root, else ~/.local/share/swarm)")
+    p.add_argument("--threads", type=positive_int, help="threads when profiling this machine (default: all usable cores)")
+    p.set_defaults(run=run)
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class LocalProfiles:
+    """Profiles this machine on first need (cached in the state directory) and reads profile files."""
+
+    def __init__(self, args: argparse.Namespace, desc, classes: int | None):
+        self.args, self.desc, self.classes = args, desc, classes
+        self.profile = None  # this machine's, once used
+
+    def local(self):
+        from swarm.profiler import load_or_profile
+        from swarm.state import state_dir_from
+
+        if self.profile is None:
+            profile, cached, path = load_or_profile(self.args.model, self.desc.img_size, self.classes,
+                                                    state_dir_from(self.args.state_dir), threads=self.args.threads,
+                                                    log=lambda t: say(f"profiling this machine: {t}"))
+            say(f"{'using the cached profile' if cached else 'profiled this machine; cached in'} {path}")
+            self.profile = profile
+        return self.profile
+
+    def resolve(self, spec, base: Path):
+        """A cluster file's profile reference -> CostTable."""
+        from planner.profile import DeviceProfile, ProfileError
+        from swarm.profiler import read_profile
+
+        if spec == "local":
+            profile = self.local()
+        elif isinstance(spec, dict) and spec.get("kind") == "swarm-profile":
+            try:
+                profile = DeviceProfile.from_dict(spec)
+            except ProfileError as exc:
+                raise SwarmError(f"inline profile: {exc}") from None
+        elif isinstance(spec, (str, dict)):
+            path = spec["profile"] if isinstance(spec, dict) else spec
+            path = Path(path) if Path(path).is_absolute() else base / path
+            profile = read_profile(path)
+        else:
+            raise SwarmError(f"a profile is \"local\", a file name or a profile object, not {spec!r}")
+        try:
+            profile.check_matches(self.desc)
+        except ProfileError as exc:
+            raise SwarmError(str(exc)) from None
+        return profile.costs
+
+
+def describe(args: argparse.Namespace):
+    from swarm.profiler import default_classes
+    from swarm.zoo import describe_model
+
+    classes = args.classes if args.classes is not None else default_classes(args.model, args.img_size)
+    return describe_model(args.model, args.img_size, classes), classes
+
+
+def cluster_from_file(path: str, desc, profiles: LocalProfiles):
+    from planner.cluster import ClusterError, cluster_from_dict
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise SwarmError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise SwarmError(f"{path} is not valid JSON: {exc}") from None
+    try:
+        return cluster_from_dict(data, desc, lambda spec: profiles.resolve(spec, Path(path).parent))
+    except ClusterError as exc:
+        raise SwarmError(f"{path}: {exc}") from None
+
+
+def this_machine(desc, profiles: LocalProfiles):
+    """A cluster of this machine alone: its profile, and its memory less what the runtime uses.
+
+    This is where the live swarm comes in: discover the agents, profile each one (the
+    same measurements, as a job on every agent) and measure the bandwidth between every
+    pair (swarm.agent.bandwidth_job.measure_bandwidth), then build the Cluster with
+    planner.cluster.bandwidth_matrix."""
+    import platform
+
+    import numpy as np
+
+    from planner.cluster import Cluster, Device
+    from swarm.device import usable_memory
+
+    profile = profiles.local()
+    name = platform.node() or "this-machine"
+    budget = max(0.0, usable_memory() - profile.runtime_bytes)
+    say("planning for this machine alone; to plan a cluster, describe its devices with --devices CLUSTER.json "
+        "(docs/planner.md, examples/*cluster*.json)")
+    return Cluster([Device(name, profile.costs, budget, facts={"cores": profile.device.get("cores")})],
+                   np.full((1, 1), np.inf), 0.0, None, "this machine")
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.inputs import PlanInputs
+    from planner.memory import MemoryModel
+    from planner.planners import STRATEGIES, compare, make_plan
+    from planner.report import compare_table, plan_table
+
+    if args.strategy not in STRATEGIES:
+        raise SwarmError(f"unknown --strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}")
+    if args.compare and args.strategy != "auto":
+        raise SwarmError("--compare runs every strategy; leave out --strategy")
+    desc, classes = describe(args)
+    profiles = LocalProfiles(args, desc, classes)
+    cluster = cluster_from_file(args.devices, desc, profiles) if args.devices else this_machine(desc, profiles)
+    if profiles.profile is not None:
+        mem = MemoryModel(desc, profiles.profile.act_bytes, args.optimizer, measured=True)
+    else:
+        mem = MemoryModel.estimated(desc, args.optimizer)
+    inputs = PlanInputs(desc, mem, cluster, args.batch_size, args.microbatches)
+    if args.compare:
+        rows = compare(inputs)
+        print(compare_table(rows))
+        chosen = [r.plan for r in rows if r.strategy == "auto" and r.plan is not None]
+        if not chosen:
+            return 2
+        plan = chosen[0]
+    else:
+        plan = make_plan(args.strategy, inputs)
+    timeline = inputs.simulate(plan)
+    if args.json:
+        print(plan.to_json())
+    elif not args.compare:
+        print(plan_table(plan, timeline))
+        if args.microbatches == 1 and len(cluster.devices) > 1:
+            say("hint: with one micro-batch a pipeline cannot overlap its stages; try --microbatches 4")
+    if args.show:
+        from planner.picture import draw_plan
+
+        draw_plan(plan, timeline, desc, args.show)
+        say(f"picture: {args.show}")
+    if not timeline.fits:
+        from planner.plan import PlanError
+
+        raise PlanError("the plan does not fit: " + "; ".join(o.message() for o in timeline.overflows(plan))
+                        + ("" if args.out is None else f" (not written to {args.out})"))
+    if args.out:
+        try:
+            Path(args.out).write_text(plan.to_json() + "\n")
+        except OSError as exc:
+            raise SwarmError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+        say(f"plan: {args.out}")
+    return 0

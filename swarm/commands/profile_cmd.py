@@ -1,0 +1,88 @@
+"""`swarm profile`: measure this device for the planner and cache the result."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from swarm.cli import positive_int
+from swarm.errors import SwarmError
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of whole numbers such as 1,2,4,8") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got '{text}'")
+    return sizes
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure this device for the planner",
+                       description="Time every layer's forward, backward and update at several batch sizes, the "
+                                   "memory a training step needs, and cache it in the state directory (swarm plan "
+                                   "and swarm train use the cache).")
+    p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
+    p.add_argument("--img-size", type=positive_int, help="input size (default: the model's own)")
+    p.add_argument("--classes", type=positive_int, help="classes of the head (default: the built-in data's)")
+    p.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="1,2,4,8",
+                   help="batch sizes to time (default: 1,2,4,8)")
+    p.add_argument("--repeats", type=positive_int, default=None, help="timings per measurement, median kept (default: 5)")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.add_argument("--state-dir", metavar="DIR", help="state directory (default: $SWARM_STATE_DIR, /var/lib/swarm as "
+                   "root, else ~/.local/share/swarm)")
+    p.add_argument("--out", metavar="FILE", help="also write the profile here (to describe this device in a cluster file)")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from swarm.profiler import DEFAULT_BATCH_SIZES, DEFAULT_REPEATS, load_or_profile, write_profile
+    from swarm.state import state_dir_from
+
+    log = lambda text: print(f"profiling: {text}", file=sys.stderr, flush=True)  # noqa: E731
+    profile, _, path = load_or_profile(args.model, args.img_size, args.classes, state_dir_from(args.state_dir),
+                                       args.batch_sizes or DEFAULT_BATCH_SIZES, args.repeats or DEFAULT_REPEATS,
+                                       args.threads, refresh=True, log=log)
+    if args.out:
+        write_profile(profile, Path(args.out))
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=1))
+        return 0
+    print(profile_table(profile))
+    print(f"\ncached in {path}" + (f"; written to {args.out}" if args.out else ""))
+    return 0
+
+
+def profile_table(profile) -> str:
+    from planner.report import table
+    from planner.units import format_bytes, format_seconds
+    from swarm.zoo import describe_model
+
+    try:
+        desc = describe_model(profile.model, profile.img_size, profile.classes)
+    except SwarmError:
+        desc = None
+    costs = profile.costs
+    sizes = costs.batch_sizes
+    rows = []
+    for i in range(costs.num_layers):
+        kind = desc.layers[i].kind if desc else ""
+        rows.append([str(i), kind] + [f"{1e3 * costs.fwd[i, k]:.2f} / {1e3 * costs.bwd[i, k]:.2f}" for k in range(len(sizes))]
+                    + [f"{1e3 * costs.update[i]:.2f}", format_bytes(profile.act_bytes[i])])
+    header = ["layer", "kind"] + [f"batch {b}: fwd / bwd ms" for b in sizes] + ["update ms", "kept/sample"]
+    lines = [f"{profile.model} at {profile.img_size}x{profile.img_size} on {profile.device.get('name')} "
+             f"({profile.device.get('cpu')}, {profile.device.get('threads')} threads; fingerprint "
+             f"{profile.device.get('fingerprint')})", "", table(rows, header), ""]
+    steps = []
+    for b in sizes:
+        model_sum = costs.range_time(0, costs.num_layers, b, with_loss=True) + float(costs.update.sum())
+        steps.append([str(b), format_seconds(profile.step_time.get(b, float("nan"))), format_seconds(model_sum),
+                      format_bytes(profile.peak_bytes.get(b, 0))])
+    lines.append(table(steps, ["batch", "whole step (measured)", "sum of layers", "peak memory above runtime"]))
+    lines.append(f"\nruntime (torch initialised, no model): {format_bytes(profile.runtime_bytes)}")
+    return "\n".join(lines)
