@@ -33,7 +33,7 @@ receives / bytes_per_s; each BatchNorm layer adds two all-reduces of 2 x C float
 
 Activation memory per tile is modelled as what the executor keeps for backward (conv input
 on the owned outputs' windows, conv output on the pointwise region, max-pool selections as
-int64) plus the largest forward working set (input, padded input and output of one layer).
+uint8) plus the largest forward working set (input, padded input and output of one layer).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from tiles.grouping import Grouping
 from tiles.layout import StageLayout, build_layout
 from tiles.regions import LayerGeometry, Rect
 
-INDEX_BYTES = 8  # max-pool selections are int64
+INDEX_BYTES = 1  # max-pool selections are uint8 window positions
 SUM_BYTES = 8  # BatchNorm sums travel as float64
 
 

@@ -20,7 +20,7 @@ What a tile keeps between forward and backward, per layer (regions from tiles.la
   conv      its input on the windows of its owned outputs (for the partial weight gradient),
             and the conv output z on the pointwise region (BatchNorm and the activation are
             recomputed from z in backward, as cheap elementwise ops);
-  maxpool   the selected positions (int64) on the outputs its backward uses;
+  maxpool   the selected window position (uint8) on the outputs its backward uses;
   avgpool   nothing.
 Partial weight gradients (owned outputs only) are added into the modules' `.grad`; tiles
 sharing modules in one process therefore sum to the full gradient. BatchNorm running
@@ -90,11 +90,10 @@ class Saved:
     z: torch.Tensor | None = None  # conv: output before BN/activation on bwd_state (B, Cout, *, *)
     mean: torch.Tensor | None = None  # (C,)
     invstd: torch.Tensor | None = None  # (C,)
-    indices: torch.Tensor | None = None  # maxpool: selections on bwd_state (B, C, *, *) int64
-    padded_shape: tuple[int, int] = (0, 0)  # maxpool: (hp, wp) of the padded input region
+    selection: torch.Tensor | None = None  # maxpool: selected window position on bwd_state (B, C, *, *) uint8
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.xw, self.z, self.mean, self.invstd, self.indices)
+        return sum(t.numel() * t.element_size() for t in (self.xw, self.z, self.mean, self.invstd, self.selection)
                    if t is not None)
 
 
@@ -156,12 +155,11 @@ class TileWorker:
         saved = Saved()
         state.layers[l] = saved
         if g.kind == "maxpool":
-            xp = ops.pad(x, padding, float("-inf"))
-            y, idx = F.max_pool2d(xp, g.rows.kernel, g.rows.stride, return_indices=True)
+            xp = ops.pad(x, padding, float("-inf"))  # (B, C, hp, wp)
+            y, code = ops.maxpool_forward(xp, g.rows.kernel, g.rows.stride)  # (B, C, out_rect) each
             keep = t.bwd_state[l]
             if not keep.empty:
-                saved.indices = _keep(ops.crop(idx, out_rect, keep), idx)
-                saved.padded_shape = tuple(xp.shape[2:])
+                saved.selection = _keep(ops.crop(code, out_rect, keep), code)
             return y
         if g.kind == "avgpool":
             return F.avg_pool2d(ops.pad(x, padding, 0.0), g.rows.kernel, g.rows.stride)
@@ -259,16 +257,27 @@ class TileWorker:
             full = ops.conv_input_grad(dz, p.conv.weight, g.rows.stride)
             origin = need
         elif g.kind == "maxpool":
-            idx = ops.crop(saved.indices, t.bwd_state[g.index], need)
-            full = ops.maxpool_input_grad(dz, idx, saved.padded_shape)
-            origin = t.fwd_out[g.index + 1]
+            code = ops.crop(saved.selection, t.bwd_state[g.index], need)
+            extent = ((need.rows.size - 1) * g.rows.stride + g.rows.kernel,
+                      (need.cols.size - 1) * g.cols.stride + g.cols.kernel)
+            full = ops.maxpool_input_grad(dz, code, g.rows.kernel, g.rows.stride, extent)
+            origin = need
         else:
             full = ops.avgpool_input_grad(dz, g.rows.kernel, g.rows.stride)
             origin = need
-        # `full` covers the unclipped input extent read by the outputs in `origin`
-        r0 = want.rows.lo - (origin.rows.lo * g.rows.stride - g.rows.before)
-        c0 = want.cols.lo - (origin.cols.lo * g.cols.stride - g.cols.before)
-        return full[:, :, r0:r0 + want.rows.size, c0:c0 + want.cols.size]
+        # `full` covers the (unclipped) input extent read by the outputs in `origin`
+        r0 = origin.rows.lo * g.rows.stride - g.rows.before
+        c0 = origin.cols.lo * g.cols.stride - g.cols.before
+        extent = Rect.of(r0, r0 + full.shape[2], c0, c0 + full.shape[3])
+        if extent.contains(want):
+            return ops.crop(full, extent, want)
+        # input pixels no window reads (a stride that skips the last rows or columns): zero gradient
+        out = full.new_zeros((*full.shape[:2], *want.shape))
+        part = want.meet(extent)
+        if not part.empty:
+            rows, cols = part.relative_to(want)
+            out[:, :, rows, cols] = ops.crop(full, extent, part)
+        return out
 
     # ---- shared pieces --------------------------------------------------------------------
     def _exchange(self, mb: int, phase: str, boundary: int, have: torch.Tensor, have_rect: Rect, need: Rect) -> Work:

@@ -129,11 +129,44 @@ def conv_weight_grad(xp: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, s
                                                False, [0, 0], 1, [False, True, False])[1]
 
 
-def maxpool_input_grad(dy: torch.Tensor, indices: torch.Tensor, padded_shape: tuple[int, int]) -> torch.Tensor:
-    """Scatter dy to the selected inputs of a padded input region (B, C, hp, wp)."""
-    b, c = dy.shape[:2]
+TIE_ULPS = 64  # values within this many eps of a window's maximum (relative to the channel's scale) are ties
+
+
+def maxpool_forward(xp: torch.Tensor, kernel: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max-pool a padded region: (max values, selected position in each window as a uint8
+    code dy * kernel + dx).
+
+    Among values tied with the maximum the first in row-major order is selected, as torch
+    does; "tied" includes values within a few ulps of it, so that tiles which computed the
+    same window redundantly (whose sums may round differently in the last bits) select the
+    same input, and route its gradient the same way. The scale is |max| plus the channel's
+    mean |max|, since rounding noise follows the size of the sums, not of the value."""
+    b, c, hp, wp = xp.shape
+    oh, ow = (hp - kernel) // stride + 1, (wp - kernel) // stride + 1
+    views = [xp[:, :, dy:dy + (oh - 1) * stride + 1:stride, dx:dx + (ow - 1) * stride + 1:stride]
+             for dy in range(kernel) for dx in range(kernel)]  # each (B, C, oh, ow)
+    y = views[0].clone()
+    for v in views[1:]:
+        torch.maximum(y, v, out=y)
+    scale = y.abs() + y.abs().mean(dim=(0, 2, 3), keepdim=True)
+    floor = y - scale * (TIE_ULPS * torch.finfo(y.dtype).eps)
+    code = torch.full(y.shape, kernel * kernel - 1, dtype=torch.uint8)
+    for j in range(kernel * kernel - 2, -1, -1):  # the first position at or above the floor wins
+        code.masked_fill_(views[j] >= floor, j)
+    return y, code
+
+
+def maxpool_input_grad(dy: torch.Tensor, code: torch.Tensor, kernel: int, stride: int,
+                       padded_shape: tuple[int, int]) -> torch.Tensor:
+    """Scatter dy (B, C, oh, ow) to the selected inputs of the padded input region it was
+    pooled from (whose window (0, 0) starts at its corner): (B, C, hp, wp)."""
+    b, c, oh, ow = dy.shape
+    code = code.long()
+    rows = torch.arange(oh).view(1, 1, oh, 1) * stride + code // kernel
+    cols = torch.arange(ow).view(1, 1, 1, ow) * stride + code % kernel
+    index = (rows * padded_shape[1] + cols).view(b, c, -1)
     out = dy.new_zeros((b, c, padded_shape[0] * padded_shape[1]))
-    out.scatter_add_(2, indices.reshape(b, c, -1), dy.reshape(b, c, -1))
+    out.scatter_add_(2, index, dy.reshape(b, c, -1))
     return out.view(b, c, *padded_shape)
 
 
