@@ -45,6 +45,7 @@ class TrainConfig:
     warmup: int = 20  # steps of linear learning-rate warm-up
     seed: int = 0  # initial weights and the order of samples
     classes: int | None = None  # built-in models: None means the data set's number of classes
+    dtype: str = "float32"  # float64: slower, but any plan then matches local to ~1e-12 (see README)
 
     def resolved_lr(self) -> float:
         if self.lr is not None:
@@ -62,6 +63,12 @@ class TrainConfig:
 
 DEFAULT_STEPS = 300
 DEFAULT_IMG_SIZE_SYNTHETIC = {"yolov2-16": 128, "yolov2": 128, "yolov2-tiny": 128, "vgg16": 64, "alexnet": 96}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in ("float32", "float64"):
+        raise SwarmError(f"--dtype must be float32 or float64, not {name}")
+    return torch.float32 if name == "float32" else torch.float64
 
 
 def decay_groups(named_params) -> list[dict]:
@@ -95,6 +102,7 @@ class LocalTrainer:
         self.cfg = cfg
         self.net, self.desc, self.cfg_text = build_model(cfg.model, cfg.img_size, cfg.classes, cfg.seed, cfg_text)
         cfg.img_size = self.desc.img_size
+        self.net.to(torch_dtype(cfg.dtype))
         self.net.train()
         self.loss_fn = make_loss(self.desc)
         self.optimizer = make_optimizer(self.net.named_parameters(), cfg)
@@ -120,7 +128,7 @@ class LocalTrainer:
 
     def targets_for_loss(self, targets: np.ndarray) -> torch.Tensor:
         if self.desc.loss == "region":
-            return torch.from_numpy(targets)
+            return torch.from_numpy(targets).to(self.net.dtype)
         return torch.from_numpy(class_targets(targets))
 
     def forward_backward(self, images: np.ndarray, targets: np.ndarray, keys: list[int], batch_total: int) -> float:

@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-decay", type=non_negative_float, help="weight decay on weights (default: 5e-4)")
     p.add_argument("--warmup", type=non_negative_int, help="steps of learning-rate warm-up (default: 20)")
     p.add_argument("--seed", type=non_negative_int, help="fixes initial weights and sample order (default: 0)")
+    p.add_argument("--dtype", choices=("float32", "float64"), help="arithmetic of weights and activations (default "
+                   "float32; float64 is slower but makes every plan agree with --strategy local to ~1e-12)")
     p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
     p.add_argument("--save", metavar="PATH", help="checkpoint path (default: swarm-MODEL.pt, or the --resume path)")
     p.add_argument("--save-every", type=non_negative_int, default=0, metavar="N",

@@ -20,7 +20,7 @@ from swarm.execution.blocks import cut
 from swarm.execution.endpoint import Endpoint
 from swarm.execution.routing import Block, Layout, stage_parts
 from swarm.execution.worker import JobSpec
-from swarm.trainer import LocalTrainer
+from swarm.trainer import LocalTrainer, set_lr
 
 
 @dataclass
@@ -140,6 +140,8 @@ class TrainingCoordinator:
             slots.update(msg["momentum"])
         self.trainer.net.load_state_dict(full)
         load_optimizer_slots(self.trainer, slots)
+        if self.trainer.step_count > 0:  # as the local optimizer has it after its last step
+            set_lr(self.trainer.optimizer, self.trainer.cfg.lr_at(self.trainer.step_count - 1))
         for device in self.plan.used_devices():
             await self.ep.send(device, ("stop",), {})
         self.pool.shutdown(wait=False)

@@ -12,7 +12,7 @@ import torch
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
 from swarm.execution.group_bn import GroupBatchNorm, replace_batchnorm
-from swarm.trainer import TrainConfig, make_optimizer, set_lr
+from swarm.trainer import TrainConfig, make_optimizer, set_lr, torch_dtype
 from swarm.zoo import build_model
 from swarm.zoo.loss import make_loss
 
@@ -44,6 +44,7 @@ class StageCopy:
         stage = plan.stages[p]
         net, desc, _ = build_model(cfg.model, plan.img_size, cfg.classes, cfg_text=cfg_text,
                                    only=range(stage.first, stage.last))
+        net.to(torch_dtype(cfg.dtype))
         net.train()
         group_bns = replace_batchnorm(net) if stage.mode == "dp" and group_size > 1 else []
         optimizer = make_optimizer(net.named_parameters(), cfg)
@@ -90,6 +91,8 @@ class StageCopy:
                 targets: torch.Tensor | None, batch_total: int, window=None) -> dict[int, torch.Tensor]:
         """Run the stage on one micro-batch; keep what backward needs; return the outputs."""
         stage = self.stage
+        if targets is not None and targets.is_floating_point():
+            targets = targets.to(self.net.dtype)
         leaves = {}
         for k, t in inputs.items():
             leaves[k] = t.detach().requires_grad_(True) if t.is_floating_point() and k >= 0 else t

@@ -1,0 +1,150 @@
+"""Plans run by workers give the local trainer's weights (in-process network, no sockets).
+
+Comparisons run in float64: float32 training of BN networks is only reproducible to ~1e-2
+in zero-initialised tensors under any reordering of sums (two local runs with different
+thread counts differ that much), so float32 would test luck, not logic. In float64 every
+plan agrees with local to ~1e-12; pure pipelines (same batch, same kernels) are bit-exact
+in float32 too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.plan import Plan, Stage
+from swarm.data import make_batch, open_datasets, step_indices
+from swarm.execution.inprocess import train_plan_in_process
+from swarm.trainer import LocalTrainer, TrainConfig
+
+STEPS = 2
+
+
+def _cfg(model: str, microbatches: int, dtype: str = "float64", **kw) -> TrainConfig:
+    return TrainConfig(model=model, img_size=64, batch_size=8, microbatches=microbatches, seed=7, classes=5,
+                       dtype=dtype, **kw)
+
+
+def _local(cfg: TrainConfig, steps: int = STEPS) -> dict:
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, cfg.img_size, 3)
+    for s in range(steps):
+        trainer.step(*make_batch(data, step_indices(len(data), cfg.batch_size, s, cfg.seed)))
+    return trainer.net.state_dict()
+
+
+def _planned(cfg: TrainConfig, plan: Plan, steps: int = STEPS) -> LocalTrainer:
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, cfg.img_size, 3)
+    return train_plan_in_process(plan, trainer, data, steps, timeout_s=120)
+
+
+def _worst(a: dict, b: dict) -> tuple[float, str]:
+    worst = (0.0, "")
+    for k in a:
+        if a[k].is_floating_point():
+            d = float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp(min=1e-30))
+            worst = max(worst, (d, k))
+        else:
+            assert torch.equal(a[k], b[k]), k
+    return worst
+
+
+def _plan(model: str, stages: list[Stage], microbatches: int) -> Plan:
+    return Plan(model, 64, 8, microbatches, stages)
+
+
+N16, N2 = 17, 31  # layers of yolov2-16 and yolov2
+
+PLANS = {
+    "pp4": lambda n: [Stage(0, 4, "single", ["d0"]), Stage(4, 9, "single", ["d1"]), Stage(9, 13, "single", ["d2"]),
+                      Stage(13, n, "single", ["d3"])],
+    "dp4": lambda n: [Stage(0, n, "dp", ["d0", "d1", "d2", "d3"], allocation={"d0": 1, "d1": 0, "d2": 1, "d3": 0})],
+    "hybrid": lambda n: [Stage(0, 6, "single", ["d0"]), Stage(6, 12, "dp", ["d1", "d2"], allocation={"d1": 1, "d2": 1}),
+                         Stage(12, n, "single", ["d3"])],
+    "first-and-last-on-one-device": lambda n: [Stage(0, 5, "single", ["d0"]), Stage(5, 12, "single", ["d1"]),
+                                               Stage(12, n, "single", ["d0"])],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_yolov2_16_plans_equal_local(name):
+    cfg = _cfg("yolov2-16", 4)
+    result = _planned(cfg, _plan("yolov2-16", PLANS[name](N16), 4))
+    worst = _worst(result.net.state_dict(), _local(cfg))
+    assert worst[0] < 1e-9, worst
+    assert result.step_count == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp4", "hybrid"])
+def test_full_yolov2_plans_equal_local(name):
+    """yolov2's passthrough (layer 16 read by layer 25) crosses stage boundaries."""
+    cfg = _cfg("yolov2", 4)
+    result = _planned(cfg, _plan("yolov2", PLANS[name](N2), 4))
+    assert _worst(result.net.state_dict(), _local(cfg))[0] < 1e-9
+
+
+def test_pure_pipeline_is_bit_exact_in_float32():
+    cfg = _cfg("yolov2-16", 4, dtype="float32")
+    result = _planned(cfg, _plan("yolov2-16", PLANS["pp4"](N16), 4))
+    assert _worst(result.net.state_dict(), _local(cfg))[0] == 0.0
+
+
+SMALL_CLASSIFIER = """[net]
+width=32
+height=32
+channels=3
+
+[convolutional]
+batch_normalize=1
+filters=8
+size=3
+stride=2
+pad=1
+activation=leaky
+
+[maxpool]
+size=2
+stride=2
+
+[connected]
+output=32
+batch_normalize=1
+activation=leaky
+
+[dropout]
+probability=0.5
+
+[connected]
+output=5
+activation=linear
+
+[softmax]
+"""
+
+
+def test_dp_with_dropout_batchnorm_vectors_and_uneven_shares(tmp_path):
+    """Dropout masks follow the sample, not the device; BatchNorm of vectors is exact across
+    a dp group too."""
+    path = tmp_path / "small.cfg"
+    path.write_text(SMALL_CLASSIFIER)
+    cfg = TrainConfig(model=str(path), img_size=32, batch_size=6, microbatches=2, seed=3, dtype="float64")
+    plan = Plan(str(path), 32, 6, 2, [Stage(0, 2, "single", ["a"]),
+                                      Stage(2, 5, "dp", ["b", "c"], allocation={"b": 2, "c": 1})])
+    result = _planned(cfg, plan)
+    assert _worst(result.net.state_dict(), _local(cfg))[0] < 1e-9
+
+
+def test_optimizer_state_comes_back_for_resume():
+    cfg = _cfg("yolov2-16", 2)
+    plan = _plan("yolov2-16", [Stage(0, 8, "single", ["a"]), Stage(8, N16, "dp", ["b", "c"],
+                                                                      allocation={"b": 2, "c": 2})], 2)
+    planned = _planned(cfg, plan)
+    local = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, 64, 3)
+    for s in range(STEPS):
+        local.step(*make_batch(data, step_indices(len(data), 8, s, 7)))
+    ours, theirs = planned.optimizer.state_dict(), local.optimizer.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    for k, st in theirs["state"].items():
+        assert torch.allclose(ours["state"][k]["momentum_buffer"], st["momentum_buffer"], rtol=1e-9, atol=1e-12)
