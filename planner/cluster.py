@@ -152,6 +152,10 @@ def cluster_from_dict(d: dict, desc, resolve_profile) -> Cluster:
         devices.append(_device_from_dict(i, spec, desc, reference, resolve_profile))
         links_mbps.append(spec.get("link_mbps"))
     n = len(devices)
+    names = [dev.name for dev in devices]
+    twice = sorted({x for x in names if names.count(x) > 1})
+    if twice:
+        raise ClusterError(f"device name(s) used twice: {', '.join(twice)}")
     default = d.get("bandwidth_mbps")
     bw = np.full((n, n), float(default) if default is not None else np.inf)
     for i in range(n):
@@ -159,7 +163,6 @@ def cluster_from_dict(d: dict, desc, resolve_profile) -> Cluster:
             for cap in (links_mbps[i], links_mbps[j]):
                 if cap is not None:
                     bw[i, j] = min(bw[i, j], float(cap))
-    names = [dev.name for dev in devices]
     for k, link in enumerate(d.get("links") or []):
         _apply_link(k, link, names, bw)
     missing = [(names[i], names[j]) for i in range(n) for j in range(n) if i != j and not np.isfinite(bw[i, j])]

@@ -1,0 +1,83 @@
+"""`swarm plan` and `swarm profile` as a user meets them: tables, pictures, plan files, mistakes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.plan import Plan
+from tests.conftest import run_swarm
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def plan(*args, tmp_path, env=None):
+    return run_swarm("plan", *args, cwd=tmp_path, env={"SWARM_STATE_DIR": str(tmp_path / "state"), **(env or {})})
+
+
+def test_plan_a_described_cluster_with_picture_and_plan_file(tmp_path):
+    r = plan("--model", "yolov2-16", "--devices", EXAMPLES / "pi-jetson-cluster.json", "--microbatches", "4",
+             "--strategy", "asteroid", "--out", "p.json", "--show", "p.png", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "planner asteroid" in r.stdout and "predicted step" in r.stdout
+    for device in ("laptop", "jetson-1"):
+        assert device in r.stdout
+    saved = Plan.from_json((tmp_path / "p.json").read_text())
+    assert saved.planner == "asteroid" and saved.predicted["fits"]
+    png = (tmp_path / "p.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_compare_lists_every_planner(tmp_path):
+    r = plan("--model", "yolov2-16", "--devices", EXAMPLES / "rama-pi-cluster.json", "--batch-size", "8",
+             "--microbatches", "2", "--compare", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for name in ("local", "dp", "pp", "tiles", "jointdnn", "hiertrain", "asteroid", "auto"):
+        assert any(line.startswith(name + " ") for line in lines), name
+    assert "NO" in r.stdout  # a Pi alone cannot hold yolov2-16 at 416
+
+
+def test_a_plan_that_does_not_fit_says_where_and_by_how_much(tmp_path):
+    r = plan("--model", "yolov2-16", "--devices", EXAMPLES / "rama-pi-cluster.json", "--strategy", "local",
+             "--out", "p.json", tmp_path=tmp_path)
+    assert r.returncode == 2
+    assert "does not fit: stage 0 needs" in r.stderr and "on device pi-1, which has 600 MiB" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "fastest"], "unknown --strategy 'fastest'"),
+    (["--devices", "missing.json"], "cannot read missing.json"),
+    (["--model", "nonet"], "unknown model 'nonet'"),
+    (["--compare", "--strategy", "dp"], "--compare runs every strategy"),
+])
+def test_mistakes_are_plain_messages(tmp_path, args, message):
+    r = plan(*args, tmp_path=tmp_path)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_cluster_file_names_the_problem(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"devices": [{"name": "a", "memory": "1 GiB"}]}))
+    r = plan("--devices", "c.json", tmp_path=tmp_path)
+    assert r.returncode == 2 and "c.json: device a: give exactly one of" in r.stderr
+
+
+def test_profile_then_plan_this_machine_from_the_cache(tmp_path):
+    r = run_swarm("profile", "--model", "yolov2-16", "--img-size", "32", "--batch-sizes", "1,2", "--repeats", "1",
+                  "--threads", "1", "--out", "me.json", cwd=tmp_path, env={"SWARM_STATE_DIR": str(tmp_path / "state")})
+    assert r.returncode == 0, r.stderr
+    assert "whole step (measured)" in r.stdout and "cached in" in r.stdout
+    assert json.loads((tmp_path / "me.json").read_text())["kind"] == "swarm-profile"
+    r = plan("--model", "yolov2-16", "--img-size", "32", "--threads", "1", "--json", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "using the cached profile" in r.stderr and "--devices CLUSTER.json" in r.stderr
+    assert Plan.from_json(r.stdout).stages[0].mode == "single"
+    # the profile describes this device in a cluster file too
+    (tmp_path / "c.json").write_text(json.dumps({"bandwidth_mbps": 100, "devices": [
+        {"name": "me", "memory": "2 GiB", "profile": "me.json"},
+        {"name": "twin", "memory": "2 GiB", "profile": "me.json"}]}))
+    r = plan("--model", "yolov2-16", "--img-size", "32", "--devices", "c.json", "--microbatches", "2",
+             "--strategy", "dp", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr and "twin" in r.stdout

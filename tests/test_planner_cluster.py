@@ -1,0 +1,145 @@
+"""The cluster description (JSON), cost tables, units, and the plans every planner returns."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner.cluster import ClusterError, bandwidth_matrix, cluster_from_dict
+from planner.costs import CostTable
+from planner.inputs import PlanInputs
+from planner.memory import MemoryModel
+from planner.planners import STRATEGIES, compare, make_plan
+from planner.plan import Plan, PlanError
+from planner.synthetic import flops_cluster
+from planner.units import format_bytes, parse_bytes
+from swarm.zoo import describe_model
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def desc():
+    return describe_model("yolov2-16", 64)
+
+
+def no_profiles(spec):
+    raise AssertionError(f"unexpected profile {spec}")
+
+
+def test_units():
+    assert parse_bytes("1 GiB") == 2**30 and parse_bytes("512MB") == 512_000_000 and parse_bytes(100) == 100
+    assert parse_bytes("1.5 g") == int(1.5 * 2**30)
+    assert format_bytes(1.3 * 2**30) == "1.3 GiB" and format_bytes(900 * 2**20) == "900 MiB"
+    for bad in ("lots", "-1 GiB", True, "1 parsec"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_cost_table_interpolates_and_extends():
+    t = CostTable((1, 2, 4), [[1.0, 1.5, 2.5]], [[2.0, 3.0, 5.0]], [0.1], [0, 0, 0], [0, 0, 0])
+    assert t.fwd_range(0, 1, 3) == pytest.approx(2.0)
+    assert t.fwd_range(0, 1, 8) == pytest.approx(4.5)  # the last segment, extended
+    assert t.scaled(2.0).fwd_range(0, 1, 3) == pytest.approx(1.0)
+    noisy = CostTable((1, 2), [[1.0, 0.8]], [[1.0, 1.0]], [0.0], [0, 0], [0, 0])
+    assert noisy.fwd_range(0, 1, 2) == pytest.approx(1.0)  # more samples never take less time
+    assert noisy.fwd_range(0, 1, 8) == pytest.approx(4.0)  # too flat to extend: proportional
+    assert CostTable.from_dict(t.to_dict()).fwd_range(0, 1, 3) == pytest.approx(2.0)
+
+
+def test_flops_table_is_affine_with_memory_traffic(desc):
+    t = CostTable.from_flops(desc, 10, mem_gbps=5)
+    one, two, many = (t.range_time(0, 17, b) for b in (1, 2, 100))
+    assert two - one == pytest.approx((many - one) / 99)  # constant cost per extra sample
+    assert one - (two - one) > 0  # and a per-call part: the weights are read once per call
+
+
+def test_every_example_cluster_loads(desc):
+    for path in sorted(EXAMPLES.glob("*cluster*.json")):
+        data = json.loads(path.read_text())
+        if data.get("reference") == "local":
+            cl = cluster_from_dict(data, desc, lambda spec: CostTable.from_flops(desc, 10))
+        else:
+            cl = cluster_from_dict(data, desc, no_profiles)
+        assert len(cl.devices) >= 2, path.name
+        assert all(d.memory > 0 for d in cl.devices)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"devices": []}, "lists no devices"),
+    ({"devices": [{"name": "a", "memory": "1 GiB"}]}, "exactly one of"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "speed": 1}]}, "reference"),
+    ({"devices": [{"name": "a", "gflops": 1}]}, "memory"),
+    ({"devices": [{"name": "a", "memory": "lots", "gflops": 1}]}, "device a: memory"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "colour": "red"}]}, "unknown field"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1}, {"name": "a", "memory": "1 GiB", "gflops": 1}]},
+     "used twice"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1}, {"name": "b", "memory": "1 GiB", "gflops": 1}]},
+     "no bandwidth between a and b"),
+    ({"bandwidth_mbps": 10, "data_source": "zz",
+      "devices": [{"name": "a", "memory": "1 GiB", "gflops": 1}]}, "data_source 'zz'"),
+    ({"bandwidth_mbps": 10, "links": [{"between": ["a", "q"], "mbps": 1}],
+      "devices": [{"name": "a", "memory": "1 GiB", "gflops": 1}]}, "unknown device"),
+    ({"wibble": 1, "devices": [{"name": "a", "memory": "1 GiB", "gflops": 1}]}, "unknown cluster field"),
+])
+def test_cluster_errors_say_what_is_wrong(desc, change, message):
+    with pytest.raises(ClusterError, match=message):
+        cluster_from_dict(change, desc, no_profiles)
+
+
+def test_links_and_link_caps(desc):
+    cl = cluster_from_dict({"bandwidth_mbps": 1000, "devices": [
+        {"name": "a", "memory": "1 GiB", "gflops": 1, "link_mbps": 100},
+        {"name": "b", "memory": "1 GiB", "gflops": 1},
+        {"name": "c", "memory": "1 GiB", "gflops": 1}],
+        "links": [{"from": "b", "to": "c", "mbps": 10}]}, desc, no_profiles)
+    assert cl.bw("a", "b") == cl.bw("b", "a") == 100e6 / 8  # a's own link caps both directions
+    assert cl.bw("b", "c") == 10e6 / 8 and cl.bw("c", "b") == 1000e6 / 8
+
+
+def test_measured_bandwidth_matrix_seam():
+    bw = bandwidth_matrix(["a", "b", "c"], {("a", "b"): 10.0, ("b", "a"): 12.0, ("a", "c"): 5.0, ("b", "c"): 7.0})
+    assert bw[0, 1] == 10 and bw[1, 0] == 12 and bw[2, 0] == 5 and bw[2, 1] == 7 and np.isinf(bw[0, 0])
+    with pytest.raises(ClusterError, match="no bandwidth measured between a and c"):
+        bandwidth_matrix(["a", "b", "c"], {("a", "b"): 10.0, ("b", "c"): 1.0})
+
+
+@pytest.fixture(scope="module")
+def small_inputs(desc):
+    cl = flops_cluster(desc, {"a": (10, "1 GiB"), "b": (5, "1 GiB"), "c": (5, "512 MiB")}, mbps=100, latency_ms=0.5,
+                       data_source="a")
+    return PlanInputs(desc, MemoryModel.estimated(desc), cl, 8, 2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_planner_returns_a_valid_simulated_plan(small_inputs, strategy):
+    plan = make_plan(strategy, small_inputs)
+    plan.validate(small_inputs.desc)
+    assert plan.predicted["step_time_s"] > 0 and set(plan.predicted["peak_memory"]) == set(plan.used_devices())
+    again = Plan.from_json(plan.to_json())
+    assert again.stages == plan.stages and again.predicted == json.loads(json.dumps(plan.predicted))
+    assert small_inputs.simulate(again).step_time == pytest.approx(plan.predicted["step_time_s"])
+
+
+def test_auto_is_at_least_as_good_as_every_planner(small_inputs):
+    rows = {r.strategy: r for r in compare(small_inputs)}
+    best = min(r.plan.predicted["step_time_s"] for name, r in rows.items() if r.plan and name != "auto"
+               and r.plan.predicted["fits"])
+    assert rows["auto"].plan.predicted["step_time_s"] <= best + 1e-12
+
+
+def test_unknown_strategy(small_inputs):
+    with pytest.raises(PlanError, match="unknown strategy 'fast'"):
+        make_plan("fast", small_inputs)
+
+
+def test_nothing_fits_says_how_much_is_missing(desc):
+    cl = flops_cluster(desc, {"a": (10, "1 MiB"), "b": (10, "1 MiB")}, mbps=100)
+    inputs = PlanInputs(desc, MemoryModel.estimated(desc), cl, 4, 1)
+    with pytest.raises(PlanError, match="largest device, a, has 1 MiB"):
+        make_plan("asteroid", inputs)
+    plan = make_plan("local", inputs)
+    over = inputs.simulate(plan).overflows(plan)
+    assert over and "on device a, which has 1 MiB" in over[0].message()

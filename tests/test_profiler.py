@@ -1,0 +1,57 @@
+"""The profiler: per-layer times at several batch sizes, saved bytes, step peaks, the cache."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from planner.memory import MemoryModel
+from planner.profile import DeviceProfile
+from swarm.profiler import device_facts, load_or_profile, profile_model, read_profile
+from swarm.zoo import describe_model
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model("yolov2-16", 32, batch_sizes=(1, 2), repeats=1, threads=1)
+
+
+def test_profile_has_every_layer_at_every_batch_size(profile):
+    desc = describe_model("yolov2-16", 32, profile.classes)
+    costs = profile.costs
+    assert costs.batch_sizes == (1, 2) and costs.num_layers == len(desc.layers)
+    assert (costs.fwd > 0).all() and (costs.bwd > 0).all()
+    assert (costs.update[[i for i, layer in enumerate(desc.layers) if layer.params]] > 0).all()
+    assert costs.loss_fwd[0] > 0 and costs.loss_bwd[0] > 0
+    assert set(profile.step_time) == {1, 2} and all(t > 0 for t in profile.step_time.values())
+    assert set(profile.peak_bytes) == {1, 2} and profile.runtime_bytes > 0
+    profile.check_matches(desc)
+
+
+def test_saved_bytes_are_what_autograd_keeps(profile):
+    """The measured bytes per layer equal the shape-based estimate the planner uses without a profile."""
+    desc = describe_model("yolov2-16", 32, profile.classes)
+    estimate = MemoryModel.estimated(desc).act_bytes
+    assert np.allclose(profile.act_bytes, estimate, rtol=0.05, atol=16384)  # (tiny maps: small extras)
+    assert sum(profile.act_bytes) == pytest.approx(sum(estimate), rel=0.05)
+
+
+def test_profile_round_trips_and_is_cached(tmp_path):
+    p1, cached1, path = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1, 2), repeats=1, threads=1)
+    p2, cached2, path2 = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1, 2), repeats=1, threads=1)
+    assert (cached1, cached2) == (False, True) and path == path2
+    assert path.parent.name == device_facts(1)["fingerprint"]
+    assert read_profile(path).to_dict() == p1.to_dict() == p2.to_dict()
+    again = DeviceProfile.from_dict(json.loads(path.read_text()))
+    assert again.costs.fwd_range(0, 7, 2) == pytest.approx(p1.costs.fwd_range(0, 7, 2))
+    p3, cached3, _ = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1,), repeats=1, threads=1,
+                                     refresh=True)
+    assert not cached3 and p3.costs.batch_sizes == (1,)
+
+
+def test_broken_cache_entry_is_measured_again(tmp_path):
+    _, _, path = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1,), repeats=1, threads=1)
+    path.write_text("{not json")
+    profile, cached, _ = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1,), repeats=1, threads=1)
+    assert not cached and profile.costs.num_layers == 7
