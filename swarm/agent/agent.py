@@ -24,7 +24,7 @@ from swarm.discovery import Advert, advertise, open_zeroconf
 from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection, connect_peer, parse_endpoint
 from swarm.net.peer import serve_peers
 from swarm.wire import (PROTOCOL_VERSION, Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobStart, JobState,
-                        JobStop, Limits, Ping, Pong, Watch)
+                        JobStop, Limits, Ping, Pong, RemoteProtocolError, Watch)
 
 log = logging.getLogger("swarm.agent")
 
@@ -175,12 +175,9 @@ class Agent:
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(peer.send_replies)
-                try:
-                    async for message in conn:
-                        await self._dispatch(peer, message, nursery)
-                finally:
-                    nursery.cancel_scope.cancel()
+                nursery.start_soon(self._send_replies, peer, nursery.cancel_scope)
+                await self._read(peer, nursery)
+                nursery.cancel_scope.cancel()
         finally:
             self._peers[peer.node_id].remove(peer)
             if not self._peers[peer.node_id]:
@@ -188,6 +185,24 @@ class Agent:
             job = self.job
             if job is not None and peer.node_id == job.coordinator_id:
                 job.coordinator_changed.set()
+            await conn.aclose()
+
+    async def _read(self, peer: Peer, nursery: trio.Nursery) -> None:
+        """Dispatch the connection's messages until it ends; errors end only this connection."""
+        conn = peer.conn
+        try:
+            async for message in conn:
+                await self._dispatch(peer, message, nursery)
+        except RemoteProtocolError as exc:
+            log.warning("closed connection with %s (node %s): %s", conn.address, peer.node_id, exc)
+        except Exception:  # a bug must not take the agent down with it
+            log.exception("error on the connection with %s (node %s); closed", conn.address, peer.node_id)
+
+    async def _send_replies(self, peer: Peer, scope: trio.CancelScope) -> None:
+        try:
+            await peer.send_replies()
+        except ConnectionLost:
+            scope.cancel()
 
     async def _dispatch(self, peer: Peer, message, nursery: trio.Nursery) -> None:
         if isinstance(message, Ping):

@@ -201,12 +201,12 @@ class Cluster:
         device.seen()
         conn.on_activity = lambda: (self.membership.heard_from(node_id), device.seen())
         try:
-            await conn.send(InfoRequest())
-            await conn.send(Watch(self.heartbeat_interval))
-            ping = next(self._seq)
+            ping = next(self._seq)  # first, so that the round trip is known when Info makes it alive
             self._pongs[ping] = trio.Event()
             sent_at = trio.current_time()
             await conn.send(Ping(ping))
+            await conn.send(InfoRequest())
+            await conn.send(Watch(self.heartbeat_interval))
             async for message in conn:
                 if isinstance(message, Pong) and message.seq == ping:
                     device.rtt = trio.current_time() - sent_at

@@ -133,6 +133,10 @@ class CoordinatorJob:
 
     async def _request(self, node_id: str, message, timeout: float) -> JobState:
         """Send a lifecycle message and wait for the JobState that answers it."""
+        current = self.cluster._jobs.get(self.job_id)
+        if current is not self:
+            raise JobError(f"job {self.job_id} epoch {self.epoch} was superseded by epoch "
+                           f"{current.epoch if current else '?'}: use the newer handle")
         before = self.states.get(node_id)
         with trio.fail_after(timeout):
             await self.cluster.send(node_id, message)

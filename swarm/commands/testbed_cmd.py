@@ -84,7 +84,7 @@ def run(args) -> int:
         return 0
     if action == "exec":
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-        return testbed.exec_in(args.device, argv)
+        testbed.exec_in(args.device, argv)  # does not return
     record = testbed.load()
     if record is None:
         if args.json:

@@ -136,7 +136,7 @@ class PeerConnection:
                 async with self._send_lock:
                     self.protocol.close(reason)
                     await self._flush()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            except ConnectionLost:  # the peer is gone already: nothing to say goodbye to
                 pass
         await trio.aclose_forcefully(self.stream)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError
 from swarm.testbed import cgroups, netns
-from swarm.testbed.names import (AGENT_PORT, BRIDGE, DEVICE_INTERFACE, HOST_ADDRESS, MAX_DEVICES, PREFIX,
+from swarm.testbed.names import (AGENT_PORT, BRIDGE, CGROUP_GROUP, DEVICE_INTERFACE, HOST_ADDRESS, MAX_DEVICES, PREFIX,
                                  device_address, device_name, host_link, namespace, state_dir)
 
 READY_TIMEOUT = 60.0
@@ -265,11 +265,15 @@ def down() -> list[str]:
     pids: set[int] = set()
     if record is not None:
         pids |= {d.pid for d in record.devices if d.pid and _alive(d.pid) and _is_agent(d.pid)}
-    namespaces = netns.namespaces() if is_root() and shutil.which("ip") else []
+    # Without a record (a crash before it was written, or it was lost), or for the namespace
+    # form, sweep everything carrying the prefix; a loopback record covers all it made.
+    sweep = is_root() and (record is None or record.kind == "netns")
+    namespaces = netns.namespaces() if sweep and shutil.which("ip") else []
     for ns in namespaces:
         pids |= set(netns.namespace_pids(ns))
-    host = cgroups.detect() if is_root() else None
-    cgroup_dirs = _our_cgroups(host) + ([Path(c) for d in record.devices for c in d.cgroups] if record else [])
+    host = cgroups.detect() if sweep else None
+    recorded = [Path(c) for d in record.devices for c in d.cgroups] if record else []
+    cgroup_dirs = _our_cgroups(host) + recorded + [p.parent for p in recorded if p.parent.name == CGROUP_GROUP]
     for directory in cgroup_dirs:
         pids |= set(cgroups.processes(directory))
     pids.discard(os.getpid())
@@ -285,7 +289,7 @@ def down() -> list[str]:
     for ns in namespaces:
         netns.run("ip", "netns", "del", ns, check=False)
         removed.append(f"namespace {ns}")
-    if is_root() and shutil.which("ip"):
+    if sweep and shutil.which("ip"):
         for link in netns.links():
             if netns.run("ip", "link", "del", link, check=False).returncode == 0:
                 removed.append(f"link {link}")
@@ -342,9 +346,9 @@ def _link(name: str, up: bool) -> DeviceRecord:
     return device
 
 
-def exec_in(name: str, argv: list[str]) -> int:
-    """Run argv as a process of device `name` (inside its namespace), with the testbed's token
-    and interface in its environment; `swarm` means this same swarm. Its exit status."""
+def exec_in(name: str, argv: list[str]) -> None:
+    """Become argv, run as a process of device `name` (inside its namespace), with the testbed's
+    token and interface in its environment; `swarm` means this same swarm. Does not return."""
     record = require()
     device = record.device(name)
     if not argv:
@@ -356,11 +360,11 @@ def exec_in(name: str, argv: list[str]) -> int:
              "SWARM_INTERFACE": DEVICE_INTERFACE if record.kind == "netns" else "lo"}
     if record.kind == "loopback":
         extra["SWARM_PEERS"] = record.peers()
-    prefix = netns.in_namespace(device.namespace) if record.kind == "netns" else []
-    try:
-        return subprocess.run(prefix + argv, env=_environment(extra)).returncode
-    except FileNotFoundError:
-        raise SwarmError(f"command not found: {argv[0]}") from None
+    argv = (netns.in_namespace(device.namespace) if record.kind == "netns" else []) + argv
+    if shutil.which(argv[0]) is None:
+        raise SwarmError(f"command not found: {argv[0]}")
+    sys.stdout.flush()
+    os.execvpe(argv[0], argv, _environment(extra))  # becomes the command: its signals, its exit status
 
 
 def status_rows(record: TestbedRecord) -> list[dict]:

@@ -1,0 +1,306 @@
+"""Agents and a coordinator in one trio loop on 127.0.0.1: probes, jobs, epochs, peers, strangers."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+import trio
+
+from swarm.agent import Agent, AgentConfig, JobContext, register_job_kind
+from swarm.agent.bandwidth_job import measure_bandwidth
+from swarm.cluster import JobError, open_cluster
+from swarm.net import Credentials, connect_peer, resolve_network
+from swarm.wire import JobData, Ping, Pong
+from swarm.wire.frames import LENGTH
+
+pytestmark = pytest.mark.trio
+
+TOKEN = "test-token-" + "x" * 20
+OTHER_TOKEN = "other-token-" + "y" * 20
+
+
+@asynccontextmanager
+async def swarm_of(n: int, *, tokens=None, orphan_timeout=30.0, **cluster_options):
+    """n agents (mDNS off) and a cluster reaching them by --peers, all on loopback."""
+    network = resolve_network("lo")
+    tokens = tokens or [TOKEN] * n
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            agents = []
+            for i in range(n):
+                config = AgentConfig(name=f"a{i}", node_id=f"node{i}", token=tokens[i], network=network, port=0,
+                                     advertise=False, orphan_timeout=orphan_timeout)
+                agents.append(await nursery.start(Agent(config).run))
+            peers = [("127.0.0.1", a.port) for a in agents]
+            async with open_cluster(Credentials("coordinator", TOKEN), network, peers=peers, discover=False,
+                                    **cluster_options) as cluster:
+                await cluster.wait_for(sum(t == TOKEN for t in tokens), timeout=10)
+                yield agents, cluster
+            nursery.cancel_scope.cancel()
+
+
+async def test_agents_describe_themselves_and_send_heartbeats():
+    async with swarm_of(2, heartbeat_interval=0.05) as (agents, cluster):
+        devices = cluster.devices()
+        assert [d.name for d in devices] == ["a0", "a1"]
+        for device, agent in zip(devices, agents):
+            assert (device.node_id, device.port, device.cores, device.memory) == \
+                   (agent.node_id, agent.port, agent.cores, agent.memory)
+            assert device.health == "alive" and device.rtt is not None
+        first = devices[0].last_seen
+        await trio.sleep(0.3)
+        assert devices[0].last_seen > first   # heartbeats keep arriving
+        assert all(m.health == "alive" for m in cluster.membership.members.values())
+
+
+async def test_bandwidth_job_measures_both_directions_peer_to_peer():
+    async with swarm_of(2) as (agents, cluster):
+        ids = [a.node_id for a in agents]
+        results = await measure_bandwidth(cluster, ids, nbytes=1 << 20)
+        assert set(results) == {(ids[0], ids[1]), (ids[1], ids[0])}
+        for r in results.values():
+            assert r["nbytes"] == 1 << 20 and r["seconds"] > r["latency"] > 0 and r["bytes_per_second"] > 0
+        await trio.sleep(0.05)
+        assert all(a.job is None for a in agents)  # released
+
+
+class Recorder:
+    """A job kind for tests: echoes "in" messages back to the coordinator, doubling their
+    tensor in a worker thread; returns how many it handled when told to stop."""
+
+    def __init__(self):
+        self.contexts: list[JobContext] = []
+        self.cancelled = 0
+
+    async def __call__(self, ctx: JobContext) -> dict:
+        self.contexts.append(ctx)
+        handled = 0
+        try:
+            while True:
+                sender, msg = await ctx.receive("in")
+                if msg.body == "finish":
+                    return {"handled": handled, "spec": ctx.spec}
+                doubled = await ctx.run_in_thread(np.multiply, msg.body["x"], 2)
+                handled += 1
+                ctx.progress["handled"] = handled
+                await ctx.send(sender, ctx.data("out", {"x": doubled, "epoch": ctx.epoch}))
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+
+
+@pytest.fixture
+def recorder():
+    kind = f"recorder-{random.randrange(10**9)}"
+    rec = Recorder()
+    register_job_kind(kind, rec)
+    rec.kind = kind
+    return rec
+
+
+async def test_job_lifecycle_messages_tensors_and_progress(recorder):
+    async with swarm_of(1, heartbeat_interval=0.05) as (agents, cluster):
+        node = agents[0].node_id
+        job = cluster.job("j1", epoch=0)
+        assert (await job.assign(node, recorder.kind, {"plan": [1, 2]})).state == "assigned"
+        assert (await job.start(node)).state == "running"
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        for _ in range(3):
+            await job.send(node, job.data("in", {"x": x}))
+            sender, reply = await job.receive("out")
+            assert sender == node and np.array_equal(reply.body["x"], 2 * x)
+        await trio.sleep(0.2)
+        assert cluster.device(node).job_state == "running"
+        assert agents[0].job.ctx.progress == {"handled": 3}
+        await job.send(node, job.data("in", "finish"))
+        assert await job.wait_done(node) == {"handled": 3, "spec": {"plan": [1, 2]}}
+        await job.release(node)
+        assert agents[0].job is None
+
+
+async def test_stop_cancels_the_run_and_a_failing_job_is_reported(recorder):
+    async def failing(ctx):
+        raise ValueError("boom")
+
+    register_job_kind("failing-test", failing)
+    async with swarm_of(1) as (agents, cluster):
+        node = agents[0].node_id
+        job = cluster.job("j2")
+        await job.assign(node, recorder.kind, {})
+        await job.start(node)
+        assert (await job.stop(node)).state == "stopped"
+        assert recorder.cancelled == 1
+        await job.release(node)
+        bad = cluster.job("j3")
+        await bad.assign(node, "failing-test", {})
+        await bad.start(node)
+        with pytest.raises(JobError, match="ValueError: boom"):
+            await bad.wait_done(node)
+        await bad.release(node)
+        assert cluster.device(node).health == "alive"
+
+
+async def test_agent_refuses_unknown_kinds_and_a_second_job(recorder):
+    async with swarm_of(1) as (agents, cluster):
+        node = agents[0].node_id
+        with pytest.raises(JobError, match="unknown job kind 'no-such-kind'"):
+            await cluster.job("x").assign(node, "no-such-kind", {})
+        await cluster.job("first").assign(node, recorder.kind, {})
+        with pytest.raises(JobError, match="busy with job first"):
+            await cluster.job("second").assign(node, recorder.kind, {})
+
+
+async def test_older_epochs_are_refused_and_newer_ones_wait_for_their_assignment(recorder):
+    async with swarm_of(1) as (agents, cluster):
+        agent, node = agents[0], agents[0].node_id
+        old = cluster.job("j", epoch=1)
+        await old.assign(node, recorder.kind, {})
+        await old.start(node)
+        # a message of epoch 2 arrives before epoch 2 is assigned: held, not lost
+        await cluster.send(node, JobData("j", 2, "in", {"x": np.ones(2)}))
+        new = cluster.job("j", epoch=2)          # the re-plan
+        await new.assign(node, recorder.kind, {})
+        assert recorder.cancelled == 1           # the epoch-1 run was stopped
+        await new.start(node)
+        sender, reply = await new.receive("out")
+        assert reply.body["epoch"] == 2 and np.array_equal(reply.body["x"], [2, 2])
+        # a device cut off during the re-plan still speaks epoch 1: refused, never delivered
+        refused_before = agent.refused_messages
+        await cluster.send(node, JobData("j", 1, "in", {"x": np.ones(2)}))
+        await cluster.send(node, Ping(5))      # ordered after it on the same connection
+        await trio.sleep(0.1)
+        assert agent.refused_messages == refused_before + 1
+        assert [c.epoch for c in recorder.contexts] == [1, 2]
+        with pytest.raises(trio.WouldBlock):  # the stale message never reached the epoch-2 run
+            recorder.contexts[1].receive_nowait("in")
+        with pytest.raises(JobError, match="superseded by epoch 2"):
+            await old.assign(node, recorder.kind, {})
+        # a coordinator that missed the re-plan cannot take the agent back to epoch 1
+        async with open_cluster(Credentials("stale-coordinator", TOKEN), cluster.network,
+                                peers=[("127.0.0.1", agent.port)], discover=False) as stale:
+            await stale.wait_for(1, 10)
+            with pytest.raises(JobError, match="older than the job's epoch 2"):
+                await stale.job("j", epoch=1).assign(node, recorder.kind, {})
+
+
+async def test_job_is_released_when_its_coordinator_stays_away(recorder):
+    network = resolve_network("lo")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            agent = await nursery.start(Agent(AgentConfig("a", "node-a", TOKEN, network, port=0, advertise=False,
+                                                          orphan_timeout=0.3)).run)
+            async with open_cluster(Credentials("coordinator", TOKEN), network, peers=[("127.0.0.1", agent.port)],
+                                    discover=False) as cluster:
+                await cluster.wait_for(1, 10)
+                await cluster.job("j").assign("node-a", recorder.kind, {})
+                assert agent.job is not None
+            await trio.sleep(0.6)   # the coordinator is gone
+            assert agent.job is None
+            nursery.cancel_scope.cancel()
+
+
+async def test_agent_with_another_token_cannot_join(caplog):
+    caplog.set_level(logging.INFO, logger="swarm")
+    async with swarm_of(2, tokens=[TOKEN, OTHER_TOKEN]) as (agents, cluster):
+        await trio.sleep(0.2)
+        stranger = cluster.device(f"127.0.0.1:{agents[1].port}")
+        assert stranger is not None and stranger.health == "refused"
+        assert "cluster token" in stranger.error
+        assert [d.name for d in cluster.alive()] == ["a0"]
+        assert "node1" not in cluster.membership.members
+    assert any("refused connection" in r.getMessage() and "cluster token" in r.getMessage() for r in caplog.records)
+
+
+async def test_nothing_a_stranger_sends_is_acted_on(caplog, recorder):
+    caplog.set_level(logging.INFO, logger="swarm")
+    async with swarm_of(1) as (agents, cluster):
+        agent = agents[0]
+        # 1. the wrong token: the handshake fails, and the job assignment sent anyway is never read
+        with pytest.raises(Exception, match="cluster token"):
+            await connect_peer("127.0.0.1", agent.port, Credentials("intruder", OTHER_TOKEN))
+        # 2. no handshake at all: a job assignment as the first frame
+        from swarm.wire import encode_frame
+        from swarm.wire.messages import JobAssign, to_wire
+
+        raw = await trio.open_tcp_stream("127.0.0.1", agent.port)
+        for buf in encode_frame(to_wire(JobAssign("evil", 0, recorder.kind, {}, 0.1)), 1 << 20):
+            await raw.send_all(buf)
+        assert await read_until_closed(raw)  # the agent says why, then closes
+        # 3. garbage, an HTTP request, an oversized frame
+        rng = random.Random(4)
+        for payload in [b"GET / HTTP/1.1\r\n\r\n", LENGTH.pack(1 << 31), bytes(rng.randrange(256) for _ in range(5000))]:
+            raw = await trio.open_tcp_stream("127.0.0.1", agent.port)
+            await raw.send_all(payload)
+            await read_until_closed(raw)
+        assert agent.job is None and recorder.contexts == []
+        # everyone else is still served
+        conn = cluster.device(agent.node_id).conn
+        await conn.send(Ping(77))
+        await trio.sleep(0.1)
+        assert cluster.device(agent.node_id).health == "alive"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("refused connection" in m and "not a swarm peer" in m for m in messages)
+    assert any("refused connection" in m and "exceeds the limit" in m for m in messages)
+
+
+async def read_until_closed(stream) -> bytes:
+    data = b""
+    with trio.fail_after(5):
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    await stream.aclose()
+    return data
+
+
+async def test_killed_connection_makes_the_device_dead_quickly():
+    """The in-process analogue of `swarm testbed kill`: the agent vanishes without goodbye."""
+    network = resolve_network("lo")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+
+            async def doomed_agent(task_status=trio.TASK_STATUS_IGNORED):
+                with scope:
+                    await Agent(AgentConfig("a", "node-a", TOKEN, network, port=0, advertise=False)).run(
+                        task_status=task_status)
+
+            agent = await nursery.start(doomed_agent)
+            async with open_cluster(Credentials("c", TOKEN), network, peers=[("127.0.0.1", agent.port)],
+                                    discover=False, probe_timeout=0.5) as cluster:
+                await cluster.wait_for(1, 10)
+                events = cluster.subscribe()
+                scope.cancel()
+                started = trio.current_time()
+                kinds = []
+                while "dead" not in kinds:
+                    kinds.append((await events.receive()).kind)
+                assert trio.current_time() - started < 1.0
+                assert kinds == ["suspect", "dead"]
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux")
+async def test_compute_in_threads_does_not_stop_heartbeats(recorder):
+    async def busy(ctx):
+        import time
+        await ctx.run_in_thread(time.sleep, 0.6)  # stands for a long forward pass (releases the GIL)
+        return {}
+
+    register_job_kind("busy-test", busy)
+    async with swarm_of(1, heartbeat_interval=0.05, suspect_after=0.2) as (agents, cluster):
+        node = agents[0].node_id
+        job = cluster.job("busy")
+        await job.assign(node, "busy-test", {})
+        await job.start(node)
+        await job.wait_done(node)
+        assert [e.kind for e in cluster.membership.log if e.node_id == node] == ["joined"]

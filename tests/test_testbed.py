@@ -1,0 +1,194 @@
+"""The namespace testbed (root): 4 agents find each other by mDNS, status lists them, a killed one is
+dead within 2 s, a cut one dead then healed, links capped by tc, and down leaves nothing behind.
+Also the cgroup v1/v2 logic on fake trees, and the refusal without root."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.errors import SwarmError
+from swarm.testbed import cgroups, testbed
+from swarm.testbed.names import PREFIX
+from tests.conftest import ROOT, run_swarm
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")
+DEVICES = ["dev0", "dev1", "dev2", "dev3"]
+
+
+def leftovers() -> list[str]:
+    found = [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+             .splitlines() if line.startswith(PREFIX)]
+    found += [line for line in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+              .splitlines() if f" {PREFIX}-" in line]
+    host = cgroups.detect()
+    if host is not None:
+        found += [str(p) for p in host.group_dirs() if p.exists()]
+    return found
+
+
+@root_only
+@pytest.mark.testbed
+class TestNamespaceTestbed:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def bed(cls):
+        if testbed.load() is not None or leftovers():
+            pytest.skip("a namespace testbed is already up on this machine")
+        up = run_swarm("testbed", "up", "--devices", 4, "--cpu", "0.5", "--mem", "512M", "--bandwidth", "100mbit",
+                       timeout=180)
+        try:
+            assert up.returncode == 0, up.stderr
+            yield testbed.load()
+        finally:
+            down = run_swarm("testbed", "down", timeout=60)
+            assert down.returncode == 0, down.stderr
+            assert leftovers() == []
+
+    def test_four_agents_found_by_mdns_with_their_limits(self, bed):
+        started = time.monotonic()
+        r = run_swarm("testbed", "exec", "dev0", "--", "swarm", "status", "--json", "--expect", "4", "--wait", "10",
+                      timeout=60)
+        took = time.monotonic() - started
+        assert r.returncode == 0, r.stderr
+        devices = json.loads(r.stdout)
+        assert sorted(d["name"] for d in devices) == DEVICES
+        assert all(d["health"] == "alive" and d["source"] == "mdns" for d in devices)
+        assert {d["address"] for d in devices} == {d.address for d in bed.devices}
+        assert all(d["memory"] == 512 * 2**20 and d["cores"] == 1 for d in devices)  # the cgroup limits
+        assert took < 8, took   # found within a few seconds, interpreter start-up included
+
+    def test_links_are_capped(self, bed):
+        import trio
+
+        from swarm.agent.bandwidth_job import measure_bandwidth
+        from swarm.cluster import open_cluster
+        from swarm.net import Credentials, resolve_network
+
+        async def measure():
+            token = Path(bed.token_file).read_text().strip()
+            network = resolve_network(testbed.BRIDGE)   # a coordinator on the host, on the bridge only
+            async with open_cluster(Credentials("host-coordinator", token), network) as cluster:
+                devices = {d.name: d for d in await cluster.wait_for(4, timeout=10)}
+                pair = [devices["dev0"].node_id, devices["dev3"].node_id]
+                return await measure_bandwidth(cluster, pair, nbytes=2 * 2**20)
+
+        results = trio.run(measure)
+        for r in results.values():
+            assert 6e6 < r["bytes_per_second"] < 13.5e6, r   # 100 Mbit/s = 12.5 MB/s
+
+    def test_killed_agent_is_reported_dead_within_2_seconds_and_cut_link_heals(self, bed):
+        cmd = [sys.executable, "-m", "swarm", "testbed", "exec", "dev0", "--", "swarm", "status", "--json", "--watch",
+               "--expect", "4", "--wait", "10"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        try:
+            listing = json.loads(proc.stdout.readline())
+            assert sorted(d["name"] for d in listing if d["health"] == "alive") == DEVICES
+            assert run_swarm("testbed", "kill", "dev1").returncode == 0
+            killed_at = time.time()
+            dead = wait_event(proc, "dev1", "dead")
+            assert dead["time"] - killed_at < 2.0, dead
+            assert run_swarm("testbed", "cut", "dev2").returncode == 0
+            cut_at = time.time()
+            assert wait_event(proc, "dev2", "dead")["time"] - cut_at < 2.0
+            assert run_swarm("testbed", "heal", "dev2").returncode == 0
+            wait_event(proc, "dev2", "recovered")
+        finally:
+            proc.kill()
+            proc.wait()
+
+        status = json.loads(run_swarm("testbed", "status", "--json").stdout)
+        agents = {d["device"]: d["agent"] for d in status["devices"]}
+        assert agents == {"dev0": "running", "dev1": "dead", "dev2": "running", "dev3": "running"}
+
+
+def wait_event(proc, name, kind, timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        event = json.loads(line)
+        if isinstance(event, dict) and event.get("name") == name and event.get("event") == kind:
+            return event
+    raise AssertionError(f"no '{kind}' event for {name} within {timeout} s")
+
+
+@root_only
+@pytest.mark.testbed
+def test_down_cleans_up_after_a_crash():
+    if testbed.load() is not None or leftovers():
+        pytest.skip("a namespace testbed is already up on this machine")
+    up = run_swarm("testbed", "up", "--devices", 2, "--cpu", "0.25", timeout=120)
+    try:
+        assert up.returncode == 0, up.stderr
+        pids = [d.pid for d in testbed.load().devices]
+        testbed.record_path().unlink()          # as if `up` had crashed before writing its record
+        down = run_swarm("testbed", "down", timeout=60)
+        assert down.returncode == 0 and "removed" in down.stdout, down.stderr
+        assert leftovers() == []
+        assert not any(Path(f"/proc/{p}").exists() and testbed._alive(p) for p in pids)
+        again = run_swarm("testbed", "down")
+        assert again.returncode == 0 and "nothing to remove" in again.stdout
+    finally:
+        run_swarm("testbed", "down", timeout=60)
+
+
+def test_without_root_the_namespace_testbed_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("SWARM_TESTBED_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SwarmError, match="needs root.*--loopback"):
+        testbed.up(2)
+    with pytest.raises(SwarmError, match="--cpu and --mem need root"):
+        testbed.up(2, cpu=0.25, loopback=True)
+    with pytest.raises(SwarmError, match="--bandwidth needs the namespace testbed"):
+        testbed.up(2, bandwidth="10mbit", loopback=True)
+
+
+def fake_tree(tmp_path: Path, version: int) -> str:
+    """A /proc/mounts text and directories standing for a cgroup v1 or v2 host."""
+    if version == 2:
+        (tmp_path / "v2").mkdir()
+        (tmp_path / "v2" / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+        return f"cgroup2 {tmp_path}/v2 cgroup2 rw,nosuid 0 0\n"
+    for c in ("cpu,cpuacct", "memory"):
+        (tmp_path / c).mkdir()
+    return (f"cgroup {tmp_path}/cpu,cpuacct cgroup rw,cpu,cpuacct 0 0\n"
+            f"cgroup {tmp_path}/memory cgroup rw,memory 0 0\n"
+            f"cgroup2 {tmp_path}/unified cgroup2 rw 0 0\n")  # a v2 mount without controllers: not usable
+
+
+def test_cgroup_v2_limits(tmp_path):
+    host = cgroups.detect(fake_tree(tmp_path, 2))
+    assert host.version == 2
+    dirs = cgroups.create_limits(host, "dev0", cpu=0.25, memory=2**30)
+    assert dirs == [tmp_path / "v2" / PREFIX / "dev0"]
+    assert (dirs[0] / "cpu.max").read_text() == "25000 100000"
+    assert (dirs[0] / "memory.max").read_text() == str(2**30)
+    for parent in (tmp_path / "v2", tmp_path / "v2" / PREFIX):
+        assert (parent / "cgroup.subtree_control").read_text() == "+cpu +memory"
+    cgroups.add_process(dirs, 1234)
+    assert cgroups.processes(dirs[0]) == [1234]
+
+
+def test_cgroup_v1_limits(tmp_path):
+    host = cgroups.detect(fake_tree(tmp_path, 1))
+    assert host.version == 1
+    cpu_dir, memory_dir = cgroups.create_limits(host, "dev3", cpu=1.5, memory=512 * 2**20)
+    assert cpu_dir == tmp_path / "cpu,cpuacct" / PREFIX / "dev3"
+    assert (cpu_dir / "cpu.cfs_quota_us").read_text() == "150000"
+    assert (cpu_dir / "cpu.cfs_period_us").read_text() == "100000"
+    assert (memory_dir / "memory.limit_in_bytes").read_text() == str(512 * 2**20)
+    assert cgroups.detect("") is None
+
+
+@root_only
+def test_this_hosts_cgroups_are_usable():
+    host = cgroups.detect()
+    assert host is not None and host.version in (1, 2)
