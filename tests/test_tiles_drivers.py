@@ -158,5 +158,6 @@ def test_requests_are_the_same_sequence_on_every_tile_and_match_the_layout():
     run_lockstep([recording(k, w.backward(0, torch.ones_like(o))) for k, (w, o) in enumerate(zip(workers, outs))])
     assert all(seen[k] == seen[0] for k in seen)
     kinds = [key[0] for key in seen[0]]
-    assert kinds.count("halo") == 2 + 3  # forward syncs 4, 8; backward syncs 4, 8, 17
+    assert sorted(layout.selection_transfers) == [4, 8, 12]  # pools 3, 7, 11 route windows their tiles do not own
+    assert kinds.count("halo") == 2 + 3 + 3  # forward syncs 4, 8; backward syncs 4, 8, 17; three selections
     assert kinds.count("sums") == 2 * 12  # every BN layer, forward and backward

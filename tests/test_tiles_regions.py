@@ -102,7 +102,9 @@ def test_layouts_partition_maps_and_halos_cover_exactly_what_is_missing(spec, si
             assert t.bwd_in[l].contains(g.outputs_touching(t.bwd_delta[l]))
             if l + 1 < n and l + 1 not in grouping.forward:
                 assert t.fwd_out[l + 1].contains(t.fwd_in[l + 1][0])
-        for phase, syncs in (("forward", [b for b in grouping.forward if b > 0]), ("backward", grouping.backward)):
+        pools = [g.index + 1 for g in geoms if g.kind == "maxpool"]
+        for phase, syncs in (("forward", [b for b in grouping.forward if b > 0]), ("backward", grouping.backward),
+                             ("selection", pools)):
             for b in syncs:
                 need = t.fwd_in[b][0] if phase == "forward" else t.bwd_in[b - 1]
                 have = t.fwd_out[b] if phase == "forward" else t.own[b]

@@ -28,7 +28,8 @@ from tiles.regions import Rect
 @dataclass
 class HaloExchange:
     microbatch: int
-    phase: str  # "forward" (activations) or "backward" (gradients at the layer's window output)
+    phase: str  # "forward" (activations), "backward" (gradients at the layer's window output) or
+    #             "selection" (max-pool window choices, uint8, keyed by the pool's output boundary)
     boundary: int
     sends: list[tuple[int, Rect, Any]] = field(default_factory=list)  # (dst tile, rect, tensor (B, C, h, w))
     receives: list[tuple[int, Rect]] = field(default_factory=list)  # (src tile, rect)

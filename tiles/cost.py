@@ -29,7 +29,8 @@ Signatures:
 The time model per micro-batch: layers run in lockstep across tiles (BatchNorm sums make
 every conv+BN layer a barrier), so compute is the sum over layers of the slowest tile's
 FLOPs / flops_per_s; each sync costs latency_s + the largest bytes any tile sends or
-receives / bytes_per_s; each BatchNorm layer adds two all-reduces of 2 x C float64.
+receives / bytes_per_s (max-pool selections inside backward groups are one more round,
+one byte per window); each BatchNorm layer adds two all-reduces of 2 x C float64.
 
 Activation memory per tile is modelled as what the executor keeps for backward (conv input
 on the owned outputs' windows, conv output on the pointwise region, max-pool selections as
@@ -56,6 +57,8 @@ class TileCost:
     forward_recv: dict[int, int] = field(default_factory=dict)
     backward_send: dict[int, int] = field(default_factory=dict)
     backward_recv: dict[int, int] = field(default_factory=dict)
+    selection_send: dict[int, int] = field(default_factory=dict)  # max-pool output boundary -> bytes per sample
+    selection_recv: dict[int, int] = field(default_factory=dict)
     input_bytes: int = 0  # the stage input rectangle it is sent
     layer_forward_flops: dict[int, float] = field(default_factory=dict)
     layer_backward_flops: dict[int, float] = field(default_factory=dict)
@@ -73,8 +76,8 @@ class TileCost:
     @property
     def halo_bytes(self) -> int:
         """Bytes sent plus received at all syncs, both directions."""
-        return sum(self.forward_send.values()) + sum(self.forward_recv.values()) + \
-            sum(self.backward_send.values()) + sum(self.backward_recv.values())
+        return sum(sum(d.values()) for d in (self.forward_send, self.forward_recv, self.backward_send,
+                                              self.backward_recv, self.selection_send, self.selection_recv))
 
 
 @dataclass
@@ -111,6 +114,9 @@ class StageCost:
             for b in g.backward:
                 worst = max(max(t.backward_send.get(b, 0), t.backward_recv.get(b, 0)) for t in self.tiles)
                 total += latency_s + worst * samples / bytes_per_s
+            for b in self.layout.selection_transfers:
+                worst = max(max(t.selection_send.get(b, 0), t.selection_recv.get(b, 0)) for t in self.tiles)
+                total += latency_s + worst * samples / bytes_per_s
             for c in self.bn_channels:
                 total += 2 * (latency_s + 2 * c * SUM_BYTES / bytes_per_s)
         return total
@@ -138,12 +144,13 @@ def stage_cost(layout: StageLayout) -> StageCost:
     tiles = []
     for t in lay.tiles:
         c = TileCost(t.tile, input_bytes=_map_bytes(t.input_rect, lay.map_shape(lay.first)[0]))
-        for phase, table, send, recv in (("forward", lay.forward_transfers, c.forward_send, c.forward_recv),
-                                         ("backward", lay.backward_transfers, c.backward_send, c.backward_recv)):
+        for table, send, recv, per in ((lay.forward_transfers, c.forward_send, c.forward_recv, BYTES_PER_FLOAT),
+                                       (lay.backward_transfers, c.backward_send, c.backward_recv, BYTES_PER_FLOAT),
+                                       (lay.selection_transfers, c.selection_send, c.selection_recv, INDEX_BYTES)):
             for b, transfers in table.items():
                 ch = lay.map_shape(b)[0]
-                send[b] = sum(_map_bytes(tr.rect, ch) for tr in transfers if tr.src == t.tile)
-                recv[b] = sum(_map_bytes(tr.rect, ch) for tr in transfers if tr.dst == t.tile)
+                send[b] = sum(_map_bytes(tr.rect, ch, per) for tr in transfers if tr.src == t.tile)
+                recv[b] = sum(_map_bytes(tr.rect, ch, per) for tr in transfers if tr.dst == t.tile)
         working = 0
         for g in lay.layers:
             l, px = g.index, g.flops_per_output_pixel

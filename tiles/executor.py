@@ -218,6 +218,8 @@ class TileWorker:
             if want.empty:
                 cur, cur_rect = None, want
                 continue
+            if b in lay.selection_transfers:
+                yield from self._share_selections(mb, b, saved)
             cur = self._window_backward(p, saved, ops.crop(dz, dz_rect, t.bwd_in[l]), want)
             cur_rect = want
         return cur if lay.input_delta else None
@@ -231,9 +233,11 @@ class TileWorker:
         own = self.regions.own[g.index + 1]
         if p.bn is None:
             return ops.activation_backward(p.act, saved.z, dy)
-        xhat = (saved.z - saved.mean.view(1, -1, 1, 1)) * saved.invstd.view(1, -1, 1, 1)
+        xhat = (saved.z - saved.mean.view(1, -1, 1, 1)).mul_(saved.invstd.view(1, -1, 1, 1))
         alpha, beta = ops.bn_scale_shift(p.bn, saved.mean, saved.invstd)
-        du = ops.activation_backward(p.act, saved.z * alpha + beta, dy)
+        du = ops.activation_backward(p.act, torch.addcmul(beta, saved.z, alpha), dy)
+        if du is dy:
+            du = dy.clone()  # bn_input_grad works in place; dy belongs to the caller
         local = ops.backward_sums(ops.crop(du, rect, own), ops.crop(xhat, rect, own))
         if p.bn.affine:
             self._accumulate(p.bn.weight, local[1].to(du.dtype))
@@ -278,6 +282,17 @@ class TileWorker:
             rows, cols = part.relative_to(want)
             out[:, :, rows, cols] = ops.crop(full, extent, part)
         return out
+
+    def _share_selections(self, mb: int, boundary: int, saved: Saved) -> Work:
+        """Max-pool windows this tile evaluated but does not own take their owner's selection."""
+        lay, keep = self.layout, self.regions.bwd_state[boundary - 1]
+        sends = [(tr.dst, tr.rect, ops.crop(saved.selection, keep, tr.rect))
+                 for tr in lay.transfers_from("selection", boundary, self.tile)]
+        recvs = lay.transfers_into("selection", boundary, self.tile)
+        got = yield HaloExchange(mb, "selection", boundary, sends, [(tr.src, tr.rect) for tr in recvs])
+        for tr, code in zip(recvs, got):
+            rows, cols = tr.rect.relative_to(keep)
+            saved.selection[:, :, rows, cols] = code
 
     # ---- shared pieces --------------------------------------------------------------------
     def _exchange(self, mb: int, phase: str, boundary: int, have: torch.Tensor, have_rect: Rect, need: Rect) -> Work:

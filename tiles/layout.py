@@ -22,7 +22,13 @@ Backward (computed first, because the forward pass must keep what it needs):
                 BatchNorm and activation backward on its pixels.
   bwd_state[l]  region of layer l's output whose forward values its backward needs: the
                 pointwise region for conv+BN/activation (own at a sync, bwd_delta inside a
-                group); the selected outputs for a max-pool (bwd_in).
+                group); for a max-pool, the windows it routes (bwd_in) and owns.
+  selection     a max-pool window is routed by the selection its *owner* made: tiles that
+                evaluated it redundantly (from sums that may round differently in the last
+                bit, which decides exact ties) receive the owner's choice, one byte per
+                window and channel (`selection_transfers`, keyed by the pool's output
+                boundary), just before that pool's backward. So every tile routes a window's
+                gradient to the same input, as the untiled pool does.
 Forward:
   fwd_out[b]    region of map b that layer b-1 computes: own, plus the next layer's input
                 inside a forward group, plus bwd_state.
@@ -79,6 +85,7 @@ class StageLayout:
     tiles: list[TileRegions]
     forward_transfers: dict[int, list[Transfer]]  # forward sync boundary (> first) -> transfers
     backward_transfers: dict[int, list[Transfer]]  # backward sync boundary -> transfers
+    selection_transfers: dict[int, list[Transfer]]  # max-pool output boundary -> window selections
 
     @property
     def first(self) -> int:
@@ -113,18 +120,20 @@ class StageLayout:
         """The part of dL/d(stage input) this tile produces (its owned part)."""
         return self.tiles[tile].own[self.first] if self.input_delta else EMPTY_RECT
 
+    def table(self, phase: str) -> dict[int, list[Transfer]]:
+        return {"forward": self.forward_transfers, "backward": self.backward_transfers,
+                "selection": self.selection_transfers}[phase]
+
     def transfers_into(self, phase: str, boundary: int, tile: int) -> list[Transfer]:
-        table = self.forward_transfers if phase == "forward" else self.backward_transfers
-        return [t for t in table.get(boundary, []) if t.dst == tile]
+        return [t for t in self.table(phase).get(boundary, []) if t.dst == tile]
 
     def transfers_from(self, phase: str, boundary: int, tile: int) -> list[Transfer]:
-        table = self.forward_transfers if phase == "forward" else self.backward_transfers
-        return [t for t in table.get(boundary, []) if t.src == tile]
+        return [t for t in self.table(phase).get(boundary, []) if t.src == tile]
 
     def neighbours(self, tile: int) -> list[int]:
         """Tiles this one exchanges halos with, either way, at any sync."""
         found = set()
-        for table in (self.forward_transfers, self.backward_transfers):
+        for table in (self.forward_transfers, self.backward_transfers, self.selection_transfers):
             for ts in table.values():
                 for t in ts:
                     if t.src == tile:
@@ -144,7 +153,8 @@ class StageLayout:
                            "own": {str(b): r.to_list() for b, r in t.own.items()}}
                           for k, t in enumerate(self.tiles)],
                 "forward_transfers": transfers(self.forward_transfers),
-                "backward_transfers": transfers(self.backward_transfers)}
+                "backward_transfers": transfers(self.backward_transfers),
+                "selection_transfers": transfers(self.selection_transfers)}
 
 
 def tileable_prefix(desc: ModelDesc) -> int:
@@ -217,7 +227,14 @@ def build_layout(layers: list[LayerGeometry], grid: tuple[int, int], grouping: G
            for b in grouping.forward if b > first}
     bwd = {b: _transfers(tiles, b, lambda t, b=b: t.bwd_in[b - 1], lambda t, b=b: t.own[b])
            for b in grouping.backward}
-    return StageLayout(layers, grid, grouping, input_delta, rcuts, ccuts, tiles, fwd, bwd)
+    sel = {}
+    for g in layers:
+        if g.kind == "maxpool":
+            b = g.index + 1
+            found = _transfers(tiles, b, lambda t, b=b: t.bwd_in[b - 1], lambda t, b=b: t.own[b])
+            if found:
+                sel[b] = found
+    return StageLayout(layers, grid, grouping, input_delta, rcuts, ccuts, tiles, fwd, bwd, sel)
 
 
 def _backward_regions(t: TileRegions, geo: dict[int, LayerGeometry], grouping: Grouping, input_delta: bool) -> None:
@@ -236,8 +253,8 @@ def _backward_regions(t: TileRegions, geo: dict[int, LayerGeometry], grouping: G
     for l, g in geo.items():
         if g.pointwise_state:
             t.bwd_state[l] = t.own[l + 1] if l + 1 in syncs else t.bwd_delta[l + 1]
-        elif g.kind == "maxpool":
-            t.bwd_state[l] = t.bwd_in[l]
+        elif g.kind == "maxpool":  # the windows it routes, and those it owns (whose selection others may ask for)
+            t.bwd_state[l] = t.bwd_in[l].hull(t.own[l + 1])
         else:
             t.bwd_state[l] = EMPTY_RECT
 

@@ -78,11 +78,13 @@ def backward_sums(du_own: torch.Tensor, xhat_own: torch.Tensor) -> torch.Tensor:
 
 def bn_input_grad(du: torch.Tensor, xhat: torch.Tensor, sums: torch.Tensor, count: int, invstd: torch.Tensor,
                   gamma: torch.Tensor | None) -> torch.Tensor:
-    """dL/dz = gamma * invstd * (du - mean(du) - xhat * mean(du * xhat)), means over the whole map."""
+    """dL/dz = gamma * invstd * (du - mean(du) - xhat * mean(du * xhat)), means over the whole map.
+    Overwrites du."""
     mean_du = (sums[0] / count).to(du.dtype).view(1, -1, 1, 1)
     mean_dux = (sums[1] / count).to(du.dtype).view(1, -1, 1, 1)
     scale = invstd if gamma is None else invstd * gamma.detach()
-    return (du - mean_du - xhat * mean_dux) * scale.view(1, -1, 1, 1)
+    dz = du.sub_(mean_du).addcmul_(xhat, mean_dux, value=-1)  # in place: du is not needed again
+    return dz.mul_(scale.view(1, -1, 1, 1))
 
 
 # ---- activations ------------------------------------------------------------------------------
@@ -105,9 +107,11 @@ def activation_backward(act: nn.Module, u: torch.Tensor, dy: torch.Tensor) -> to
     if isinstance(act, nn.Identity):
         return dy
     if isinstance(act, nn.LeakyReLU):
-        return torch.where(u > 0, dy, dy * act.negative_slope)
+        positive = u > 0
+        del u  # (B, C, h, w) freed before the result is allocated
+        return torch.where(positive, dy, dy * act.negative_slope)
     if isinstance(act, nn.ReLU):
-        return torch.where(u > 0, dy, torch.zeros_like(dy))
+        return dy.masked_fill(u <= 0, 0.0)
     if isinstance(act, nn.Sigmoid):
         y = torch.sigmoid(u)
         return dy * (1 - y) * y
@@ -129,18 +133,10 @@ def conv_weight_grad(xp: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, s
                                                False, [0, 0], 1, [False, True, False])[1]
 
 
-TIE_ULPS = 64  # values within this many eps of a window's maximum (relative to the channel's scale) are ties
-
-
 def maxpool_forward(xp: torch.Tensor, kernel: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Max-pool a padded region: (max values, selected position in each window as a uint8
-    code dy * kernel + dx).
-
-    Among values tied with the maximum the first in row-major order is selected, as torch
-    does; "tied" includes values within a few ulps of it, so that tiles which computed the
-    same window redundantly (whose sums may round differently in the last bits) select the
-    same input, and route its gradient the same way. The scale is |max| plus the channel's
-    mean |max|, since rounding noise follows the size of the sums, not of the value."""
+    code dy * kernel + dx). Among equal values the first in row-major order is selected,
+    as torch does."""
     b, c, hp, wp = xp.shape
     oh, ow = (hp - kernel) // stride + 1, (wp - kernel) // stride + 1
     views = [xp[:, :, dy:dy + (oh - 1) * stride + 1:stride, dx:dx + (ow - 1) * stride + 1:stride]
@@ -148,11 +144,9 @@ def maxpool_forward(xp: torch.Tensor, kernel: int, stride: int) -> tuple[torch.T
     y = views[0].clone()
     for v in views[1:]:
         torch.maximum(y, v, out=y)
-    scale = y.abs() + y.abs().mean(dim=(0, 2, 3), keepdim=True)
-    floor = y - scale * (TIE_ULPS * torch.finfo(y.dtype).eps)
     code = torch.full(y.shape, kernel * kernel - 1, dtype=torch.uint8)
-    for j in range(kernel * kernel - 2, -1, -1):  # the first position at or above the floor wins
-        code.masked_fill_(views[j] >= floor, j)
+    for j in range(kernel * kernel - 2, -1, -1):  # the first position holding the maximum wins
+        code.masked_fill_(views[j] == y, j)
     return y, code
 
 
