@@ -35,11 +35,12 @@ def assemble(shape_bc: tuple[int, int], rect: Rect, parts: list[tuple[Rect, torc
 
 # ---- BatchNorm with statistics over all tiles ---------------------------------------------
 def forward_sums(z_own: torch.Tensor) -> torch.Tensor:
-    """(2, C) float64 [sum z, sum z^2] over owned pixels, from a two-pass local mean and
-    variance so that the squares do not lose precision."""
+    """(2, C) float64 [sum z, sum z^2] over owned pixels, from the local mean and variance
+    that torch's own BatchNorm kernel computes (Welford: the squares lose no precision)."""
     n = z_own.shape[0] * z_own.shape[2] * z_own.shape[3]
-    var, mean = torch.var_mean(z_own, dim=(0, 2, 3), correction=0)
-    mean, var = mean.double(), var.double()
+    _, mean, invstd = torch.native_batch_norm(z_own, None, None, None, None, True, 0.0, 0.0)
+    mean = mean.double()
+    var = invstd.double().pow(-2)  # eps 0: invstd = 1/sqrt(var), inf for a constant channel
     return torch.stack([mean * n, var * n + mean * mean * n])  # (2, C)
 
 
@@ -71,8 +72,8 @@ def bn_scale_shift(bn: nn.BatchNorm2d, mean: torch.Tensor, invstd: torch.Tensor)
 
 def backward_sums(du_own: torch.Tensor, xhat_own: torch.Tensor) -> torch.Tensor:
     """(2, C) float64 [sum g, sum g * xhat] over owned pixels (also d beta and d gamma)."""
-    s1 = torch.sum(du_own, dim=(0, 2, 3), dtype=torch.float64)
-    s2 = torch.sum(du_own * xhat_own, dim=(0, 2, 3), dtype=torch.float64)
+    s1 = du_own.sum(dim=(0, 2, 3)).double()
+    s2 = (du_own * xhat_own).sum(dim=(0, 2, 3)).double()
     return torch.stack([s1, s2])
 
 
@@ -107,24 +108,24 @@ def activation_backward(act: nn.Module, u: torch.Tensor, dy: torch.Tensor) -> to
     if isinstance(act, nn.Identity):
         return dy
     if isinstance(act, nn.LeakyReLU):
-        positive = u > 0
-        del u  # (B, C, h, w) freed before the result is allocated
-        return torch.where(positive, dy, dy * act.negative_slope)
+        return torch.ops.aten.leaky_relu_backward(dy, u, act.negative_slope, False)
     if isinstance(act, nn.ReLU):
-        return dy.masked_fill(u <= 0, 0.0)
+        return torch.ops.aten.threshold_backward(dy, u, 0.0)
     if isinstance(act, nn.Sigmoid):
-        y = torch.sigmoid(u)
-        return dy * (1 - y) * y
+        return torch.ops.aten.sigmoid_backward(dy, torch.sigmoid(u))
     if isinstance(act, nn.Tanh):
-        y = torch.tanh(u)
-        return dy * (1 - y * y)
+        return torch.ops.aten.tanh_backward(dy, torch.tanh(u))
     raise TilingError(f"activation {type(act).__name__} is not supported in a tiles stage")
 
 
 # ---- window ops -------------------------------------------------------------------------------
 def conv_input_grad(dz: torch.Tensor, weight: torch.Tensor, stride: int) -> torch.Tensor:
-    """Gradient over the unpadded-and-padded input extent read by the outputs in dz."""
-    return F.conv_transpose2d(dz, weight.detach(), stride=stride)
+    """Gradient over the (padded) input extent read by the outputs in dz: (B, Cin, he, we)."""
+    k_h, k_w = weight.shape[2:]
+    extent = ((dz.shape[2] - 1) * stride + k_h, (dz.shape[3] - 1) * stride + k_w)
+    shape_only = dz.new_empty((dz.shape[0], weight.shape[1], *extent))  # convolution_backward reads only its shape
+    return torch.ops.aten.convolution_backward(dz, shape_only, weight.detach(), None, [stride, stride], [0, 0],
+                                               [1, 1], False, [0, 0], 1, [True, False, False])[0]
 
 
 def conv_weight_grad(xp: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, stride: int) -> torch.Tensor:
@@ -155,13 +156,12 @@ def maxpool_input_grad(dy: torch.Tensor, code: torch.Tensor, kernel: int, stride
     """Scatter dy (B, C, oh, ow) to the selected inputs of the padded input region it was
     pooled from (whose window (0, 0) starts at its corner): (B, C, hp, wp)."""
     b, c, oh, ow = dy.shape
-    code = code.long()
-    rows = torch.arange(oh).view(1, 1, oh, 1) * stride + code // kernel
-    cols = torch.arange(ow).view(1, 1, 1, ow) * stride + code % kernel
-    index = (rows * padded_shape[1] + cols).view(b, c, -1)
-    out = dy.new_zeros((b, c, padded_shape[0] * padded_shape[1]))
-    out.scatter_add_(2, index, dy.reshape(b, c, -1))
-    return out.view(b, c, *padded_shape)
+    out = dy.new_zeros((b, c, *padded_shape))
+    for j in range(kernel * kernel):  # each window position: a strided view of the input
+        r, q = divmod(j, kernel)
+        view = out[:, :, r:r + (oh - 1) * stride + 1:stride, q:q + (ow - 1) * stride + 1:stride]
+        view.add_(torch.where(code == j, dy, 0.0))
+    return out
 
 
 def avgpool_input_grad(dy: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
