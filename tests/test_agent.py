@@ -304,3 +304,4 @@ async def test_compute_in_threads_does_not_stop_heartbeats(recorder):
         await job.start(node)
         await job.wait_done(node)
         assert [e.kind for e in cluster.membership.log if e.node_id == node] == ["joined"]
+

@@ -115,3 +115,13 @@ def test_join_runs_until_sigterm_and_says_goodbye(tmp_path):
             proc.wait()
     assert proc.returncode == 0
     assert "SIGTERM: saying goodbye" in rest and "stopped" in rest and "Traceback" not in rest
+
+
+def test_the_agent_starts_without_torch():
+    """`swarm join` on a Raspberry Pi must not pay for importing torch until a job needs it."""
+    code = ("import sys; from swarm.cli import build_parser; build_parser(); "
+            "import swarm.agent, swarm.cluster, swarm.agent.bandwidth_job, swarm.testbed.testbed; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.stdout.strip() == "False", out.stderr

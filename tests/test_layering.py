@@ -11,7 +11,8 @@ RULES = {
     "tiles": {"swarm", "trio", "zeroconf", "msgpack"},
     "planner": {"swarm", "trio", "zeroconf", "msgpack", "torch"},
 }
-TRANSPORT = ["swarm/wire", "swarm/net", "swarm/discovery"]  # files or packages, where they exist
+TRANSPORT = ["swarm/wire", "swarm/net", "swarm/discovery", "swarm/agent", "swarm/cluster", "swarm/membership",
+             "swarm/state", "swarm/testbed"]  # files or packages, where they exist
 
 
 def imported_roots(path: Path) -> set[str]:
