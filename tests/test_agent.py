@@ -305,3 +305,59 @@ async def test_compute_in_threads_does_not_stop_heartbeats(recorder):
         await job.wait_done(node)
         assert [e.kind for e in cluster.membership.log if e.node_id == node] == ["joined"]
 
+
+
+def nonsense(rng: random.Random, hint):
+    """A value of roughly the declared type, chosen to be awkward."""
+    import typing
+
+    origin = typing.get_origin(hint)
+    if origin is not None and type(None) in typing.get_args(hint):
+        return None if rng.random() < 0.3 else nonsense(rng, typing.get_args(hint)[0])
+    choices = {
+        int: [-1, 0, 1, 2**63 - 1, -2**63, rng.randrange(10**6)],
+        float: [float("nan"), float("inf"), -1.0, 0.0, 1e-9, 1e9],
+        str: ["", "x", "bandwidth", "\x00", "j" * 5000, "node0"],
+        bytes: [b"", b"\xff" * 100],
+        dict: [{}, {"done": True}, {"to": "x", "address": "nowhere:1", "nbytes": -5}, {"x": np.zeros((0, 3))}],
+    }
+    if hint in choices:
+        return rng.choice(choices[hint])
+    if origin is list:
+        return rng.choice([[], ["a:b"], ["127.0.0.1:1", "::::"]])
+    return rng.choice([None, 1, "s", [1, [2, {"k": np.arange(3)}]], {"x": np.ones(4, np.float16)}, b"raw"])
+
+
+async def test_authenticated_nonsense_never_stops_the_agent():
+    """A peer with the token that sends every message type with awkward values, in any order:
+    the agent may refuse, fail a job or close the connection, but goes on serving."""
+    import typing
+
+    from swarm.wire import MESSAGES, Auth, Goodbye, Hello
+
+    rng = random.Random(7)
+    kinds = [cls for cls in MESSAGES.values() if cls not in (Hello, Auth, Goodbye)]
+    async with swarm_of(1) as (agents, cluster):
+        agent = agents[0]
+        for round_ in range(20):
+            conn = await connect_peer("127.0.0.1", agent.port, Credentials(f"fuzzer{round_}", TOKEN))
+            try:
+                for _ in range(25):
+                    cls = rng.choice(kinds)
+                    hints = typing.get_type_hints(cls)
+                    message = cls(*(nonsense(rng, hints[name]) for name in cls.FIELDS))
+                    if isinstance(message, JobData) and agent.job is not None and rng.random() < 0.5:
+                        message.job_id, message.epoch = agent.job.job_id, agent.job.epoch
+                    await conn.send(message)
+            except Exception:  # noqa: BLE001 - the agent may close on us; that is allowed
+                pass
+            finally:
+                await conn.aclose()
+        if agent.job is not None:  # whatever a fuzzer assigned, its coordinator is gone now
+            agent._release(agent.job, "test over")
+        await trio.sleep(0.2)
+        probe = await connect_peer("127.0.0.1", agent.port, Credentials("after", TOKEN))
+        await probe.send(Ping(1))
+        assert await probe.receive() == Pong(1)
+        await probe.aclose()
+        assert cluster.device(agent.node_id).health == "alive"

@@ -31,6 +31,7 @@ log = logging.getLogger("swarm.agent")
 DEFAULT_PORT = 4750
 MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
 MAX_EARLY = 1024         # job messages held for an assignment that has not arrived yet
+MAX_NAME = 128           # longest job id or job kind
 
 
 @dataclass
@@ -282,17 +283,20 @@ class Agent:
         refuse = None
         try:  # a kind's module may be slow to import (torch): not on the event loop
             runner = await trio.to_thread.run_sync(job_runner, msg.kind)
-        except ImportError as exc:
-            runner, refuse = None, f"job kind '{msg.kind}' cannot be loaded here: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a broken job module refuses the job, not the agent
+            log.exception("cannot load job kind %s", msg.kind)
+            runner, refuse = None, f"job kind '{msg.kind}' cannot be loaded here: {type(exc).__name__}: {exc}"
         job = self.job
-        if job is not None and job.job_id != msg.job_id:
+        if not 0 < len(msg.job_id) <= MAX_NAME or not 0 < len(msg.kind) <= MAX_NAME or msg.epoch < 0:
+            refuse = f"a job needs an id and a kind of 1-{MAX_NAME} characters and an epoch >= 0"
+        elif job is not None and job.job_id != msg.job_id:
             refuse = f"busy with job {job.job_id} of coordinator {job.coordinator_id}"
         elif job is not None and msg.epoch < job.epoch:
             refuse = f"epoch {msg.epoch} is older than the job's epoch {job.epoch}"
         elif runner is None and refuse is None:
             refuse = f"unknown job kind '{msg.kind}' (this agent runs swarm {__version__})"
         if refuse:
-            log.warning("refused job %s epoch %d from node %s: %s", msg.job_id, msg.epoch, peer.node_id, refuse)
+            log.warning("refused job %.40s epoch %d from node %s: %s", msg.job_id, msg.epoch, peer.node_id, refuse)
             self._reply_state(peer, msg.job_id, msg.epoch, "refused", refuse)
             return
         interval = max(MIN_INTERVAL, msg.heartbeat_interval)

@@ -57,7 +57,6 @@ async def _status(args, credentials, network, peers) -> int:
 
     async with open_cluster(credentials, network, peers=peers, discover=not args.no_mdns,
                             heartbeat_interval=args.heartbeat) as cluster:
-        events = cluster.subscribe()
         if args.expect:
             await cluster.wait_for(args.expect, args.wait)
         else:
@@ -73,7 +72,7 @@ async def _status(args, credentials, network, peers) -> int:
             print(f"swarm status: no devices found on {where} within {args.wait:g} s; is `swarm join` running "
                   f"on them? Where multicast is blocked, name them with --peers.", file=sys.stderr)
         if args.watch:
-            async for event in events:
+            async for event in cluster.subscribe():  # changes after the listing above
                 device = cluster.device(event.node_id)
                 name = device.name if device else event.node_id
                 if args.json:
