@@ -16,6 +16,15 @@ runs under any driver:
 Several micro-batches may be in flight (1F1B): forward(mb) keeps what backward(mb) needs
 under the micro-batch id until backward(mb) runs.
 
+Inputs and outputs. Forward takes the stage input on the tile's input rectangle
+(`layout.input_rect(k)`: owned pixels plus the first group's halo; the feeder cuts it, e.g.
+the coordinator sends each device only its rectangle of the uint8 image) and returns the
+output on the tile's owned rectangle. Backward takes dL/d(output) on the owned rectangle
+only: the stage end is always a backward sync, so the halo the first backward group needs
+is exchanged between the tiles there, after each owner has taken its pixels back through
+BatchNorm and the activation. It returns dL/d(input) on the owned input rectangle, or None
+for a stage without input deltas (the first stage).
+
 What a tile keeps between forward and backward, per layer (regions from tiles.layout):
   conv      its input on the windows of its owned outputs (for the partial weight gradient),
             and the conv output z on the pointwise region (BatchNorm and the activation are
