@@ -63,7 +63,7 @@ async def test_bandwidth_job_measures_both_directions_peer_to_peer():
         results = await measure_bandwidth(cluster, ids, nbytes=1 << 20)
         assert set(results) == {(ids[0], ids[1]), (ids[1], ids[0])}
         for r in results.values():
-            assert r["nbytes"] == 1 << 20 and r["seconds"] > r["latency"] > 0 and r["bytes_per_second"] > 0
+            assert r["nbytes"] == 1 << 20 and r["seconds"] > 0 and r["latency"] > 0 and r["bytes_per_second"] > 0
         await trio.sleep(0.05)
         assert all(a.job is None for a in agents)  # released
 
@@ -278,6 +278,10 @@ async def test_killed_connection_makes_the_device_dead_quickly():
             async with open_cluster(Credentials("c", TOKEN), network, peers=[("127.0.0.1", agent.port)],
                                     discover=False, probe_timeout=0.5) as cluster:
                 await cluster.wait_for(1, 10)
+                register_job_kind("forever-test", lambda ctx: trio.sleep_forever())
+                job = cluster.job("doomed")
+                await job.assign("node-a", "forever-test", {})
+                await job.start("node-a")
                 events = cluster.subscribe()
                 scope.cancel()
                 started = trio.current_time()
@@ -286,6 +290,8 @@ async def test_killed_connection_makes_the_device_dead_quickly():
                     kinds.append((await events.receive()).kind)
                 assert trio.current_time() - started < 1.0
                 assert kinds == ["suspect", "dead"]
+                with pytest.raises(JobError, match="lost during job doomed"):
+                    await job.wait_done("node-a")
             nursery.cancel_scope.cancel()
 
 
