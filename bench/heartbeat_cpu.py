@@ -3,9 +3,10 @@
     PYTHONPATH=. python bench/heartbeat_cpu.py [--peers 8] [--seconds 10] [--interval 0.25]
 
 Starts a loopback testbed of 8 agents (separate processes) and a coordinator in this
-process connected to all of them by --peers (it does not browse mDNS). It measures CPU time (user + system) over a window with no heartbeats (Watch 0)
-and over a window with heartbeats every --interval, at the coordinator and the agents;
-the difference is what the heartbeats cost.
+process connected to all of them by --peers (it does not browse mDNS). It measures CPU
+time (user + system) over a window with no heartbeats (Watch 0) and over a window with
+heartbeats every --interval, at the coordinator and the agents; the difference is what
+the heartbeats cost.
 """
 from __future__ import annotations
 

@@ -230,9 +230,15 @@ async def test_nothing_a_stranger_sends_is_acted_on(caplog, recorder):
         for buf in encode_frame(to_wire(JobAssign("evil", 0, recorder.kind, {}, 0.1)), 1 << 20):
             await raw.send_all(buf)
         assert await read_until_closed(raw)  # the agent says why, then closes
-        # 3. garbage, an HTTP request, an oversized frame
+        # 3. another protocol version: told why, in the Goodbye after the agent's own Hello
+        raw = await trio.open_tcp_stream("127.0.0.1", agent.port)
+        for buf in encode_frame([1, "swarm", 99, "future-node", b"n" * 32], 1 << 20):
+            await raw.send_all(buf)
+        assert b"version mismatch: we speak 1, the peer speaks 99" in await read_until_closed(raw)
+        # 4. garbage, an HTTP request, an oversized frame
         rng = random.Random(4)
-        for payload in [b"GET / HTTP/1.1\r\n\r\n", LENGTH.pack(1 << 31), bytes(rng.randrange(256) for _ in range(5000))]:
+        garbage = bytes(rng.randrange(256) for _ in range(5000))
+        for payload in [b"GET / HTTP/1.1\r\n\r\n", LENGTH.pack(1 << 31), garbage]:
             raw = await trio.open_tcp_stream("127.0.0.1", agent.port)
             await raw.send_all(payload)
             await read_until_closed(raw)
@@ -245,6 +251,7 @@ async def test_nothing_a_stranger_sends_is_acted_on(caplog, recorder):
     messages = [r.getMessage() for r in caplog.records]
     assert any("refused connection" in m and "not a swarm peer" in m for m in messages)
     assert any("refused connection" in m and "exceeds the limit" in m for m in messages)
+    assert any("refused connection" in m and "protocol version mismatch" in m for m in messages)
 
 
 async def read_until_closed(stream) -> bytes:

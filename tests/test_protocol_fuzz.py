@@ -26,9 +26,10 @@ tensor_headers = st.builds(
     st.sampled_from(sorted(WIRE_DTYPES) + ["<c8", "|O", 3]),
     st.lists(st.integers(-2, 2**40), max_size=4))
 exts = st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=20))
-values = st.recursive(scalars | tensor_headers | exts,
-                      lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                      max_leaves=30)
+values = st.recursive(
+    scalars | tensor_headers | exts,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=30)
 message_bodies = st.builds(lambda code, fields: [code, *fields],
                            st.sampled_from(sorted(MESSAGES)) | st.integers(-5, 200), st.lists(values, max_size=8))
 

@@ -188,11 +188,12 @@ class Cluster:
         device = self._devices.get(key)
         if device is None:
             device = self._devices[key] = Device(key, host, port, source=source)
-        device.error = error
         if self.membership.health(key) is None:  # never connected: not a member yet
-            if device.health not in ("refused",) or not refused:
+            health = "refused" if refused else "unreachable"
+            if (device.health, device.error) != (health, error):  # log changes, not every retry
                 log.info("%s: %s", device.name if device.name != "?" else key, error)
-            device.health = "refused" if refused else "unreachable"
+            device.health = health
+        device.error = error
         self._touch()
 
     async def _converse(self, device: Device, conn) -> None:

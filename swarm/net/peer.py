@@ -6,6 +6,7 @@ own memory and, on socket streams, received with recv_into straight into the new
 """
 from __future__ import annotations
 
+import errno
 import logging
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -215,8 +216,8 @@ async def serve_peers(handler: Handler, credentials: Credentials, hosts: list[st
     except OSError as exc:
         for listener in listeners:
             await listener.aclose()
-        raise SwarmError(f"cannot listen on {','.join(hosts)} port {port}: {exc.strerror or exc}"
-                         + (" (is another swarm join running? pick another --port)" if exc.errno == 98 else "")) from None
+        hint = " (is another swarm join running? pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise SwarmError(f"cannot listen on {','.join(hosts)} port {port}: {exc.strerror or exc}{hint}") from None
 
     async def accept(stream: trio.SocketStream) -> None:
         address = _address_of(stream)

@@ -1,7 +1,7 @@
 """A cluster on one machine: agents in network namespaces on a bridge (root), or on 127.0.0.1 ports.
 
 Namespace form, per device devK:
-    namespace swtb-devK ── swarm0 (10.213.77.(10+K)) ══ veth ══ swtb-K ── bridge swtb-br0 (10.213.77.1, host)
+    namespace swtb-devK: swarm0 (10.213.77.(10+K)) == veth == swtb-K on bridge swtb-br0 (host: 10.213.77.1)
     agent: `swarm join --interface swarm0` under cgroup limits, links capped by tc tbf.
 Loopback form: agents on 127.0.0.1, each told of the others with --peers; no root needed.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from swarm.errors import SwarmError
 from swarm.testbed import cgroups, netns
-from swarm.testbed.names import (AGENT_PORT, BRIDGE, CGROUP_GROUP, DEVICE_INTERFACE, HOST_ADDRESS, MAX_DEVICES, PREFIX,
+from swarm.testbed.names import (AGENT_PORT, BRIDGE, CGROUP_GROUP, DEVICE_INTERFACE, HOST_ADDRESS, MAX_DEVICES,
                                  device_address, device_name, host_link, namespace, state_dir)
 
 READY_TIMEOUT = 60.0

@@ -118,7 +118,12 @@ class Connection:
 
     def _next_event(self):
         while True:
-            body = self._decoder.next_frame()
+            try:
+                body = self._decoder.next_frame()
+            except RemoteProtocolError as exc:
+                if exc.kind == "oversized" and self.state != "open":
+                    raise RemoteProtocolError(f"not a swarm peer ({exc} before authentication)", exc.kind) from None
+                raise
             if body is INCOMPLETE:
                 if not self._decoder.eof:
                     return NEED_DATA
