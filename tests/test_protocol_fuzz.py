@@ -18,6 +18,7 @@ LIMITS = Limits(handshake_frame=1024, frame=8192, payload=1 << 16)
 # What the decoder may hold at once: a frame, its tensors, and Python's overhead for them.
 ALLOWANCE = LIMITS.frame * 8 + LIMITS.payload * 2 + (1 << 20)
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+STRUCTURED = settings(SETTINGS, max_examples=150)  # bigger examples: fewer of them
 
 scalars = st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20) | \
     st.binary(max_size=40)
@@ -92,7 +93,7 @@ def test_decoder_survives_arbitrary_bytes(data, chunk):
     bounded(run)
 
 
-@SETTINGS
+@STRUCTURED
 @given(st.lists(message_bodies | st.binary(max_size=64).map(lambda b: LENGTH.pack(len(b)) + b), max_size=6),
        st.binary(max_size=64))
 def test_decoder_survives_frames_of_arbitrary_content(bodies, tail):
@@ -120,7 +121,7 @@ def test_connection_before_authentication_survives_arbitrary_bytes(data):
     bounded(run)
 
 
-@SETTINGS
+@STRUCTURED
 @given(st.lists(message_bodies, min_size=1, max_size=4))
 def test_connection_before_authentication_survives_arbitrary_messages(bodies):
     server = Connection(SERVER, "b", TOKEN, limits=LIMITS)
@@ -130,7 +131,7 @@ def test_connection_before_authentication_survives_arbitrary_messages(bodies):
     assert server.state in ("hello", "auth", "failed")
 
 
-@SETTINGS
+@STRUCTURED
 @given(st.lists(message_bodies, min_size=1, max_size=6), st.binary(max_size=256))
 def test_open_connection_survives_arbitrary_messages(bodies, tail):
     def run():
