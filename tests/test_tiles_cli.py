@@ -23,6 +23,21 @@ def _diffs(a: dict, b: dict) -> dict[str, float]:
 
 
 @pytest.mark.slow
+def test_done_when_command_in_float64_equals_local(tmp_path):
+    """The issue's command, with --dtype float64: tiles and local checkpoints agree to 1e-5
+    (measured ~2e-12)."""
+    f64 = [*COMMON, "--dtype", "float64"]
+    t = run_swarm("train", "--strategy", "tiles", "--grid", "2x2", "--in-process", *f64, "--save", "t.pt", cwd=tmp_path)
+    assert t.returncode == 0, t.stderr
+    local = run_swarm("train", "--strategy", "local", *f64, "--save", "l.pt", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    ct, cl = (torch.load(tmp_path / f, weights_only=True) for f in ("t.pt", "l.pt"))
+    diffs = _diffs(ct["model"], cl["model"])
+    assert max(diffs.values()) <= 1e-5, max(diffs.items(), key=lambda kv: kv[1])
+    assert ct["step"] == cl["step"] == 3 and ct["config"] == cl["config"]
+
+
+@pytest.mark.slow
 def test_tiles_in_process_checkpoint_matches_local(tmp_path):
     """The issue's 'done when' command, in float32 as the CLI trains.
 
@@ -32,8 +47,8 @@ def test_tiles_in_process_checkpoint_matches_local(tmp_path):
     differs from local by 5.6e-2, as much as 2x2 tiles do (5.2e-2; 2x2 vs 1x1: 6.6e-2).
     BatchNorm bias gradients are sums that nearly cancel, and max-pool choices between
     equal pixels of the synthetic images' flat regions follow last-bit rounding. So this
-    test checks the checkpoint format and a float32-sized agreement; the 1e-5 equality is
-    tests/test_tiles_exact.py, which runs the same trainers in float64 (agreement ~1e-13)."""
+    test checks the checkpoint format and a float32-sized agreement; the 1e-5 equality is the
+    float64 test above, and tests/test_tiles_exact.py (agreement ~1e-13)."""
     t = run_swarm("train", "--strategy", "tiles", "--grid", "2x2", "--in-process", *COMMON, "--save", "t.pt", cwd=tmp_path)
     assert t.returncode == 0, t.stderr
     assert "tiles: layers 0-16 on a 2x2 grid" in t.stderr

@@ -1,12 +1,13 @@
 """Shared helpers of the tiles tests: float64 training through the real trainers, and tensor comparison."""
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+
 import torch
 
 from swarm.data import make_batch, open_datasets, step_indices
 from swarm.tiled_trainer import TiledTrainer
-from swarm.trainer import LocalTrainer, TrainConfig, make_optimizer
+from swarm.trainer import LocalTrainer, TrainConfig
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -26,21 +27,14 @@ def worst_state_diff(a: dict, b: dict) -> tuple[float, str]:
 
 
 def train_float64(cfg: TrainConfig, steps: int, grid=None, sync: str = "all") -> dict:
-    """`steps` optimizer steps of LocalTrainer (grid None) or TiledTrainer in float64, with the
-    trainers' own step(): data order, micro-batches, loss, optimizer and lr schedule.
+    """`steps` optimizer steps of LocalTrainer (grid None) or TiledTrainer with --dtype float64,
+    through the trainers' own step(): data order, micro-batches, loss, optimizer, lr schedule.
 
     float64 because float32 training of these BN networks is itself only reproducible to
-    ~1e-3 in some tensors under any reordering of sums (even another thread count)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # the loss makes its target tensors in the default dtype
-    try:
-        trainer = LocalTrainer(cfg) if grid is None else TiledTrainer(cfg, grid=grid, sync=sync)
-        trainer.net.double()
-        trainer.optimizer = make_optimizer(trainer.net.named_parameters(), cfg)
-        train_set, _ = open_datasets(cfg.data, trainer.desc.img_size, trainer.desc.in_channels)
-        for step in range(steps):
-            images, targets = make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed))
-            trainer.step(images.astype(np.float64) / 255.0, targets.astype(np.float64))
-        return {k: v.clone() for k, v in trainer.net.state_dict().items()}
-    finally:
-        torch.set_default_dtype(old)
+    ~1e-2 in some tensors under any reordering of sums (even another thread count)."""
+    cfg = dataclasses.replace(cfg, dtype="float64")
+    trainer = LocalTrainer(cfg) if grid is None else TiledTrainer(cfg, grid=grid, sync=sync)
+    train_set, _ = open_datasets(cfg.data, trainer.desc.img_size, trainer.desc.in_channels)
+    for step in range(steps):
+        trainer.step(*make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed)))
+    return {k: v.clone() for k, v in trainer.net.state_dict().items()}

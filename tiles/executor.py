@@ -138,11 +138,12 @@ class TileWorker:
         """x: (B, C, h, w) stage input on this tile's input rect (uint8 images are scaled to
         [0, 1] as the untiled net does). Returns the output on the tile's owned rect."""
         lay, t = self.layout, self.regions
-        if x.dtype == torch.uint8:
-            x = x.float().div_(255.0)  # as the untiled net does
         first = self.parts[lay.first]
-        if first.conv is not None and x.dtype != first.conv.weight.dtype:
-            x = x.to(first.conv.weight.dtype)
+        dtype = first.conv.weight.dtype if first.conv is not None else torch.get_default_dtype()
+        if x.dtype == torch.uint8:
+            x = x.to(dtype).div_(255.0)  # as the untiled net does
+        elif x.dtype != dtype and first.conv is not None:
+            x = x.to(dtype)
         if tuple(x.shape[2:]) != t.input_rect.shape:
             raise TilingError(f"tile {self.tile} needs its input on {t.input_rect.shape}, got {tuple(x.shape[2:])}")
         state = MicroBatchState(x.shape[0])
