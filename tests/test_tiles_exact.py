@@ -35,7 +35,7 @@ def _compare_stage(net, desc, first, last, grid, grouping, input_delta, batch=2,
     oc, oh, ow = desc.layers[last - 1].out_shape
     xs = [torch.rand(batch, c, h, w, dtype=torch.float64) for _ in range(2)]
     dys = [torch.randn(batch, oc, oh, ow, dtype=torch.float64) for _ in range(2)]
-    ref_ys, ref_dxs, total = [], [], 0
+    ref_ys, total = [], 0
     leaves = [x.clone().requires_grad_(input_delta) for x in xs]
     for x in leaves:
         y = x
