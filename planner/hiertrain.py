@@ -3,7 +3,8 @@
 worker_o trains the whole model on b_o samples, worker_s layers 1..m_s on b_s samples,
 worker_l layers 1..m_l on b_l samples; outputs of S and L go to O, which finishes their
 samples. Algorithm 1: for each of the six mappings of three devices onto (o, s, l) and every
-0 <= m_s <= m_l <= N, solve the relaxed LP of P1 (eqs. 5-19, the max terms as epigraph
+0 <= m_s <= m_l <= N (for deep models, m_s and m_l among Asteroid's candidate cuts),
+solve the relaxed LP of P1 (eqs. 5-19, the max terms as epigraph
 variables) for b_o, b_s, b_l, round as the paper does (the largest fractional parts go up
 until the sum is B), evaluate T_total (eq. 12) and keep the best. The LPs of one mapping
 are independent, so they are solved as one block-diagonal LP by scipy's HiGHS.
@@ -116,6 +117,47 @@ class HierTrainModel:
         c["update"] = max(upd) + max(wg_s, wg_l)  # eq. 11
         return c
 
+    def coefficient_arrays(self, ms: np.ndarray, ml: np.ndarray) -> dict:
+        """coefficients() for many (m_s, m_l) at once: every entry an array over the pairs."""
+        zero = np.zeros(len(ms))
+        has_s = (ms > 0) & ("s" in self.cum_f)
+        has_l = (ml > 0) & ("l" in self.cum_f)
+
+        def cum(table, role, idx):
+            return table[role][idx] if role in table else zero
+
+        out_s = np.where(has_s, self.mo[ms] / self.bw["s"], 0.0)
+        out_l = np.where(has_l, self.mo[ml] / self.bw["l"], 0.0)
+        f, b = self.cum_f, self.cum_b
+        L = self.L
+        c = {
+            "f1": [self.t_in["o"] + f["o"][ms] - f["o"][0],
+                   np.where(has_s, self.t_in.get("s", 0.0) + cum(f, "s", ms) - cum(f, "s", 0) + out_s, 0.0),
+                   np.where(has_l, self.t_in.get("l", 0.0) + cum(f, "l", ms) - cum(f, "l", 0), 0.0)],
+            "b1": [b["o"][ms] - b["o"][0],
+                   np.where(has_s, cum(b, "s", ms) - cum(b, "s", 0) + out_s, 0.0),
+                   np.where(has_l, cum(b, "l", ms) - cum(b, "l", 0), 0.0)],
+            "f2": [f["o"][ml] - f["o"][ms], np.where(has_l, cum(f, "l", ml) - cum(f, "l", ms) + out_l, 0.0)],
+            "b2": [b["o"][ml] - b["o"][ms], np.where(has_l, cum(b, "l", ml) - cum(b, "l", ms) + out_l, 0.0)],
+            "f3": f["o"][L] - f["o"][ml], "b3": b["o"][L] - b["o"][ml],
+            "has_s": has_s, "has_l": has_l,
+        }
+        upd = np.maximum(np.maximum(self.upd["o"][L] + zero, np.where(has_s, cum(self.upd, "s", ms), 0.0)),
+                         np.where(has_l, cum(self.upd, "l", ml), 0.0))
+        wg_s = np.where(has_s, 2 * self.mp[ms] / self.bw["s"] + 2 * self.latency, 0.0)
+        wg_l = np.where(has_l, 2 * self.mp[ml] / self.bw["l"] + 2 * self.latency, 0.0)
+        c["update"] = upd + np.maximum(wg_s, wg_l)
+        return c
+
+    @staticmethod
+    def totals(c: dict, bo: np.ndarray, bs: np.ndarray, bl: np.ndarray) -> np.ndarray:
+        """total() over arrays of pairs and splits."""
+        t1f = np.maximum(np.maximum(c["f1"][0] * bo, c["f1"][1] * bs), c["f1"][2] * bl)
+        t1b = np.maximum(np.maximum(c["b1"][0] * bo, c["b1"][1] * bs), c["b1"][2] * bl)
+        t2f = np.maximum(c["f2"][0] * (bo + bs), c["f2"][1] * bl)
+        t2b = np.maximum(c["b2"][0] * (bo + bs), c["b2"][1] * bl)
+        return t1f + t1b + t2f + t2b + (c["f3"] + c["b3"]) * (bo + bs + bl) + c["update"]
+
     def total(self, ms: int, ml: int, bo: float, bs: float, bl: float, c: dict | None = None) -> float:
         """T_total, eq. 12."""
         c = c or self.coefficients(ms, ml)
@@ -142,63 +184,70 @@ def round_samples(x: list[float], total: int) -> list[int]:
     return trial
 
 
+def round_splits(x: np.ndarray, total: int) -> np.ndarray:
+    """round_samples for every row of x (n, 3) at once."""
+    ints = np.floor(x + 1e-9).astype(np.int64)
+    fracs = x - ints
+    order = np.argsort(-fracs, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(3)[None, :].repeat(len(x), axis=0), axis=1)
+    deficit = total - ints.sum(axis=1)
+    ok = (deficit >= 0) & (deficit <= 3)
+    out = ints + (ok[:, None] & (rank < deficit[:, None]))
+    bad = np.flatnonzero(~ok)
+    out[bad, order[bad, 0]] += total - out[bad].sum(axis=1)
+    return out
+
+
 def solve_mapping(model: HierTrainModel, pairs: list[tuple[int, int]]) -> list[tuple[float, float, float]]:
     """The relaxed LP of P1 for every (m_s, m_l) in `pairs`, as one block-diagonal LP.
     Block variables: b_o, b_s, b_l, t1f, t1b, t2f, t2b."""
-    nv = 7
-    rows, cols, vals, ub = [], [], [], []
-    eq_rows, eq_cols, eq_vals = [], [], []
-    cost = np.zeros(nv * len(pairs))
-    upper = np.full(nv * len(pairs), np.inf)
-    r = 0
-    B = model.B
-    for k, (ms, ml) in enumerate(pairs):
-        c = model.coefficients(ms, ml)
-        base = nv * k
-        cost[base + 3:base + 7] = 1.0
+    return [tuple(row) for row in solve_mapping_arrays(model, np.array([p[0] for p in pairs]),
+                                                       np.array([p[1] for p in pairs]))[0]]
 
-        def le(terms, t):  # sum(coef * var) - t <= 0
-            nonlocal r
-            for var, coef in terms:
-                rows.append(r)
-                cols.append(base + var)
-                vals.append(coef)
-            rows.append(r)
-            cols.append(base + t)
-            vals.append(-1.0)
-            ub.append(0.0)
-            r += 1
 
-        for j in range(3):
-            le([(j, c["f1"][j])], 3)
-            le([(j, c["b1"][j])], 4)
-        le([(0, c["f2"][0]), (1, c["f2"][0])], 5)
-        le([(2, c["f2"][1])], 5)
-        le([(0, c["b2"][0]), (1, c["b2"][0])], 6)
-        le([(2, c["b2"][1])], 6)
-        for var in range(3):
-            eq_rows.append(k)
-            eq_cols.append(base + var)
-            eq_vals.append(1.0)
-        if not c["has_s"]:
-            upper[base + 1] = 0.0  # eq. 18 with m_s = 0 (or no worker_s)
-        if not c["has_l"]:
-            upper[base + 2] = 0.0  # eq. 19
-    n = nv * len(pairs)
-    a_ub = coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsr()
-    a_eq = coo_matrix((eq_vals, (eq_rows, eq_cols)), shape=(len(pairs), n)).tocsr()
-    res = linprog(cost, A_ub=a_ub, b_ub=np.array(ub), A_eq=a_eq, b_eq=np.full(len(pairs), float(B)),
-                  bounds=np.column_stack([np.zeros(n), upper]), method="highs-ds")
+def solve_mapping_arrays(model: HierTrainModel, ms: np.ndarray, ml: np.ndarray) -> tuple[np.ndarray, dict]:
+    n, nv = len(ms), 7
+    c = model.coefficient_arrays(ms, ml)
+    base = nv * np.arange(n)
+    # the ten inequality rows of each block: (variable, coefficient) pairs, then the epigraph variable
+    rows_spec = [([(0, c["f1"][0])], 3), ([(1, c["f1"][1])], 3), ([(2, c["f1"][2])], 3),
+                 ([(0, c["b1"][0])], 4), ([(1, c["b1"][1])], 4), ([(2, c["b1"][2])], 4),
+                 ([(0, c["f2"][0]), (1, c["f2"][0])], 5), ([(2, c["f2"][1])], 5),
+                 ([(0, c["b2"][0]), (1, c["b2"][0])], 6), ([(2, c["b2"][1])], 6)]
+    rows, cols, vals = [], [], []
+    for r, (terms, t) in enumerate(rows_spec):
+        row = 10 * np.arange(n) + r
+        for var, coef in terms:
+            rows.append(row)
+            cols.append(base + var)
+            vals.append(np.broadcast_to(coef, (n,)))
+        rows.append(row)
+        cols.append(base + t)
+        vals.append(np.full(n, -1.0))
+    a_ub = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(10 * n, nv * n))
+    eq_rows = np.repeat(np.arange(n), 3)
+    eq_cols = (base[:, None] + np.arange(3)[None, :]).ravel()
+    a_eq = coo_matrix((np.ones(3 * n), (eq_rows, eq_cols)), shape=(n, nv * n))
+    cost = np.tile(np.array([0, 0, 0, 1, 1, 1, 1], dtype=float), n)
+    upper = np.full((n, nv), np.inf)
+    upper[:, 1] = np.where(c["has_s"], np.inf, 0.0)  # eq. 18: b_s = 0 without task S
+    upper[:, 2] = np.where(c["has_l"], np.inf, 0.0)  # eq. 19
+    res = linprog(cost, A_ub=a_ub.tocsr(), b_ub=np.zeros(10 * n), A_eq=a_eq.tocsr(), b_eq=np.full(n, float(model.B)),
+                  bounds=np.column_stack([np.zeros(nv * n), upper.ravel()]), method="highs-ds")
     if res.status != 0:
         raise NoPlan(f"HierTrain's LP failed: {res.message}")
-    x = res.x.reshape(len(pairs), nv)
-    return [tuple(row[:3]) for row in x]
+    return res.x.reshape(n, nv)[:, :3], c
 
 
 def hiertrain_search(inputs: PlanInputs, workers: list[str]) -> Schedule:
     """Algorithm 1 over the given (up to three) devices."""
-    L = inputs.num_layers
-    pairs = [(ms, ml) for ms in range(L + 1) for ml in range(ms, L + 1)]
+    from planner.asteroid import MAX_CUTS, candidate_cuts
+
+    cuts = np.array(candidate_cuts(inputs, MAX_CUTS))
+    ms, ml = (a.ravel() for a in np.meshgrid(cuts, cuts, indexing="ij"))
+    keep = ms <= ml
+    ms, ml = ms[keep], ml[keep]
     best: Schedule | None = None
     padded = list(workers) + [None] * (3 - len(workers))
     seen = set()
@@ -208,13 +257,13 @@ def hiertrain_search(inputs: PlanInputs, workers: list[str]) -> Schedule:
         seen.add(perm)
         mapping = dict(zip(ROLES, perm))
         model = HierTrainModel(inputs, mapping)
-        for (ms, ml), relaxed in zip(pairs, solve_mapping(model, pairs)):
-            bo, bs, bl = round_samples(list(relaxed), model.B)
-            if bs and not (mapping["s"] and ms > 0) or bl and not (mapping["l"] and ml > 0):
-                continue
-            total = float(model.total(ms, ml, bo, bs, bl))
-            if best is None or total < best.total - 1e-12:
-                best = Schedule(mapping, ms, ml, {"o": bo, "s": bs, "l": bl}, total)
+        relaxed, c = solve_mapping_arrays(model, ms, ml)
+        b = round_splits(relaxed, model.B)
+        totals = model.totals(c, b[:, 0].astype(float), b[:, 1].astype(float), b[:, 2].astype(float))
+        k = int(np.argmin(totals))
+        if best is None or totals[k] < best.total - 1e-12:
+            best = Schedule(mapping, int(ms[k]), int(ml[k]), {"o": int(b[k, 0]), "s": int(b[k, 1]), "l": int(b[k, 2])},
+                            float(totals[k]))
     assert best is not None
     return best
 

@@ -21,27 +21,31 @@ from planner.jointdnn import plan_jointdnn
 from planner.plan import Plan, PlanError, Stage
 from planner.tiles_planner import grids_for, plan_tiles
 
-HYBRID_CANDIDATES = 4  # Asteroid pipelines tried after each tiles front
+HYBRID_CANDIDATES = 2  # Asteroid pipelines tried after each tiles front
 
 
 def _fits_then_time(plan: Plan) -> tuple[bool, float]:
     return (not plan.predicted["fits"], plan.predicted["step_time_s"])
 
 
-def plan_hybrids(inputs: PlanInputs) -> list[Plan]:
-    """Tiles front + Asteroid pipeline on the remaining devices."""
-    from tiles.layout import tileable_prefix
+def plan_hybrids(inputs: PlanInputs, tiles_plan: Plan | None) -> list[Plan]:
+    """Tiles front + Asteroid pipeline on the remaining devices: the front on as many of the
+    fastest devices as the tiles planner chose (if that leaves some), and on half of them."""
+    from planner.tiles_planner import tiles_end
 
-    end = tileable_prefix(inputs.desc)
+    end = tiles_end(inputs)
     cl = inputs.cluster
     n = len(cl.names)
     if end == 0 or end >= inputs.num_layers or n < 2 or inputs.batch_size % inputs.microbatches:
         return []
     fastest = cl.by_speed(inputs.microbatch)
+    sizes = {max(1, n // 2)}
+    if tiles_plan is not None and len(tiles_plan.stages[0].devices) < n:
+        sizes.add(len(tiles_plan.stages[0].devices))
     plans = []
-    for k in sorted({k for k in (2 ** i for i in range(1, 8)) if k < n} | {n - 1}):
+    for k in sorted(sizes):
         group, rest = fastest[:k], fastest[k:]
-        grid = grids_for(k)[0]
+        grid = grids_for(k, *inputs.desc.layers[0].in_shape[1:])[0]
         front = Stage(0, end, "tiles", list(group), grid=grid, tile_devices=list(group), syncs=list(range(end)))
         sub = PlanInputs(inputs.desc, inputs.mem, cl.subset(rest), inputs.batch_size, inputs.microbatches)
         dp = AsteroidDP(sub, start=end)
@@ -75,7 +79,8 @@ def plan_auto(inputs: PlanInputs) -> Plan:
             candidates.append(planner(inputs))
         except NoPlan as exc:
             reasons.append(f"{name}: {exc}")
-    candidates += plan_hybrids(inputs)
+    tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
+    candidates += plan_hybrids(inputs, tiles_plan)
     if not candidates:
         raise NoPlan("no planner found a plan: " + "; ".join(reasons))
     best = min(candidates, key=_fits_then_time)

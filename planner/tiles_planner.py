@@ -1,13 +1,14 @@
 """Rama et al.'s planner: the feature-map-heavy front of the network as one tiles stage.
 
 The stage covers the longest tileable run of layers from the input (tiles.layout.
-tileable_prefix); the rest of the network, if any, follows as one stage on the fastest
-device outside the group (or the group's device with the most memory). The group is the k fastest devices for k = 2, 4, 8, ... and all of them, one tile
-each (k = N - 1 too, leaving a device for the layers after the tiles), on the most square
-grid of k tiles that the maps allow. Each candidate is simulated
-with a sync at every layer; for the best, the tiles cost model's grouping choice
-(tiles.cost.choose_grouping: its dynamic program over sync points, from the devices'
-speed and link) gives the syncs, and whichever of the two simulates faster is the plan.
+tileable_prefix; for deep networks at most MAX_TILES_LAYERS of them); the rest of the
+network, if any, follows as one stage on the fastest device outside the group (or the
+group's device with the most memory). The group is the k fastest devices for k = 2, 4, 8,
+..., N - 1 (leaving a device for the rest) and N, one tile each, on the most square grid
+of k tiles the maps allow. Each candidate is simulated with a sync at every layer; for the
+best, the tiles cost model's grouping choice (tiles.cost.choose_grouping: its dynamic
+program over sync points, from the devices' speed and link) gives the syncs, and whichever
+of the two simulates faster is the plan.
 """
 from __future__ import annotations
 
@@ -17,10 +18,24 @@ from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, PlanError, Stage
 
 
-def grids_for(k: int) -> list[tuple[int, int]]:
-    """The most square rows x cols grid of k tiles (rows <= cols), and its transpose."""
+MAX_TILES_LAYERS = 24  # a tiles stage for the feature-map-heavy front, not a whole deep network
+
+
+def grids_for(k: int, rows: int = 1, cols: int = 1) -> list[tuple[int, int]]:
+    """The most square grid of k tiles, with more tiles along the map's longer side."""
     r = max(d for d in range(1, int(math.isqrt(k)) + 1) if k % d == 0)
-    return [(r, k // r)] if r == k // r else [(r, k // r), (k // r, r)]
+    return [(k // r, r)] if rows > cols else [(r, k // r)]
+
+
+def tiles_end(inputs: PlanInputs) -> int:
+    """Where the tiles stage ends: the tileable front, or for deep networks the boundary
+    with the smallest activation among the first MAX_TILES_LAYERS (the latest of equals)."""
+    from tiles.layout import tileable_prefix
+
+    end = tileable_prefix(inputs.desc)
+    if end <= MAX_TILES_LAYERS:
+        return end
+    return min(range(1, MAX_TILES_LAYERS + 1), key=lambda b: (inputs.mem.boundary(b), -b))
 
 
 def effective_flops(inputs: PlanInputs, device: str, first: int, last: int) -> float:
@@ -50,10 +65,9 @@ def tiles_stages(inputs: PlanInputs, group: list[str], grid: tuple[int, int], en
 
 def plan_tiles(inputs: PlanInputs) -> Plan:
     from tiles.cost import choose_grouping
-    from tiles.layout import tileable_prefix
     from tiles.regions import TilingError
 
-    end = tileable_prefix(inputs.desc)
+    end = tiles_end(inputs)
     if end == 0:
         raise NoPlan(f"{inputs.desc.name} cannot be tiled: its first layer is not a convolution or local pooling")
     cl = inputs.cluster
@@ -63,7 +77,7 @@ def plan_tiles(inputs: PlanInputs) -> Plan:
     best = None  # (key, plan, group, grid)
     for k in sizes:
         group = fastest[:k]
-        for grid in grids_for(k):
+        for grid in grids_for(k, *inputs.desc.layers[0].in_shape[1:]):
             stages = tiles_stages(inputs, group, grid, end, list(range(end)), None)
             plan = inputs.plan(stages, "tiles")
             try:

@@ -12,6 +12,8 @@ per-tile partial gradients are all-reduced once per mini-batch.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
@@ -49,8 +51,25 @@ def tiles_cost(desc: ModelDesc, stage: Stage):
                        tuple(stage.backward_syncs()))
 
 
+_WORKS: dict = {}  # the same tiles stage simulated again (candidate plans share their front)
+
+
 def tiles_stage_work(p: int, stage: Stage, plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster,
                      sizes: list[int], is_last: bool) -> StageWork:
+    key = (id(desc), id(mem), id(cluster), stage.first, stage.last, tuple(stage.grid), tuple(stage.tile_devices),
+           tuple(stage.forward_syncs()), tuple(stage.backward_syncs()), tuple(sizes), is_last)
+    hit = _WORKS.get(key)
+    if hit is not None and hit[0] == (desc, mem, cluster):
+        return replace(hit[1], index=p, stage=stage)
+    if len(_WORKS) > 256:
+        _WORKS.clear()
+    work = _tiles_stage_work(p, stage, desc, mem, cluster, sizes, is_last)
+    _WORKS[key] = ((desc, mem, cluster), work)
+    return work
+
+
+def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cluster: Cluster,
+                      sizes: list[int], is_last: bool) -> StageWork:
     first, last = stage.first, stage.last
     cost = tiles_cost(desc, stage)
     lay = cost.layout

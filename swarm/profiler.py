@@ -103,6 +103,22 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def settled_rss() -> int:
+    """Resident bytes after handing freed memory back to the system (glibc keeps freed
+    blocks otherwise, and the idle size would include the last step's activations)."""
+    import ctypes
+    import ctypes.util
+
+    import psutil
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return psutil.Process().memory_info().rss
+
+
 class _PeakRSS:
     """Samples this process's resident memory in a thread; `peak` is the largest seen."""
 
@@ -135,7 +151,7 @@ def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
     import torch
 
     with torch.no_grad():
-        outs = {-1: images.float().div(255.0)}
+        outs = {-1: images}  # uint8: the first layer's time includes turning it into floats, as in training
         for i, layer in enumerate(desc.layers):
             outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in layer.inputs}, keys=list(range(len(images)))))
     return outs
@@ -150,7 +166,7 @@ def _time_layers(net, desc, outs, batch: int, repeats: int) -> tuple[list[float]
     keys = list(range(batch))
     for i, layer in enumerate(desc.layers):
         def make_inputs():
-            return {s: outs[s].detach().requires_grad_(s >= 0) for s in layer.inputs}
+            return {s: outs[s] if s < 0 else outs[s].detach().requires_grad_(True) for s in layer.inputs}
 
         def forward():
             return net.forward_range(i, i + 1, make_inputs(), keys)[i]
@@ -254,10 +270,9 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
             # The idle process: torch initialised by a first step, minus what the model
             # keeps between steps (weights and optimizer state; gradients are freed).
             step()
-            gc.collect()
             resident = sum(OPTIMIZER_COPIES[optimizer] * p.numel() * p.element_size() for p in net.parameters())
-            runtime = psutil.Process().memory_info().rss - resident
-        gc.collect()
+            runtime = settled_rss() - resident
+        settled_rss()
         with _PeakRSS() as rss:
             step()
         peak[b] = float(rss.peak - runtime)

@@ -238,3 +238,18 @@ def test_linprog_is_highs():
     """The LP solver is scipy's HiGHS (a maintained solver, not a hand-written simplex)."""
     res = linprog([1.0], bounds=[(1, 2)], method="highs")
     assert res.status == 0 and res.x[0] == pytest.approx(1.0)
+
+
+def test_vectorised_hiertrain_equals_the_scalar_formulas(hier):
+    inputs, model = hier
+    rng = np.random.default_rng(3)
+    L = inputs.num_layers
+    ms = rng.integers(0, L + 1, 30)
+    ml = np.maximum(ms, rng.integers(0, L + 1, 30))
+    arrays = model.coefficient_arrays(ms, ml)
+    splits = rng.dirichlet([1, 1, 1], 30) * model.B
+    totals = model.totals(arrays, splits[:, 0], splits[:, 1], splits[:, 2])
+    for k in range(30):
+        assert totals[k] == pytest.approx(model.total(int(ms[k]), int(ml[k]), *splits[k]))
+    from planner.hiertrain import round_splits
+    assert [list(r) for r in round_splits(splits, model.B)] == [round_samples(list(x), model.B) for x in splits]
