@@ -61,6 +61,13 @@ PLANS = {
     "dp4": lambda n: [Stage(0, n, "dp", ["d0", "d1", "d2", "d3"], allocation={"d0": 1, "d1": 0, "d2": 1, "d3": 0})],
     "hybrid": lambda n: [Stage(0, 6, "single", ["d0"]), Stage(6, 12, "dp", ["d1", "d2"], allocation={"d1": 1, "d2": 1}),
                          Stage(12, n, "single", ["d3"])],
+    "tiles2x2": lambda n: [Stage(0, n, "tiles", ["d0", "d1", "d2", "d3"], grid=(2, 2),
+                                 tile_devices=["d0", "d1", "d2", "d3"])],
+    "tiles-grouped-two-per-device": lambda n: [Stage(0, n, "tiles", ["d0", "d1"], grid=(2, 2),
+                                                     tile_devices=["d0", "d1", "d1", "d0"], syncs=[0, 5, 11])],
+    "tiles-in-the-middle": lambda n: [Stage(0, 2, "single", ["d0"]),
+                                      Stage(2, 12, "tiles", ["d1", "d2"], grid=(1, 2), tile_devices=["d1", "d2"]),
+                                      Stage(12, n, "dp", ["d3", "d0"], allocation={"d3": 1, "d0": 1})],
     "first-and-last-on-one-device": lambda n: [Stage(0, 5, "single", ["d0"]), Stage(5, 12, "single", ["d1"]),
                                                Stage(12, n, "single", ["d0"])],
 }
@@ -148,3 +155,37 @@ def test_optimizer_state_comes_back_for_resume():
     assert ours["param_groups"] == theirs["param_groups"]
     for k, st in theirs["state"].items():
         assert torch.allclose(ours["state"][k]["momentum_buffer"], st["momentum_buffer"], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "pp", "tiles", "hybrid"])
+def test_simple_strategies_equal_local(strategy):
+    from swarm.execution.strategies import simple_plan
+
+    cfg = _cfg("yolov2-16", 2)
+    plan = simple_plan(strategy, LocalTrainer(TrainConfig(**vars(cfg))).desc, ["d0", "d1", "d2", "d3"], 8, 2)
+    assert _worst(_planned(cfg, plan).net.state_dict(), _local(cfg))[0] < 1e-9
+
+
+@pytest.mark.slow
+def test_full_yolov2_tiles_front_then_pipeline():
+    cfg = _cfg("yolov2", 4)
+    plan = _plan("yolov2", [Stage(0, 17, "tiles", ["d0", "d1", "d2", "d3"], grid=(2, 2),
+                                  tile_devices=["d0", "d1", "d2", "d3"]),
+                            Stage(17, 25, "single", ["d1"]), Stage(25, N2, "single", ["d2"])], 4)
+    assert _worst(_planned(cfg, plan).net.state_dict(), _local(cfg))[0] < 1e-9
+
+
+def test_strategy_mistakes_are_plan_errors():
+    from planner.plan import PlanError
+    from swarm.execution.strategies import simple_plan
+    from swarm.zoo import describe_model
+
+    desc = describe_model("yolov2-16", 64, classes=5)
+    with pytest.raises(PlanError, match="--stages 5 needs 5 devices"):
+        simple_plan("pp", desc, ["a", "b"], 8, 2, stages=5)
+    with pytest.raises(PlanError, match="split evenly"):
+        simple_plan("dp", desc, ["a", "b"], 7, 2)
+    with pytest.raises(PlanError, match="--sync"):
+        simple_plan("tiles", desc, ["a", "b"], 8, 2, sync="x")
+    with pytest.raises(PlanError, match="does not fit"):
+        simple_plan("tiles", desc, ["a", "b"], 8, 2, grid=(8, 8))

@@ -97,8 +97,8 @@ def parts_on(plan: Plan, device: str) -> list[Part]:
 class Layout:
     """Input needs and output holdings of every part of every stage, for one micro-batch size.
 
-    `tile_regions(stage_index) -> (needed input (rows, cols) per tile, owned output
-    (rows, cols) per tile)` supplies the geometry of tiles stages."""
+    `tile_regions(stage_index) -> (needed input, owned output, returned input gradient)`,
+    each a (rows, cols) span pair per tile, supplies the geometry of tiles stages."""
 
     def __init__(self, plan: Plan, desc: ModelDesc, tile_regions=None):
         self.plan = plan
@@ -115,16 +115,25 @@ class Layout:
         stage = self.plan.stages[p]
         parts = stage_parts(self.plan, p)
         if stage.mode == "tiles":
-            needed, _ = self._tiles(p)
+            needed = self._tiles(p)[0]
             return [Holding(part, Block((0, mb_size), *needed[part.index])) for part in parts]
         return [Holding(part, Block(span)) for part, span in zip(parts, replica_spans(stage, mb_size))]
+
+    def input_grads(self, p: int, mb_size: int) -> list[Holding]:
+        """What each part of stage p returns of the gradient at its input boundary: a tile
+        its owned pixels (tiles settle their overlaps among themselves), others their input."""
+        stage = self.plan.stages[p]
+        if stage.mode == "tiles":
+            returned = self._tiles(p)[2]
+            return [Holding(part, Block((0, mb_size), *returned[part.index])) for part in stage_parts(self.plan, p)]
+        return self.inputs(p, mb_size)
 
     def outputs(self, p: int, mb_size: int) -> list[Holding]:
         """What each part of stage p holds of every live map at its output boundary."""
         stage = self.plan.stages[p]
         parts = stage_parts(self.plan, p)
         if stage.mode == "tiles":
-            _, owned = self._tiles(p)
+            owned = self._tiles(p)[1]
             return [Holding(part, Block((0, mb_size), *owned[part.index])) for part in parts]
         return [Holding(part, Block(span)) for part, span in zip(parts, replica_spans(stage, mb_size))]
 
@@ -134,7 +143,7 @@ class Layout:
 
     def backward_transfers(self, p: int, mb_size: int) -> list[Transfer]:
         """Gradient blocks moving from stage p + 1's inputs back to stage p's outputs."""
-        return [Transfer(t.dst, t.src, t.block) for t in self.forward_transfers(p, mb_size)]
+        return transfers(self.input_grads(p + 1, mb_size), self.outputs(p, mb_size))
 
 
 def transfers(producers: list[Holding], consumers: list[Holding]) -> list[Transfer]:

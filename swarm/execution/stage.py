@@ -38,6 +38,7 @@ class StageCopy:
     optimizer: torch.optim.Optimizer
     group_bns: list[tuple[str, GroupBatchNorm]] = field(default_factory=list)
     inflight: dict[tuple[int, int], InFlight] = field(default_factory=dict)  # (part, micro-batch)
+    tile_dy: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (tile, mb): dL/d(tile output)
 
     @classmethod
     def build(cls, plan: Plan, p: int, cfg: TrainConfig, cfg_text: str | None, group_size: int) -> "StageCopy":
@@ -106,6 +107,19 @@ class StageCopy:
                     loss_fn(out, targets, batch_total)
         self.inflight[(part, m)] = InFlight(leaves, outs, loss)
         return {k: v.detach() for k, v in outs.items()}
+
+    def tile_loss(self, tile: int, m: int, out: torch.Tensor, targets: torch.Tensor, batch_total: int,
+                  window) -> float:
+        """A tiles last stage: the loss on the tile's own output cells (its share of the
+        whole map's loss), keeping dL/d(out) for the tile's backward."""
+        y = out.detach().requires_grad_(True)  # (B, A*(5+C), h, w) on the tile's owned rect
+        if targets.is_floating_point():
+            targets = targets.to(y.dtype)
+        with torch.enable_grad():
+            loss = make_loss(self.desc)(y, targets, batch_total, window)
+            loss.backward()
+        self.tile_dy[(tile, m)] = y.grad
+        return float(loss.detach())
 
     def loss_value(self, part: int, m: int) -> float:
         return float(self.inflight[(part, m)].loss.detach())

@@ -32,6 +32,7 @@ from swarm.execution.collectives import allgather, allreduce_sum
 from swarm.execution.endpoint import Endpoint
 from swarm.execution.routing import Layout, Part, parts_on
 from swarm.execution.stage import StageCopy
+from swarm.execution.tiling import DeviceTiles, TileGeometry
 from swarm.trainer import TrainConfig
 
 COORDINATOR = "coordinator"
@@ -81,6 +82,7 @@ class DeviceWorker:
         self.device = endpoint.name
         self.parts = parts_on(self.plan, self.device)
         self.copies: dict[int, StageCopy] = {}
+        self.tile_workers: dict[int, dict] = {}
         self.layout: Layout | None = None
         self.compute_lock = ComputeLock()
         self.busy_s = 0.0
@@ -124,7 +126,8 @@ class DeviceWorker:
             torch.set_num_threads(self.job.threads)
         desc = describe_model(self.cfg.model, self.plan.img_size, self.cfg.classes, self.job.cfg_text)
         self.desc = desc
-        self.layout = Layout(self.plan, desc)
+        self.tile_geometry = TileGeometry(self.plan, desc)
+        self.layout = Layout(self.plan, desc, self.tile_geometry)
         step = None
         for p in sorted({part.stage for part in self.parts}):
             copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
@@ -132,6 +135,8 @@ class DeviceWorker:
             init = await self.get(("init", p))
             copy.load(init["state"], init.get("momentum"), init.get("step", 0))
             self.copies[p] = copy
+            if copy.stage.mode == "tiles":
+                self.tile_workers[p] = self.make_tile_workers(copy)
             step = init.get("step", 0)
         while True:
             last = await self.run_step(step)
@@ -139,6 +144,17 @@ class DeviceWorker:
                 break
             step += 1
         await self.serve_state_requests()
+
+    def make_tile_workers(self, copy: StageCopy) -> dict:
+        from tiles.executor import TileWorker
+
+        lay = self.tile_geometry.layout(copy.p)
+        stage = copy.stage
+        modules = [copy.net.layers[i] for i in range(stage.first, stage.last)]
+        mine = [part.index for part in self.parts if part.stage == copy.p]
+        lock = threading.Lock()
+        # each device's copy of the weights: its first tile advances the BN running statistics
+        return {k: TileWorker(lay, k, modules, keeps_running_stats=k == mine[0], grad_lock=lock) for k in mine}
 
     async def run_step(self, step: int) -> bool:
         self.busy_s = 0.0
@@ -162,40 +178,40 @@ class DeviceWorker:
         copy = self.copies[p]
         my_parts = [part for part in self.parts if part.stage == p]
         bounds = microbatch_bounds(plan.batch_size, plan.microbatches)
+        tiled = copy.stage.mode == "tiles"
         for kind, m in stage_schedule(plan.microbatches, plan.warmups()[p]):
             lo, hi = bounds[m]
+            if tiled:
+                if kind == "F":
+                    await self.tiles_forward(step, copy, my_parts, m, lo, hi, losses)
+                else:
+                    await self.tiles_backward(step, copy, my_parts, m, hi - lo)
+                continue
             for part in my_parts:
                 if kind == "F":
                     await self.forward(step, copy, part, m, lo, hi, losses)
                 else:
                     await self.backward(step, copy, part, m, hi - lo)
 
-    async def forward(self, step: int, copy: StageCopy, part: Part, m: int, lo: int, hi: int, losses) -> None:
-        p, mb = part.stage, hi - lo
-        holding = self.layout.inputs(p, mb)[part.index].block
-        first = copy.stage.first
+    # ---- moving blocks ---------------------------------------------------------------
+    async def gather_inputs(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
+        """The part's input block of every map entering its stage (the image for stage 0)."""
+        p = part.stage
         if p == 0:
-            inputs = {-1: (await self.get(("feed", step, part.index, m)))["arrays"][0]}
-        else:
-            inputs = {}
-            incoming = [t for t in self.layout.forward_transfers(p - 1, mb) if t.dst == part]
-            for tensor in self.desc.live_after(first):
-                pieces = []
-                for t in incoming:
-                    msg = await self.get(("act", step, p, part.index, m, tensor, t.src.index))
-                    pieces.append((t.block, msg["arrays"][0]))
-                inputs[tensor] = assemble(holding, map_shape(self.desc, tensor), pieces, add=False)
-        targets = None
-        if copy.is_last:
-            targets = (await self.get(("tgt", step, part.index, m)))["arrays"][0]
-        span = holding.samples
-        keys = sample_keys(step, range(lo + span[0], lo + span[1]))
-        for name, bn in copy.group_bns:
-            bn.exchange = self.bn_exchange(step, p, m, name)
-        outputs = await self.compute(copy.forward, part.index, m, inputs, keys, targets, plan_batch(self.plan))
-        if copy.is_last:
-            losses.append(await self.compute(copy.loss_value, part.index, m))
-            return
+            return {-1: (await self.get(("feed", step, part.index, m)))["arrays"][0]}
+        holding = self.layout.inputs(p, mb)[part.index].block
+        incoming = [t for t in self.layout.forward_transfers(p - 1, mb) if t.dst == part]
+        inputs = {}
+        for tensor in self.desc.live_after(self.plan.stages[p].first):
+            pieces = []
+            for t in incoming:
+                msg = await self.get(("act", step, p, part.index, m, tensor, t.src.index))
+                pieces.append((t.block, msg["arrays"][0]))
+            inputs[tensor] = assemble(holding, map_shape(self.desc, tensor), pieces, add=False)
+        return inputs
+
+    async def send_outputs(self, step: int, part: Part, m: int, mb: int, outputs: dict[int, torch.Tensor]) -> None:
+        p = part.stage
         out_block = self.layout.outputs(p, mb)[part.index].block
         for t in self.layout.forward_transfers(p, mb):
             if t.src != part:
@@ -205,33 +221,98 @@ class DeviceWorker:
                 await self.ep.send(t.dst.device, ("act", step, p + 1, t.dst.index, m, tensor, part.index),
                                    {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
 
-    async def backward(self, step: int, copy: StageCopy, part: Part, m: int, mb: int) -> None:
+    async def gather_output_grads(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
+        """dL/d(output) on the part's output block, summed over the pieces that come back."""
         p = part.stage
-        grads = None
-        if not copy.is_last:
-            grads = {}
-            out_block = self.layout.outputs(p, mb)[part.index].block
-            incoming = [t for t in self.layout.backward_transfers(p, mb) if t.dst == part]
-            for tensor in self.desc.live_after(copy.stage.last):
-                pieces = []
-                for t in incoming:
-                    msg = await self.get(("grad", step, p, part.index, m, tensor, t.src.index))
-                    pieces.append((t.block, msg["arrays"][0]))
+        out_block = self.layout.outputs(p, mb)[part.index].block
+        incoming = [t for t in self.layout.backward_transfers(p, mb) if t.dst == part]
+        grads = {}
+        for tensor in self.desc.live_after(self.plan.stages[p].last):
+            pieces = []
+            for t in incoming:
+                msg = await self.get(("grad", step, p, part.index, m, tensor, t.src.index))
+                pieces.append((t.block, msg["arrays"][0]))
+            if pieces:
                 grads[tensor] = assemble(out_block, map_shape(self.desc, tensor), pieces, add=True)
-        in_grads = await self.compute(copy.backward, part.index, m, grads)
-        if p == 0:
-            return
-        in_block = self.layout.inputs(p, mb)[part.index].block
+        return grads
+
+    async def send_input_grads(self, step: int, part: Part, m: int, mb: int, in_grads: dict[int, torch.Tensor]) -> None:
+        p = part.stage
+        block = self.layout.input_grads(p, mb)[part.index].block
         for t in self.layout.backward_transfers(p - 1, mb):
             if t.src != part:
                 continue
-            for tensor in self.desc.live_after(copy.stage.first):
+            for tensor in self.desc.live_after(self.plan.stages[p].first):
                 g = in_grads.get(tensor)
                 if g is None:
                     continue
-                piece = cut(g, in_block, t.block)
+                piece = cut(g, block, t.block)
                 await self.ep.send(t.dst.device, ("grad", step, p - 1, t.dst.index, m, tensor, part.index),
                                    {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
+
+    # ---- single and dp parts ---------------------------------------------------------
+    async def forward(self, step: int, copy: StageCopy, part: Part, m: int, lo: int, hi: int, losses) -> None:
+        p, mb = part.stage, hi - lo
+        inputs = await self.gather_inputs(step, part, m, mb)
+        targets = None
+        if copy.is_last:
+            targets = (await self.get(("tgt", step, part.index, m)))["arrays"][0]
+        span = self.layout.inputs(p, mb)[part.index].block.samples
+        keys = sample_keys(step, range(lo + span[0], lo + span[1]))
+        for name, bn in copy.group_bns:
+            bn.exchange = self.bn_exchange(step, p, m, name)
+        outputs = await self.compute(copy.forward, part.index, m, inputs, keys, targets, plan_batch(self.plan))
+        if copy.is_last:
+            losses.append(await self.compute(copy.loss_value, part.index, m))
+        else:
+            await self.send_outputs(step, part, m, mb, outputs)
+
+    async def backward(self, step: int, copy: StageCopy, part: Part, m: int, mb: int) -> None:
+        grads = None if copy.is_last else await self.gather_output_grads(step, part, m, mb)
+        in_grads = await self.compute(copy.backward, part.index, m, grads)
+        if part.stage > 0:
+            await self.send_input_grads(step, part, m, mb, in_grads)
+
+    # ---- tiles parts -----------------------------------------------------------------
+    async def tiles_forward(self, step: int, copy: StageCopy, parts: list[Part], m: int, lo: int, hi: int,
+                            losses) -> None:
+        mb = hi - lo
+        p = copy.p
+        inputs = {part.index: await self.gather_inputs(step, part, m, mb) for part in parts}
+        first = copy.stage.first
+        key_in = -1 if first == 0 else first - 1
+        gens = {part.index: self.tile_workers[p][part.index].forward(m, inputs[part.index][key_in]) for part in parts}
+        outs = await DeviceTiles(self, step, p, copy.stage.tile_devices).run(gens)
+        if copy.is_last:
+            for part in parts:
+                targets = (await self.get(("tgt", step, part.index, m)))["arrays"][0]
+                window = self._window(p, part.index)
+                losses.append(await self.compute(copy.tile_loss, part.index, m, outs[part.index], targets,
+                                                 plan_batch(self.plan), window))
+            return
+        for part in parts:
+            await self.send_outputs(step, part, m, mb, {copy.stage.last - 1: outs[part.index]})
+
+    async def tiles_backward(self, step: int, copy: StageCopy, parts: list[Part], m: int, mb: int) -> None:
+        p = copy.p
+        last_map = copy.stage.last - 1
+        if copy.is_last:
+            dys = {part.index: copy.tile_dy.pop((part.index, m)) for part in parts}
+        else:
+            dys = {part.index: (await self.gather_output_grads(step, part, m, mb))[last_map] for part in parts}
+        gens = {k: self.tile_workers[p][k].backward(m, dy) for k, dy in dys.items()}
+        dxs = await DeviceTiles(self, step, p, copy.stage.tile_devices).run(gens)
+        if p > 0:
+            key_in = copy.stage.first - 1
+            for part in parts:
+                await self.send_input_grads(step, part, m, mb, {key_in: dxs[part.index]})
+
+    def _window(self, p: int, tile: int) -> tuple[int, int, int, int]:
+        """(row0, col0, H, W) of a tile's owned output in the stage's output map."""
+        lay = self.tile_geometry.layout(p)
+        rect = lay.output_rect(tile)
+        _, h, w = lay.map_shape(lay.last)
+        return rect.rows.lo, rect.cols.lo, h, w
 
     async def reduce_gradients(self, step: int) -> None:
         """Sum each stage's gradients over the devices of its group (dp replicas, tiles)."""

@@ -1,0 +1,133 @@
+"""Training over the swarm runtime: the `train` job kind on agents, and endpoints that carry
+keyed messages as JobData frames between agents and the coordinator.
+
+Every execution message travels on the job channel "x" as {"k": key, "p": payload}; tensors
+in the payload go as numpy arrays (raw bytes after the frame) and come back as torch
+tensors that wrap the received buffers without a copy.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+import numpy as np
+import torch
+import trio
+
+from planner.plan import Plan
+from swarm.execution.mailbox import Mailbox
+from swarm.execution.worker import COORDINATOR, DeviceWorker, JobSpec
+from swarm.trainer import TrainConfig
+
+CHANNEL = "x"
+
+
+def to_wire(value):
+    """Torch tensors to numpy arrays (C-contiguous), tuples to lists, recursively."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.dtype == torch.bfloat16:
+            raise TypeError("bfloat16 tensors cannot travel; convert them first")
+        return np.ascontiguousarray(t.cpu().numpy())
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_wire(v) for v in value]
+    return value
+
+
+def from_wire(value):
+    """Numpy arrays back to torch tensors (sharing memory), recursively."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value) if value.dtype != np.uint8 or value.ndim else torch.from_numpy(value)
+    if isinstance(value, dict):
+        return {k: from_wire(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_wire(v) for v in value]
+    return value
+
+
+class WireEndpoint:
+    """An Endpoint whose messages go through a send function (agent or coordinator side).
+
+    `send_to(node_id, body)` sends one JobData body; `node_of` maps device names (and
+    "coordinator") to node ids."""
+
+    def __init__(self, name: str, node_of: dict[str, str], send_to, connect=None):
+        self.name = name
+        self.node_of = node_of
+        self._send_to = send_to
+        self._connect = connect  # async (device name) -> None: make sure a link exists
+        self._connected: set[str] = {name, COORDINATOR}
+        self._locks: dict[str, trio.Lock] = {}
+        self.mailbox = Mailbox()
+        self.bytes_sent = 0
+
+    async def send(self, dst: str, key: tuple, payload: dict) -> None:
+        if dst == self.name:  # a stage handing to another stage on this device: no copy
+            await trio.lowlevel.checkpoint()
+            self.mailbox.put(key, payload)
+            return
+        if dst not in self._connected and self._connect is not None:
+            lock = self._locks.setdefault(dst, trio.Lock())
+            async with lock:
+                if dst not in self._connected:
+                    await self._connect(dst)
+                    self._connected.add(dst)
+        body = {"k": list(key), "p": to_wire(payload)}
+        for a in body["p"].get("arrays", []) if isinstance(body["p"], dict) else []:
+            self.bytes_sent += a.nbytes
+        await self._send_to(self.node_of[dst], body)
+
+    def deliver(self, body: dict) -> None:
+        key = tuple(body["k"])
+        self.mailbox.put(key, from_wire(body["p"]))
+
+    async def pump(self, receive) -> None:
+        """Deliver everything `receive()` yields ((sender, JobData) pairs) into the mailbox."""
+        while True:
+            _, message = await receive()
+            self.deliver(message.body)
+
+
+def job_spec_dict(plan: Plan, cfg: TrainConfig, cfg_text: str | None, devices: dict[str, dict],
+                  timeout_s: float) -> dict:
+    """The spec each agent receives: the plan, the training config, and who is who."""
+    return {"plan": plan.to_dict(), "cfg": asdict(cfg), "cfg_text": cfg_text, "devices": devices,
+            "timeout_s": timeout_s}
+
+
+def _train_config(d: dict) -> TrainConfig:
+    known = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in d.items() if k in known})
+
+
+async def run_train_job(ctx) -> dict:
+    """The `train` job kind: this agent's part of a plan, until the coordinator says stop."""
+    from swarm.device import usable_cores
+
+    spec = ctx.spec
+    plan = Plan.from_dict(spec["plan"])
+    cfg = _train_config(spec["cfg"])
+    devices: dict[str, dict] = spec["devices"]  # name -> {"node_id", "address"}
+    me = next(name for name, d in devices.items() if d["node_id"] == ctx.node_id)
+    node_of = {name: d["node_id"] for name, d in devices.items()}
+    node_of[COORDINATOR] = ctx.coordinator_id
+
+    async def send_to(node_id: str, body: dict) -> None:
+        if node_id == ctx.coordinator_id:
+            await ctx.send_to_coordinator(ctx.data(CHANNEL, body))
+        else:
+            await ctx.send(node_id, ctx.data(CHANNEL, body))
+
+    async def connect(name: str) -> None:
+        await ctx.connect(devices[name]["address"], devices[name]["node_id"])
+
+    endpoint = WireEndpoint(me, node_of, send_to, connect)
+    job = JobSpec(plan, cfg, spec.get("cfg_text"), timeout_s=float(spec.get("timeout_s", 120.0)),
+                  threads=usable_cores())
+    worker = DeviceWorker(endpoint, job)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(endpoint.pump, lambda: ctx.receive(CHANNEL))
+        await worker.run()
+        nursery.cancel_scope.cancel()
+    return {"device": me, "busy_s": worker.busy_s, "bytes_sent": endpoint.bytes_sent}

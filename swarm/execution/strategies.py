@@ -1,0 +1,144 @@
+"""Simple plans from the devices found, for `swarm train --strategy dp|pp|tiles|hybrid`.
+
+These split by the model's FLOPs only, with the user's --grid, --sync and --stages; the
+cost-driven planners (`auto`, `asteroid`, ...) are in planner/. Pure functions.
+"""
+from __future__ import annotations
+
+import math
+
+from planner.model_desc import ModelDesc
+from planner.plan import Plan, PlanError, Stage
+from tiles.layout import tileable_prefix
+
+STRATEGIES = ("local", "dp", "pp", "tiles", "hybrid")
+
+
+def square_grid(n: int) -> tuple[int, int]:
+    """The most square rows x cols with rows * cols == n and rows <= cols (8 -> 2x4)."""
+    rows = int(math.isqrt(n))
+    while n % rows:
+        rows -= 1
+    return rows, n // rows
+
+
+def parse_syncs(text: str | None, first: int, last: int) -> list[int] | None:
+    """--sync: "all" (every layer, the default), "none" (one group), or layer numbers."""
+    if text is None or text == "all":
+        return None
+    if text == "none":
+        return [first]
+    try:
+        layers = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise PlanError(f"--sync takes 'all', 'none' or layer numbers like 0,4,8, not '{text}'") from None
+    bad = [x for x in layers if not first <= x < last]
+    if bad:
+        raise PlanError(f"--sync layers {bad} are outside the tiles stage (layers {first}-{last - 1})")
+    return sorted(set(layers) | {first})
+
+
+def even_cuts(desc: ModelDesc, first: int, last: int, parts: int) -> list[int]:
+    """Boundaries splitting layers [first, last) into `parts` ranges of about equal FLOPs
+    (forward + backward), each at least one layer: minimises the largest range (DP)."""
+    n = last - first
+    if not 1 <= parts <= n:
+        raise PlanError(f"cannot split {n} layers into {parts} stages")
+    cost = [desc.layers[i].flops + desc.layers[i].backward_flops + 1 for i in range(first, last)]
+    prefix = [0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                v = max(best[k - 1][i], prefix[j] - prefix[i])
+                if v < best[k][j]:
+                    best[k][j], cut[k][j] = v, i
+    bounds, j = [], n
+    for k in range(parts, 0, -1):
+        bounds.append(first + j)
+        j = cut[k][j]
+    return sorted(bounds)
+
+
+def _plan(desc: ModelDesc, batch: int, microbatches: int, stages: list[Stage], devices: dict, name: str) -> Plan:
+    plan = Plan(desc.name, desc.img_size, batch, microbatches, stages, devices=devices, planner=name)
+    plan.validate(desc)
+    return plan
+
+
+def even_allocation(group: list[str], samples: int) -> dict[str, int]:
+    base, extra = divmod(samples, len(group))
+    return {d: base + (1 if i < extra else 0) for i, d in enumerate(group)}
+
+
+def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, microbatches: int, *,
+                grid: tuple[int, int] | None = None, sync: str | None = None, stages: int | None = None,
+                facts: dict | None = None) -> Plan:
+    """A plan of `strategy` over `devices` (names, in order)."""
+    if not devices:
+        raise PlanError("no devices to plan for")
+    n = len(desc.layers)
+    known = {d: (facts or {}).get(d, {}) for d in devices}
+    if strategy == "local":
+        return _plan(desc, batch, microbatches, [Stage(0, n, "single", [devices[0]])], known, "local")
+    if strategy == "dp":
+        if batch % microbatches:
+            raise PlanError(f"dp needs the batch ({batch}) to split evenly into {microbatches} micro-batches")
+        group = devices[:batch // microbatches]  # no device without a sample
+        return _plan(desc, batch, microbatches,
+                     [Stage(0, n, "dp", group, allocation=even_allocation(group, batch // microbatches))], known, "dp")
+    if strategy == "pp":
+        count = stages or len(devices)
+        if count > len(devices):
+            raise PlanError(f"--stages {count} needs {count} devices, found {len(devices)}")
+        bounds = [0, *even_cuts(desc, 0, n, count)]
+        return _plan(desc, batch, microbatches,
+                     [Stage(bounds[i], bounds[i + 1], "single", [devices[i]]) for i in range(count)], known, "pp")
+    if strategy == "tiles":
+        end = tileable_prefix(desc)
+        if end == 0:
+            raise PlanError(f"{desc.name} starts with a layer that cannot be tiled")
+        rows, cols = grid or square_grid(len(devices))
+        count = rows * cols
+        tile_devices = [devices[k % len(devices)] for k in range(count)]
+        group = list(dict.fromkeys(tile_devices))
+        plan_stages = [Stage(0, end, "tiles", group, grid=(rows, cols), tile_devices=tile_devices,
+                             syncs=parse_syncs(sync, 0, end))]
+        if end < n:
+            plan_stages.append(Stage(end, n, "single", [devices[0]]))
+        return _plan(desc, batch, microbatches, plan_stages, known, "tiles")
+    if strategy == "hybrid":
+        return _hybrid(desc, devices, batch, microbatches, grid, sync, known)
+    raise PlanError(f"unknown strategy '{strategy}'; use one of {', '.join(STRATEGIES)}")
+
+
+def _hybrid(desc: ModelDesc, devices: list[str], batch: int, microbatches: int, grid, sync, known) -> Plan:
+    """A tiles stage on the first half of the devices over the first third of the work,
+    then a dp stage on the others, then a single stage on the first device."""
+    if len(devices) < 3:
+        raise PlanError(f"hybrid needs at least 3 devices, found {len(devices)}")
+    if batch % microbatches:
+        raise PlanError(f"hybrid has a dp stage: the batch ({batch}) must split evenly into {microbatches} micro-batches")
+    n = len(desc.layers)
+    end = tileable_prefix(desc)
+    tiles_n = (len(devices) + 1) // 2
+    rows, cols = grid or square_grid(tiles_n)
+    tile_group = devices[:tiles_n]
+    tile_devices = [tile_group[k % len(tile_group)] for k in range(rows * cols)]
+    first_cut, second_cut = even_cuts(desc, 0, n, 3)[:2]
+    first_cut = min(first_cut, end)
+    while first_cut > 1 and (desc.live_after(first_cut) != (first_cut - 1,)):
+        first_cut -= 1  # a tiles stage must end where only its own output is live
+    second_cut = max(second_cut, first_cut + 1)
+    dp_group = devices[tiles_n:][:batch // microbatches]
+    return _plan(desc, batch, microbatches, [
+        Stage(0, first_cut, "tiles", list(dict.fromkeys(tile_devices)), grid=(rows, cols), tile_devices=tile_devices,
+              syncs=parse_syncs(sync, 0, first_cut)),
+        Stage(first_cut, second_cut, "dp", dp_group, allocation=even_allocation(dp_group, batch // microbatches)),
+        Stage(second_cut, n, "single", [devices[0]]),
+    ], known, "hybrid")

@@ -1,0 +1,135 @@
+"""Tiles stages of a Plan: their layouts (which rectangle each tile needs, owns and returns)
+and a driver that runs one device's tiles, doing the tiles' collectives over endpoints."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from planner.model_desc import ModelDesc
+from planner.plan import Plan, PlanError
+from tiles.collectives import ChannelSums
+from tiles.grouping import Grouping
+from tiles.layout import StageLayout, build_layout
+from tiles.regions import LayerGeometry, Rect, TilingError
+
+
+def stage_layout(plan: Plan, desc: ModelDesc, p: int) -> StageLayout:
+    stage = plan.stages[p]
+    geoms = [LayerGeometry.from_desc(d) for d in desc.layers[stage.first:stage.last]]
+    grouping = Grouping(stage.first, stage.last, tuple(stage.forward_syncs()), tuple(stage.backward_syncs()))
+    try:
+        return build_layout(geoms, tuple(stage.grid), grouping, input_delta=stage.first > 0)
+    except TilingError as exc:
+        raise PlanError(f"stage {p}: {exc}") from None
+
+
+def spans(rect: Rect) -> tuple[tuple[int, int], tuple[int, int]]:
+    return (rect.rows.lo, rect.rows.hi), (rect.cols.lo, rect.cols.hi)
+
+
+class TileGeometry:
+    """tile_regions(p) for routing.Layout: per tile of stage p, the input it needs, the output
+    it owns, and the input gradient it returns."""
+
+    def __init__(self, plan: Plan, desc: ModelDesc):
+        self.plan = plan
+        self.desc = desc
+        self.layouts: dict[int, StageLayout] = {}
+
+    def layout(self, p: int) -> StageLayout:
+        if p not in self.layouts:
+            self.layouts[p] = stage_layout(self.plan, self.desc, p)
+        return self.layouts[p]
+
+    @lru_cache(maxsize=None)
+    def __call__(self, p: int):
+        lay = self.layout(p)
+        n = lay.n_tiles
+        needed = [spans(lay.input_rect(k)) for k in range(n)]
+        owned = [spans(lay.output_rect(k)) for k in range(n)]
+        returned = [spans(lay.delta_out_rect(k)) if lay.input_delta else ((0, 0), (0, 0)) for k in range(n)]
+        return needed, owned, returned
+
+
+class DeviceTiles:
+    """Steps the generators of the tiles one device owns of one stage, answering their
+    requests: halos from and to tiles on other devices, BatchNorm sums over the group.
+
+    The local tiles' sums are added in tile order, then the devices' partial sums in the
+    stage's device order (the same on every device)."""
+
+    def __init__(self, worker, step: int, p: int, tile_devices: list[str]):
+        self.w = worker
+        self.step = step
+        self.p = p
+        self.tile_devices = tile_devices
+        self.group = list(dict.fromkeys(tile_devices))
+
+    async def run(self, gens: dict[int, object]) -> dict[int, object]:
+        from swarm.execution.collectives import allgather
+
+        w, me = self.w, self.w.device
+        results: dict[int, object] = {}
+        answers = {k: None for k in gens}
+        live = sorted(gens)
+        while live:
+            requests = {}
+            for k in live:
+                kind, value = await w.compute(_advance, gens[k], answers[k])
+                if kind == "done":
+                    results[k] = value
+                else:
+                    requests[k] = value
+            if not requests:
+                break
+            if len(requests) != len(live):
+                raise TilingError(f"tiles {sorted(set(live) - set(requests))} finished before the others")
+            keys = {r.key for r in requests.values()}
+            if len(keys) != 1:
+                raise TilingError(f"tiles are out of step: {sorted(map(str, keys))}")
+            key = keys.pop()
+            live = sorted(requests)
+            if isinstance(requests[live[0]], ChannelSums):
+                local = requests[live[0]].values.clone()
+                for k in live[1:]:
+                    local += requests[k].values
+                if len(self.group) > 1:
+                    parts = await allgather(w.ep, self.group, ("tsum", self.step, self.p, *key), [local],
+                                            w.job.timeout_s)
+                    local = parts[0][0].clone()
+                    for part in parts[1:]:
+                        local += part[0]
+                answers = {k: local for k in live}
+                continue
+            mail = {}
+            for k in live:
+                for dst, rect, tensor in requests[k].sends:
+                    where = self.tile_devices[dst]
+                    if where == me:
+                        mail[(k, dst, rect)] = tensor
+                    else:
+                        await w.ep.send(where, ("halo", self.step, self.p, *key, k, dst, *_coords(rect)),
+                                        {"arrays": [tensor.contiguous()]})
+            answers = {}
+            for k in live:
+                got = []
+                for src, rect in requests[k].receives:
+                    if self.tile_devices[src] == me:
+                        got.append(mail.pop((src, k, rect)))
+                    else:
+                        msg = await w.ep.mailbox.get(("halo", self.step, self.p, *key, src, k, *_coords(rect)),
+                                                     w.job.timeout_s)
+                        got.append(msg["arrays"][0])
+                answers[k] = got
+        return results
+
+
+def _coords(rect: Rect) -> tuple[int, int, int, int]:
+    return rect.rows.lo, rect.rows.hi, rect.cols.lo, rect.cols.hi
+
+
+def _advance(gen, answer):
+    """Run a tile until its next request (in a compute thread)."""
+    try:
+        return "request", gen.send(answer)
+    except StopIteration as stop:
+        return "done", stop.value
