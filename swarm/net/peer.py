@@ -3,11 +3,18 @@
 One task reads a connection (receive() or `async for`); any number of tasks may send
 (sends are serialised, whole frames at a time). Tensor bytes are sent from the array's
 own memory and, on socket streams, received with recv_into straight into the new array.
+Large tensors (BULK_BYTES and up) are moved by a worker thread in slices of BULK_SLICE
+seconds: a blocking loop in a thread moves bytes at about twice the rate of the event
+loop's wake-up-per-chunk on a busy machine, and between slices the event loop sees the
+progress (activity, cancellation).
 """
 from __future__ import annotations
 
 import errno
 import logging
+import os
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -21,6 +28,8 @@ log = logging.getLogger("swarm.net")
 
 RECEIVE_SIZE = 256 * 1024
 HANDSHAKE_TIMEOUT = 5.0
+BULK_BYTES = 1 << 20   # a tensor buffer at least this big moves in a worker thread
+BULK_SLICE = 0.2       # seconds a worker thread moves bytes before reporting back
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ class PeerConnection:
         self.on_activity: Callable[[], None] | None = None  # called whenever bytes arrive
         self._send_lock = trio.StrictFIFOLock()
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._bulk_sockets: dict[str, socket.socket] = {}  # "in"/"out": dups for worker threads
+        self._bulk_running = 0
 
     @property
     def peer_id(self) -> str | None:
@@ -105,8 +116,10 @@ class PeerConnection:
         while True:
             try:
                 event = self.protocol.next_event()
-            except RemoteProtocolError:
+            except RemoteProtocolError as exc:
                 await self.aclose()
+                if exc.kind == "closed":  # it vanished mid-frame (crashed, cut off): a loss, not an offence
+                    raise ConnectionLost(str(exc)) from None
                 raise
             except LocalProtocolError:
                 raise ConnectionLost(f"connection to {self.address} is closed") from None
@@ -139,22 +152,50 @@ class PeerConnection:
                     await self._flush()
             except ConnectionLost:  # the peer is gone already: nothing to say goodbye to
                 pass
+        if self._socket is not None:
+            try:  # ends the connection for every descriptor, so bulk threads return at once
+                self._socket.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         await trio.aclose_forcefully(self.stream)
+        self._close_bulk_sockets()
 
     # -- inside -----------------------------------------------------------------------
 
     async def _flush(self) -> None:
-        for buffer in self.protocol.data_to_send():
-            try:
-                await self.stream.send_all(buffer)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        buffers = self.protocol.data_to_send()
+        started = False
+        try:
+            for buffer in buffers:
+                started = True
+                if self._socket is not None and len(buffer) >= BULK_BYTES:
+                    with memoryview(buffer) as view:
+                        sent = 0
+                        while sent < len(view):
+                            sent += await self._bulk(_send_blocking, "out", view[sent:])
+                else:
+                    await self.stream.send_all(buffer)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.closed = True
+            raise ConnectionLost(f"connection to {self.address} broke: {exc}") from None
+        except BaseException:
+            if started:  # cancelled in the middle of a frame: the stream cannot be used again
                 self.closed = True
-                raise ConnectionLost(f"connection to {self.address} broke: {exc}") from None
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(self.stream)
+                self._close_bulk_sockets()
+            raise
 
     async def _read_more(self) -> None:
         view = self.protocol.payload_buffer()
         try:
-            if view is not None and self._socket is not None:
+            if view is not None and self._socket is not None and len(view) >= BULK_BYTES:
+                count, ended = await self._bulk(_receive_blocking, "in", view)
+                if count:
+                    self.protocol.payload_received(count)
+                if ended:
+                    self.protocol.receive_data(b"")
+            elif view is not None and self._socket is not None:
                 count = await self._socket.recv_into(view)
                 self.protocol.payload_received(count)
             else:
@@ -167,6 +208,62 @@ class PeerConnection:
             self.last_received = trio.current_time()
             if self.on_activity is not None:
                 self.on_activity()
+
+    async def _bulk(self, move, direction: str, view: memoryview):
+        """move(socket, view) in a worker thread, on a duplicate of our socket descriptor."""
+        if self.closed and direction == "out":
+            raise ConnectionLost(f"connection to {self.address} is closed")
+        sock = self._bulk_sockets.get(direction)
+        if sock is None:
+            sock = self._bulk_sockets[direction] = socket.socket(fileno=os.dup(self._socket.fileno()))
+        self._bulk_running += 1
+        try:
+            return await trio.to_thread.run_sync(move, sock, view)
+        finally:
+            self._bulk_running -= 1
+            if self.closed:
+                self._close_bulk_sockets()
+
+    def _close_bulk_sockets(self) -> None:
+        if self._bulk_running == 0:  # never close a descriptor a thread may still be using
+            for sock in self._bulk_sockets.values():
+                sock.close()
+            self._bulk_sockets.clear()
+
+
+def _receive_blocking(sock: socket.socket, view: memoryview) -> tuple[int, bool]:
+    """(bytes received into view, whether the peer closed), stopping when view is full or
+    after BULK_SLICE seconds. Runs in a worker thread."""
+    done, end = 0, time.monotonic() + BULK_SLICE
+    while done < len(view):
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        sock.settimeout(left)
+        try:
+            count = sock.recv_into(view[done:])
+        except (TimeoutError, BlockingIOError):
+            break
+        if count == 0:
+            return done, True
+        done += count
+    return done, False
+
+
+def _send_blocking(sock: socket.socket, view: memoryview) -> int:
+    """Bytes of view sent, stopping when all are or after BULK_SLICE seconds. Runs in a
+    worker thread."""
+    done, end = 0, time.monotonic() + BULK_SLICE
+    while done < len(view):
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        sock.settimeout(left)
+        try:
+            done += sock.send(view[done:])
+        except (TimeoutError, BlockingIOError):
+            break
+    return done
 
 
 def _address_of(stream: trio.abc.Stream) -> str:

@@ -1,0 +1,107 @@
+"""The trio layer over real sockets: tensors of every size around the worker-thread threshold,
+both directions at once, activity while a big tensor arrives, and a send cut off mid-frame."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from swarm.net import ConnectionLost, Credentials, connect_peer, serve_peers
+from swarm.net.peer import BULK_BYTES
+from swarm.wire import JobData, Limits
+
+pytestmark = pytest.mark.trio
+
+TOKEN = "sockets-test-token-0123456789"
+LIMITS = Limits(frame=1 << 20, payload=1 << 30)
+
+
+async def connected_pair(nursery):
+    """(client connection, server connection), authenticated, over 127.0.0.1."""
+    accepted = trio.Event()
+    holder = {}
+
+    async def handler(conn):
+        holder["server"] = conn
+        accepted.set()
+        await trio.sleep_forever()
+
+    port = await nursery.start(serve_peers, handler, Credentials("server", TOKEN, LIMITS), ["127.0.0.1"], 0)
+    client = await connect_peer("127.0.0.1", port, Credentials("client", TOKEN, LIMITS))
+    await accepted.wait()
+    return client, holder["server"]
+
+
+def tensors(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    sizes = [0, 1, BULK_BYTES - 1, BULK_BYTES, 3 * BULK_BYTES + 7]
+    return [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes] + [rng.random((512, 1024), dtype=np.float32)]
+
+
+async def test_tensors_around_the_bulk_threshold_both_ways_at_once():
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            client, server = await connected_pair(nursery)
+            out_a, out_b = tensors(1), tensors(2)
+            got = {}
+
+            async def exchange(name, conn, arrays):
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(conn.send, JobData("j", 0, name, arrays))
+                    got[name] = await conn.receive()
+
+            async with trio.open_nursery() as both:
+                both.start_soon(exchange, "from-client", client, out_a)
+                both.start_soon(exchange, "from-server", server, out_b)
+            for sent, message in ((out_b, got["from-client"]), (out_a, got["from-server"])):
+                assert len(message.body) == len(sent)
+                for a, b in zip(sent, message.body):
+                    assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+                    assert b.flags.owndata
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_activity_is_reported_while_a_big_tensor_trickles_in():
+    """A bulk receive hands control back every BULK_SLICE seconds, so a slow big tensor still
+    counts as a sign of life (and can be cancelled) while it arrives."""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            client, server = await connected_pair(nursery)
+            seen = []
+            server.on_activity = lambda: seen.append(trio.current_time())
+            big = np.arange(4 * BULK_BYTES, dtype=np.uint8)
+            from swarm.wire import encode_frame, to_wire
+
+            head, payload = encode_frame(to_wire(JobData("j", 0, "big", big)), 1 << 20)
+
+            async def trickle():
+                await client.stream.send_all(head)
+                for start in range(0, len(payload), BULK_BYTES // 2):  # half a MiB every 0.15 s
+                    await client.stream.send_all(payload[start:start + BULK_BYTES // 2])
+                    await trio.sleep(0.15)
+
+            nursery.start_soon(trickle)
+            started = trio.current_time()
+            message = await server.receive()
+            took = trio.current_time() - started
+            assert np.array_equal(message.body, big)
+            gaps = np.diff([started] + seen)
+            assert took > 1.0 and gaps.max() < 0.45, gaps   # never silent for long, though 8 slices long
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_send_cancelled_mid_frame_closes_the_connection_instead_of_corrupting_it():
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            client, server = await connected_pair(nursery)
+            huge = np.zeros(256 * BULK_BYTES, np.uint8)   # the server does not read: the send stalls
+            with trio.move_on_after(0.5) as scope:
+                await client.send(JobData("j", 0, "huge", huge))
+            assert scope.cancelled_caught and client.closed
+            with pytest.raises(ConnectionLost):
+                await client.send(JobData("j", 0, "after", 1))
+            with pytest.raises(ConnectionLost):  # the peer sees the end, never a half frame as a message
+                while True:
+                    await server.receive()
+            nursery.cancel_scope.cancel()
