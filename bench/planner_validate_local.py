@@ -7,7 +7,8 @@ the real local trainer on this machine.
 For each image size the profiler measures this machine (or reuses its cache) at batch sizes
 covering every micro-batch. For each batch x micro-batches, a fresh process builds the
 real LocalTrainer, runs one warm-up step, then times `--steps` optimizer steps on the
-built-in data (median) while sampling its resident memory; the plan `local` is simulated
+built-in data (median) while sampling its resident memory, `--rounds` times interleaved
+(median of those); the plan `local` is simulated
 from the profile alone. Memory is counted above the idle process (torch initialised,
 without the model's weights and optimizer state), as the profiler counts it.
 """
@@ -64,6 +65,7 @@ def main() -> None:
     p.add_argument("--configs", default="8x1,16x1,16x4", help="batch x micro-batches, comma separated")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="fresh processes per configuration, interleaved")
     p.add_argument("--repeats", type=int, default=5, help="profiler repeats")
     p.add_argument("--state-dir", default=None)
     p.add_argument("--child", action="store_true")
@@ -98,12 +100,17 @@ def main() -> None:
         desc = describe_model(args.model, img, profile.classes)
         mem = MemoryModel(desc, profile.act_bytes, measured=True)
         cluster = Cluster([Device("this", profile.costs, float("inf"))], np.full((1, 1), np.inf), 0.0, None)
+        runs = {c: [] for c in configs}
+        for _ in range(args.rounds):  # interleaved, so that a busy moment spreads over all configurations
+            for batch, micro in configs:
+                runs[(batch, micro)].append(measure(args, img, batch, micro))
         for batch, micro in configs:
             inputs = PlanInputs(desc, mem, cluster, batch, micro)
             plan = Plan(desc.name, img, batch, micro, [Stage(0, len(desc.layers), "single", ["this"])],
                         devices={"this": {}}, planner="local")
             timeline = inputs.simulate(plan)
-            got = measure(args, img, batch, micro)
+            got = {"step_s": statistics.median(r["step_s"] for r in runs[(batch, micro)]),
+                   "peak": statistics.median(r["peak"] for r in runs[(batch, micro)])}
             dt = timeline.step_time / got["step_s"] - 1
             dm = timeline.peak_memory["this"] / got["peak"] - 1
             errors.append(dt)
@@ -111,7 +118,11 @@ def main() -> None:
                          f"{100 * dt:+.1f}%", format_bytes(timeline.peak_memory["this"]), format_bytes(got["peak"]),
                          f"{100 * dm:+.1f}%"])
             print(" | ".join(rows[-1]), file=sys.stderr)
-    print(f"{args.model}, {args.threads} thread(s); measured: median of {args.steps} steps after a warm-up")
+    import os
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"{args.model}, {args.threads} thread(s); measured: median over {args.rounds} processes of the median of "
+          f"{args.steps} steps after a warm-up; load average at the end {load:.2f}")
     print(table(rows, ["img", "batch", "predicted s", "measured s", "error", "predicted peak", "measured peak",
                        "error"]))
     print(f"largest step-time error {100 * max(abs(e) for e in errors):.1f}%")

@@ -95,6 +95,7 @@ def default_classes(model: str, img_size: int | None = None) -> int | None:
 # ---- measuring ---------------------------------------------------------------------------
 
 def _median_time(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -157,31 +158,53 @@ def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
     return outs
 
 
-def _time_layers(net, desc, outs, batch: int, repeats: int) -> tuple[list[float], list[float], list[float]]:
-    """(forward, backward, saved bytes per sample) of every layer at this batch size."""
+def _time_in_context(net, desc, loss_fn, images, targets, repeats: int):
+    """Per-layer forward and backward seconds measured inside whole training passes (so each
+    layer meets its data as a real step does: produced by the layer before, not cached
+    from a previous run of itself), and the loss head's. Forward: the clock between layer
+    calls. Backward: gradient hooks on every layer's output stamp the moment its gradient
+    is complete; a layer's backward is the time from its output's stamp to its input's.
+    Returns (forward per layer, backward per layer, loss forward, loss backward), medians."""
     import torch
 
-    fwd, bwd, saved = [], [], []
+    L = len(desc.layers)
+    keys = list(range(len(images)))
+    runs = []
+    for r in range(repeats + 1):  # the first run warms up
+        outs = {-1: images}
+        t = [time.perf_counter()]
+        for i, layer in enumerate(desc.layers):
+            outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in layer.inputs}, keys))
+            t.append(time.perf_counter())
+        loss = loss_fn(outs[L - 1], targets, len(images))
+        t_loss = time.perf_counter()
+        stamps = {}
+        for i in range(L):
+            outs[i].register_hook(lambda g, i=i: stamps.__setitem__(i, time.perf_counter()))
+        t0 = time.perf_counter()
+        loss.backward()
+        t_end = time.perf_counter()
+        net.zero_grad(set_to_none=True)
+        fwd = [t[i + 1] - t[i] for i in range(L)]
+        ready = [stamps.get(i, t0) for i in range(L)]  # dL/d(output of i) complete
+        bwd = [max(0.0, (ready[i - 1] if i > 0 else t_end) - ready[i]) for i in range(L)]
+        runs.append((fwd, bwd, t_loss - t[L], ready[L - 1] - t0))
+        del outs, loss
+    runs = runs[1:]
+    fwd = [statistics.median(r[0][i] for r in runs) for i in range(L)]
+    bwd = [statistics.median(r[1][i] for r in runs) for i in range(L)]
+    return fwd, bwd, statistics.median(r[2] for r in runs), statistics.median(r[3] for r in runs)
+
+
+def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
+    """Bytes each layer keeps for the backward, per sample (saved tensors, each storage once,
+    charged to the first layer that keeps it; parameters excluded)."""
+    import torch
+
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     keys = list(range(batch))
+    saved = []
     for i, layer in enumerate(desc.layers):
-        def make_inputs():
-            return {s: outs[s] if s < 0 else outs[s].detach().requires_grad_(True) for s in layer.inputs}
-
-        def forward():
-            return net.forward_range(i, i + 1, make_inputs(), keys)[i]
-
-        forward()  # warm-up
-        fwd.append(_median_time(forward, repeats))
-        grad = torch.ones_like(outs[i])
-        times = []
-        for _ in range(repeats + 1):
-            y = forward()
-            t0 = time.perf_counter()
-            torch.autograd.backward(y, grad)
-            times.append(time.perf_counter() - t0)
-            net.zero_grad(set_to_none=True)
-        bwd.append(statistics.median(times[1:]))
         seen: dict[int, int] = {}
 
         def pack(t):
@@ -190,10 +213,11 @@ def _time_layers(net, desc, outs, batch: int, repeats: int) -> tuple[list[float]
                 seen[key] = t.untyped_storage().nbytes()
             return t
 
+        inputs = {s: outs[s] if s < 0 else outs[s].detach().requires_grad_(True) for s in layer.inputs}
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward()
+            net.forward_range(i, i + 1, inputs, keys)
         saved.append(sum(seen.values()) / batch)
-    return fwd, bwd, saved
+    return saved
 
 
 def _time_updates(net, desc, repeats: int, optimizer: str) -> list[float]:
@@ -278,26 +302,14 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         peak[b] = float(rss.peak - runtime)
         step_time[b] = _median_time(step, repeats)
         say(f"batch {b}: layers")
-        outs = _layer_inputs(net, desc, x)
-        f, bk, s = _time_layers(net, desc, outs, b, repeats)
+        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats)
         fwd.append(f)
         bwd.append(bk)
-        saved = s
-        final = outs[len(desc.layers) - 1].detach().requires_grad_(True)
-
-        def loss_forward():
-            return loss_fn(final, tgt, b)
-
-        loss_forward()
-        loss_f.append(_median_time(loss_forward, repeats))
-        times = []
-        for _ in range(repeats):
-            value = loss_forward()
-            t0 = time.perf_counter()
-            value.backward()
-            times.append(time.perf_counter() - t0)
-        loss_b.append(statistics.median(times))
-        del outs, final
+        loss_f.append(lf)
+        loss_b.append(lb)
+        outs = _layer_inputs(net, desc, x)
+        saved = _saved_bytes(net, desc, outs, b)
+        del outs
     say("optimizer updates")
     update = _time_updates(net, desc, repeats, optimizer)
     facts = device_facts(threads)

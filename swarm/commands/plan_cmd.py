@@ -28,6 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="decides the optimizer state in memory")
     p.add_argument("--devices", metavar="CLUSTER.json", help="a cluster description (see examples/*cluster*.json)")
     p.add_argument("--strategy", default="auto", metavar="NAME", help=STRATEGY_HELP)
+    p.add_argument("--jointdnn", metavar="FORM[:BUDGET]", type=jointdnn_form,
+                   help="jointdnn's objective: latency (default), energy, battery:JOULES (least latency within a "
+                        "mobile energy budget), cloud:SECONDS (within a cloud compute budget), qos:SECONDS (least "
+                        "energy within a deadline)")
     p.add_argument("--out", metavar="PLAN.json", help="write the plan (JSON) here")
     p.add_argument("--show", metavar="PLAN.png", help="draw one step's timeline per device (and tile grids) here")
     p.add_argument("--compare", action="store_true", help="run every planner and compare them side by side")
@@ -36,6 +40,21 @@ def add_parser(sub) -> None:
                    "/var/lib/swarm as root, else ~/.local/share/swarm)")
     p.add_argument("--threads", type=positive_int, help="threads when profiling this machine (default: all usable cores)")
     p.set_defaults(run=run)
+
+
+def jointdnn_form(text: str) -> tuple[str, float | None]:
+    form, _, budget = text.partition(":")
+    if form in ("latency", "energy") and not budget:
+        return form, None
+    if form in ("battery", "cloud", "qos") and budget:
+        try:
+            value = float(budget)
+        except ValueError:
+            value = -1.0
+        if value > 0:
+            return form, value
+        raise argparse.ArgumentTypeError(f"the budget of {form} must be a positive number, got '{budget}'")
+    raise argparse.ArgumentTypeError(f"'{text}' is not latency, energy, battery:J, cloud:S or qos:S")
 
 
 def say(text: str) -> None:
@@ -142,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         raise SwarmError(f"unknown --strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}")
     if args.compare and args.strategy != "auto":
         raise SwarmError("--compare runs every strategy; leave out --strategy")
+    if args.jointdnn and args.strategy != "jointdnn":
+        raise SwarmError("--jointdnn applies to --strategy jointdnn")
     desc, classes = describe(args)
     profiles = LocalProfiles(args, desc, classes)
     cluster = cluster_from_file(args.devices, desc, profiles) if args.devices else this_machine(desc, profiles)
@@ -157,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
         if not chosen:
             return 2
         plan = chosen[0]
+    elif args.strategy == "jointdnn" and args.jointdnn:
+        from planner.jointdnn import plan_jointdnn
+
+        plan = plan_jointdnn(inputs, objective=args.jointdnn[0], budget=args.jointdnn[1])
     else:
         plan = make_plan(args.strategy, inputs)
     timeline = inputs.simulate(plan)
