@@ -198,12 +198,66 @@ def prepare(cfg: TrainConfig, cfg_text: str | None = None):
     return cfg, train_set, heldout
 
 
+class StepReporter:
+    """What happens after every committed step: the progress line, the metrics file, and
+    the periodic checkpoint."""
+
+    def __init__(self, cfg: TrainConfig, progress: Progress, metrics_file, save_hook=None, save_every: int = 0):
+        self.cfg = cfg
+        self.progress = progress
+        self.metrics_file = metrics_file
+        self.save_hook = save_hook
+        self.save_every = save_every
+        self.t_start = time.monotonic()
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+
+    def __call__(self, step: int, loss: float, samples: int, seconds: float, extra: str = "",
+                 fields: dict | None = None) -> None:
+        """`step` is the number of finished steps; `seconds` the time of this one."""
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.last_loss = loss
+        self.progress.update(step, loss, samples, extra)
+        if self.metrics_file:
+            record = {"step": step, "loss": loss, "samples_per_s": samples / max(seconds, 1e-9),
+                      "wall_s": time.monotonic() - self.t_start, "lr": self.cfg.lr_at(step - 1)}
+            record.update(fields or {})
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+        if self.save_hook and self.save_every and step % self.save_every == 0 and step < self.progress.total:
+            self.save_hook()
+
+
+def run_local_steps(trainer: "LocalTrainer", train_set, start: int, total: int, report: StepReporter) -> None:
+    """Train `trainer` in this process from step `start` to `total`, loading the next batch
+    while the current one trains."""
+    cfg = trainer.cfg
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-data")
+
+    def fetch(step: int):
+        return make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed))
+
+    try:
+        pending = pool.submit(fetch, start) if start < total else None
+        for step in range(start, total):
+            images, targets = pending.result()
+            pending = pool.submit(fetch, step + 1) if step + 1 < total else None
+            t0 = time.monotonic()
+            loss = trainer.step(images, targets)
+            report(step + 1, loss, len(images), time.monotonic() - t0)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = None, metrics: str | None = None,
           threads: int | None = None, evaluate_at_end: bool = True, save_every: int = 0, log=print,
-          make_trainer=LocalTrainer) -> dict:
-    """Train in this process; returns a summary dict (steps, losses, metric, checkpoint path).
+          make_trainer=LocalTrainer, run_steps=run_local_steps) -> dict:
+    """Train; returns a summary dict (steps, losses, metric, checkpoint path).
+
     `make_trainer(cfg, cfg_text, state)` builds the trainer (LocalTrainer, or one that runs
-    each micro-batch another way, such as tiled)."""
+    each micro-batch another way, such as tiled); `run_steps(trainer, train_set, start,
+    total, report)` runs the steps (in this process, or across the swarm) and leaves the
+    trainer holding the weights of its last step."""
     from swarm.evaluate import evaluate
 
     n_threads = set_threads(threads)
@@ -226,50 +280,28 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
         log(f"the checkpoint is already at step {start} of {total_steps}; nothing to train")
     metrics_file = open(metrics, "a") if metrics else None  # noqa: SIM115 - closed in finally
     progress = Progress(total_steps, start)
-    first_loss = last_loss = None
+    report = StepReporter(cfg, progress, metrics_file,
+                          (lambda: save_checkpoint(save, trainer.state())) if save else None, save_every)
     interrupted = False
-    t_start = time.monotonic()
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-data")
-
-    def fetch(step: int):
-        return make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed))
-
     old_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if _main_thread() else None
     try:
-        pending = pool.submit(fetch, start) if start < total_steps else None
-        for step in range(start, total_steps):
-            images, targets = pending.result()
-            pending = pool.submit(fetch, step + 1) if step + 1 < total_steps else None
-            t0 = time.monotonic()
-            loss = trainer.step(images, targets)
-            dt = time.monotonic() - t0
-            first_loss = loss if first_loss is None else first_loss
-            last_loss = loss
-            progress.update(step + 1, loss, len(images))
-            if metrics_file:
-                metrics_file.write(json.dumps({"step": step + 1, "loss": loss, "samples_per_s": len(images) / dt,
-                                               "wall_s": time.monotonic() - t_start, "lr": cfg.lr_at(step)}) + "\n")
-                metrics_file.flush()
-            if save and save_every and (step + 1) % save_every == 0 and step + 1 < total_steps:
-                save_checkpoint(save, trainer.state())
+        run_steps(trainer, train_set, start, total_steps, report)
     except KeyboardInterrupt:
         interrupted = True
         progress.message(f"interrupted after step {trainer.step_count}")
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
         if metrics_file:
             metrics_file.close()
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)
-    elapsed = time.monotonic() - t_start
-    summary = {"steps": trainer.step_count, "first_loss": first_loss, "last_loss": last_loss,
-               "seconds": elapsed, "checkpoint": None, "eval": None, "interrupted": interrupted}
+    summary = {"steps": trainer.step_count, "first_loss": report.first_loss, "last_loss": report.last_loss,
+               "seconds": time.monotonic() - report.t_start, "checkpoint": None, "eval": None,
+               "interrupted": interrupted}
     if save:
         save_checkpoint(save, trainer.state())
         summary["checkpoint"] = str(Path(save).resolve())
     if evaluate_at_end and not interrupted:
-        result = evaluate(trainer.net, desc, heldout)
-        summary["eval"] = result
+        summary["eval"] = evaluate(trainer.net, desc, heldout)
     summary["trainer"] = trainer
     return summary
 

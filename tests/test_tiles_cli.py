@@ -66,7 +66,7 @@ def test_tiles_in_process_checkpoint_matches_local(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--strategy", "tiles", "--grid", "2x2"], "add --in-process"),
+    (["--strategy", "tiles", "--grid", "2x2", "--wait", "0"], "add --in-process"),
     (["--strategy", "tiles", "--in-process"], "needs --grid ROWSxCOLS"),
     (["--strategy", "tiles", "--grid", "3", "--in-process"], "--grid takes ROWSxCOLS such as 2x2 or 2x3, got '3'"),
     (["--strategy", "tiles", "--grid", "0x2", "--in-process"], "at least one row and one column, got '0x2'"),
@@ -75,7 +75,7 @@ def test_tiles_in_process_checkpoint_matches_local(tmp_path):
     (["--strategy", "tiles", "--grid", "2x2", "--sync", "0,x", "--in-process"], "'x' is not a layer number"),
     (["--strategy", "tiles", "--grid", "2x2", "--sync", "3,40", "--in-process"], "layer(s) 40 are not in the "
                                                                                   "tiles stage (layers 0-16)"),
-    (["--grid", "2x2"], "--grid apply to --strategy tiles only"),
+    (["--grid", "2x2"], "--grid apply to --strategy tiles and hybrid only"),
 ])
 def test_mistakes_get_a_message(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)

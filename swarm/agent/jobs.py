@@ -29,6 +29,7 @@ JobRunner = Callable[["JobContext"], Awaitable[dict | None]]
 # kind -> runner, or "module:function" imported when the kind is first run.
 JOB_KINDS: dict[str, JobRunner | str] = {
     "bandwidth": "swarm.agent.bandwidth_job:run_bandwidth_job",
+    "train": "swarm.execution.job:run_train_job",
 }
 
 

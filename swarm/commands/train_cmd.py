@@ -10,7 +10,7 @@ from swarm.cli import non_negative_float, non_negative_int, positive_float, posi
 from swarm.errors import SwarmError
 from swarm.progress import format_seconds
 
-STRATEGIES = ("local", "tiles")
+STRATEGIES = ("auto", "local", "dp", "pp", "tiles", "hybrid")
 
 
 def add_parser(sub) -> None:
@@ -22,12 +22,20 @@ def add_parser(sub) -> None:
                    "the YOLO models on the built-in data)")
     p.add_argument("--data", help="a YOLO-format folder (images/, labels/); default: built-in synthetic shapes")
     p.add_argument("--classes", type=positive_int, help="number of classes for a built-in model (default: the data's)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="local", help="how to split the work (default: local)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="auto", help="how to split the work over the devices "
+                   "running `swarm join`: auto (default; this machine alone when no other device answers), local "
+                   "(this machine, no discovery), dp, pp, tiles, hybrid")
+    p.add_argument("--plan", metavar="FILE", help="run this plan (JSON, as `swarm plan --out` writes)")
+    p.add_argument("--devices", type=positive_int, metavar="N", help="wait for N devices before planning")
+    p.add_argument("--wait", type=non_negative_float, default=2.0, metavar="SECONDS",
+                   help="how long to look for devices (default: 2)")
+    p.add_argument("--stages", type=positive_int, metavar="N", help="pp: number of pipeline stages (default: one "
+                   "per device)")
     p.add_argument("--grid", metavar="RxC", help="tiles: split each feature map into R rows x C columns of tiles")
     p.add_argument("--sync", metavar="LAYERS", help="tiles: layers where tiles exchange halos going forward, e.g. "
                    "0,4,8 (groups 0-3, 4-7, 8-...); 'all' (default: every layer) or 'none' (one fused group)")
-    p.add_argument("--in-process", action="store_true", help="tiles: run every tile in this process, one after "
-                   "another")
+    p.add_argument("--in-process", action="store_true", help="run the strategy's work in this process (tiles one "
+                   "after another; other strategies as if on 4 devices, or --devices N) instead of on other devices")
     p.add_argument("--batch-size", type=positive_int, help="samples per optimizer step (default: 16)")
     p.add_argument("--microbatches", type=positive_int, help="micro-batches per step (default: 1)")
     p.add_argument("--steps", type=positive_int, help="total optimizer steps (default: 300)")
@@ -47,6 +55,10 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; flags not given are taken from it")
     p.add_argument("--metrics", metavar="FILE", help="append one JSON object per step to FILE")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    from swarm.commands.runtime_common import add_network_args, add_token_args
+
+    add_network_args(p)
+    add_token_args(p)
     p.set_defaults(run=run)
 
 
@@ -80,24 +92,50 @@ def training_config(args: argparse.Namespace):
     return cfg, state
 
 
-def trainer_for(args: argparse.Namespace, log):
-    """make_trainer for the chosen --strategy (the local trainer, or in-process tiles)."""
-    from swarm.trainer import LocalTrainer
+def runner_for(args: argparse.Namespace, log):
+    """(make_trainer, run_steps) for the chosen --strategy and flags."""
+    from swarm.trainer import LocalTrainer, run_local_steps
 
-    tiles_flags = [flag for flag, given in (("--grid", args.grid), ("--sync", args.sync),
-                                            ("--in-process", args.in_process)) if given]
-    if args.strategy != "tiles":
-        if tiles_flags:
-            raise SwarmError(f"{' and '.join(tiles_flags)} apply to --strategy tiles only")
-        return LocalTrainer
-    if not args.grid:
-        raise SwarmError("--strategy tiles needs --grid ROWSxCOLS, e.g. --grid 2x2")
-    if not args.in_process:
-        raise SwarmError("--strategy tiles runs its tiles on other devices, which this version cannot drive yet; "
-                         "add --in-process to run all the tiles in this process")
-    from swarm.tiled_trainer import tiled_trainer_factory
+    def given(*flags):
+        return [flag for flag in flags if getattr(args, flag.lstrip("-").replace("-", "_"))]
 
-    return tiled_trainer_factory(args.grid, args.sync, log)
+    if args.strategy == "local":
+        extra = given("--grid", "--sync", "--in-process", "--plan", "--devices", "--stages")
+        if extra:
+            raise SwarmError(f"{' and '.join(extra)} do not apply to --strategy local")
+        return LocalTrainer, run_local_steps
+    if args.strategy not in ("tiles", "hybrid") and given("--grid", "--sync"):
+        raise SwarmError(f"{' and '.join(given('--grid', '--sync'))} apply to --strategy tiles and hybrid only")
+    if args.stages and args.strategy != "pp":
+        raise SwarmError("--stages applies to --strategy pp only")
+    grid = None
+    if args.grid:
+        from tiles.grouping import parse_grid
+        from tiles.regions import TilingError
+
+        try:
+            grid = parse_grid(args.grid)
+        except TilingError as exc:
+            raise SwarmError(str(exc)) from None
+    if args.in_process:
+        if args.plan or args.strategy == "auto":
+            raise SwarmError("--in-process needs a --strategy (tiles, dp, pp or hybrid)")
+        if args.strategy == "tiles":
+            if not grid:
+                raise SwarmError("--strategy tiles --in-process needs --grid ROWSxCOLS, e.g. --grid 2x2")
+            from swarm.tiled_trainer import tiled_trainer_factory
+
+            return tiled_trainer_factory(args.grid, args.sync, log), run_local_steps
+        from swarm.execution.inprocess import InProcessRunner
+
+        return LocalTrainer, InProcessRunner(args.strategy, args.devices or 4, grid, args.sync, args.stages, log)
+    from swarm.execution.swarm_train import SwarmOptions, SwarmRunner
+
+    options = SwarmOptions(strategy="plan" if args.plan else args.strategy, plan_path=args.plan, grid=grid,
+                           sync=args.sync, stages=args.stages, devices=args.devices, wait_s=args.wait,
+                           interface=args.interface, peers=args.peers, state_dir=args.state_dir,
+                           token_file=args.token_file)
+    return LocalTrainer, SwarmRunner(options, log, fallback=run_local_steps)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,14 +144,14 @@ def run(args: argparse.Namespace) -> int:
     cfg, state = training_config(args)
     save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    make_trainer = trainer_for(args, log)
+    make_trainer, run_steps = runner_for(args, log)
     summary = train(cfg, state=state, save=save, metrics=args.metrics, threads=args.threads,
                     evaluate_at_end=not args.no_eval, save_every=args.save_every, log=log,
-                    make_trainer=make_trainer)
+                    make_trainer=make_trainer, run_steps=run_steps)
     first, last = summary["first_loss"], summary["last_loss"]
     parts = [f"trained {cfg.model} for {summary['steps']} steps"]
     if first is not None:
-        parts.append(f"in {format_seconds(summary['seconds'])} (loss {first:.3g} -> {last:.3g})")
+        parts[0] += f" in {format_seconds(summary['seconds'])} (loss {first:.3g} -> {last:.3g})"
     if summary["eval"] is not None:
         parts.append(str(summary["eval"]))
     parts.append(f"checkpoint: {summary['checkpoint']}")

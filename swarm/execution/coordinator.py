@@ -62,6 +62,9 @@ class TrainingCoordinator:
         self.train_set = train_set
         self.layout = layout
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-feed")
+        self.committed = trainer.step_count  # steps applied on every device
+        self.should_stop = lambda: False  # asked after every commit: end the run there?
+        self.stopped_early = False
 
     async def get(self, key):
         return await self.ep.mailbox.get(key, self.job.timeout_s)
@@ -115,20 +118,25 @@ class TrainingCoordinator:
                 report = await self.get(("ready", step, device))
                 loss += report["loss"]
                 busy[device] = report["busy_s"]
-            is_last = step + 1 == total_steps
+            if not np.isfinite(loss):
+                raise SwarmError(f"the loss became {loss} at step {step + 1}; try a smaller --lr or a longer --warmup")
+            stop_here = step + 1 < total_steps and self.should_stop()
+            is_last = step + 1 == total_steps or stop_here
             for device in devices:
                 await self.ep.send(device, ("decide", step), {"commit": True, "last": is_last})
-            self.trainer.step_count = step + 1
-            if not np.isfinite(loss):
-                raise SwarmError(f"the loss became {loss} at step {step + 1}; try a smaller --lr")
+            self.committed = step + 1
             if on_step is not None:
                 on_step(StepReport(step + 1, loss, time.monotonic() - t0, busy))
+            if stop_here:
+                self.stopped_early = True
+                break
             if step + 1 < total_steps:
                 next_batch = await trio.to_thread.run_sync(pending.result)
         await self.collect()
 
     async def collect(self) -> None:
-        """Fetch every stage's weights and optimizer state into the coordinator's model."""
+        """Fetch every stage's weights and optimizer state into the coordinator's model, which
+        is then at the last committed step."""
         full = self.trainer.net.state_dict()
         slots = {}
         for p, stage in enumerate(self.plan.stages):
@@ -140,6 +148,7 @@ class TrainingCoordinator:
             slots.update(msg["momentum"])
         self.trainer.net.load_state_dict(full)
         load_optimizer_slots(self.trainer, slots)
+        self.trainer.step_count = self.committed
         if self.trainer.step_count > 0:  # as the local optimizer has it after its last step
             set_lr(self.trainer.optimizer, self.trainer.cfg.lr_at(self.trainer.step_count - 1))
         for device in self.plan.used_devices():

@@ -35,3 +35,27 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
 
     trio.run(main)
     return trainer
+
+
+class InProcessRunner:
+    """run_steps for swarm.trainer.train: a simple plan over `devices` pretend devices, all
+    in this process (to try a strategy out, or check it against --strategy local)."""
+
+    def __init__(self, strategy: str, devices: int, grid=None, sync=None, stages=None, log=print):
+        self.strategy, self.devices = strategy, devices
+        self.grid, self.sync, self.stages, self.log = grid, sync, stages, log
+
+    def __call__(self, trainer, train_set, start: int, total: int, report) -> None:
+        from swarm.execution.strategies import simple_plan
+        from swarm.execution.swarm_train import describe_plan
+
+        cfg = trainer.cfg
+        names = [f"dev{i}" for i in range(self.devices)]
+        plan = simple_plan(self.strategy, trainer.desc, names, cfg.batch_size, cfg.microbatches, grid=self.grid,
+                           sync=self.sync, stages=self.stages)
+        self.log(describe_plan(plan) + "\n  (all devices in this process)")
+
+        def on_step(r):
+            report(r.step, r.loss, cfg.batch_size, r.seconds)
+
+        train_plan_in_process(plan, trainer, train_set, total, on_step=on_step)
