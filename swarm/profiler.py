@@ -5,8 +5,9 @@ local steps — cached per (device fingerprint, model, image size) in the state 
     profile, cached = load_or_profile("yolov2-16", 128, state_dir=default_state_dir())
     profile.costs.fwd_range(0, 17, 4)    # planner.profile.DeviceProfile, plain data
 
-Pairwise bandwidth needs the live swarm: measured rates go to
-planner.cluster.bandwidth_matrix({(a, b): bytes_per_s}) to build a Cluster.
+For the live swarm, `run_profile_job` is the agents' job kind "profile" and
+`profile_devices` runs it on every agent; pairwise bandwidth comes from
+swarm.agent.bandwidth_job.measure_bandwidth (see swarm/commands/plan_cmd.py).
 """
 from __future__ import annotations
 
@@ -337,7 +338,7 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")  # writers may race
         tmp.write_text(json.dumps(profile.to_dict(), indent=1))
         os.replace(tmp, path)
     except OSError as exc:
@@ -369,3 +370,47 @@ def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, class
     profile = profile_model(model, desc.img_size, classes, batch_sizes, repeats, threads, cfg_text, log=log)
     write_profile(profile, path)
     return profile, False, path
+
+
+# ---- the live swarm -----------------------------------------------------------------------
+
+PROFILE_JOB = "profile"
+
+
+async def run_profile_job(ctx) -> dict:
+    """Job kind "profile", agent side: this device's profile (from its cache, else measured)
+    for spec {"model", "img_size", "classes", "cfg", "batch_sizes", "repeats", "threads"}."""
+    import functools
+
+    spec = ctx.spec
+    call = functools.partial(load_or_profile, spec["model"], spec.get("img_size"), spec.get("classes"), None,
+                             tuple(spec.get("batch_sizes") or DEFAULT_BATCH_SIZES),
+                             int(spec.get("repeats") or DEFAULT_REPEATS), spec.get("threads"), spec.get("cfg"))
+    profile, cached, _ = await ctx.run_in_thread(call)
+    return {"profile": profile.to_dict(), "cached": cached}
+
+
+async def profile_devices(cluster, node_ids: list[str], spec: dict, timeout: float = 3600.0) -> dict:
+    """Coordinator side: the profile job on every node at once; {node id: DeviceProfile}."""
+    import secrets
+
+    import trio
+
+    job = cluster.job(f"profile-{secrets.token_hex(4)}", 0)
+    profiles = {}
+    try:
+        for node in node_ids:
+            await job.assign(node, PROFILE_JOB, spec)
+        for node in node_ids:
+            await job.start(node)
+        with trio.fail_after(timeout):
+            for node in node_ids:
+                result = await job.wait_done(node)
+                try:
+                    profiles[node] = DeviceProfile.from_dict(result["profile"])
+                except (KeyError, ProfileError) as exc:
+                    raise SwarmError(f"the profile from {node} is unusable: {exc}") from None
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            await job.release_all()
+    return profiles

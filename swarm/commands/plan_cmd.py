@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from swarm.cli import positive_int
+from swarm.cli import non_negative_float, positive_int
+from swarm.commands.runtime_common import add_network_args
 from swarm.errors import SwarmError
 
 STRATEGY_HELP = ("local, dp, pp, tiles, jointdnn, hiertrain, asteroid, or auto (default: the best predicted of all, "
@@ -17,7 +18,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan how to split training over devices, predict its speed and memory",
                        description="Plan which layers run where and how they are split, and predict the step time "
                                    "and memory per device. With --devices, plan a cluster described in a JSON file "
-                                   "(docs/planner.md); without it, plan for this machine.")
+                                   "(docs/planner.md); without it, the devices of the swarm (`swarm join`) are "
+                                   "profiled and planned, or this machine alone when none answers.")
     p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
     p.add_argument("--img-size", type=positive_int, help="input size (default: the model's own)")
     p.add_argument("--classes", type=positive_int, help="classes of a built-in detector's head (default: the built-in "
@@ -36,6 +38,12 @@ def add_parser(sub) -> None:
     p.add_argument("--show", metavar="PLAN.png", help="draw one step's timeline per device (and tile grids) here")
     p.add_argument("--compare", action="store_true", help="run every planner and compare them side by side")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.add_argument("--local", action="store_true", help="plan for this machine alone, without looking for the swarm")
+    p.add_argument("--wait", type=non_negative_float, default=2.0, metavar="SECONDS",
+                   help="how long to look for devices of the swarm (default: 2)")
+    add_network_args(p)
+    p.add_argument("--token-file", metavar="FILE",
+                   help="file holding the cluster token (default: $SWARM_TOKEN, else STATE_DIR/token)")
     p.add_argument("--state-dir", metavar="DIR", help="where profiles are cached (default: $SWARM_STATE_DIR, "
                    "/var/lib/swarm as root, else ~/.local/share/swarm)")
     p.add_argument("--threads", type=positive_int, help="threads when profiling this machine (default: all usable cores)")
@@ -128,13 +136,8 @@ def cluster_from_file(path: str, desc, profiles: LocalProfiles):
         raise SwarmError(f"{path}: {exc}") from None
 
 
-def this_machine(desc, profiles: LocalProfiles):
-    """A cluster of this machine alone: its profile, and its memory less what the runtime uses.
-
-    This is where the live swarm comes in: discover the agents, profile each one (the
-    same measurements, as a job on every agent) and measure the bandwidth between every
-    pair (swarm.agent.bandwidth_job.measure_bandwidth), then build the Cluster with
-    planner.cluster.bandwidth_matrix."""
+def this_machine(desc, profiles: LocalProfiles, why: str):
+    """A cluster of this machine alone: its profile, and its memory less what the runtime uses."""
     import platform
 
     import numpy as np
@@ -145,10 +148,86 @@ def this_machine(desc, profiles: LocalProfiles):
     profile = profiles.local()
     name = platform.node() or "this-machine"
     budget = max(0.0, usable_memory() - profile.runtime_bytes)
-    say("planning for this machine alone; to plan a cluster, describe its devices with --devices CLUSTER.json "
-        "(docs/planner.md, examples/*cluster*.json)")
+    say(f"{why}; planning for this machine alone (to plan other devices: `swarm join` on them, or describe them "
+        "with --devices CLUSTER.json, see docs/planner.md)")
     return Cluster([Device(name, profile.costs, budget, facts={"cores": profile.device.get("cores")})],
                    np.full((1, 1), np.inf), 0.0, None, "this machine")
+
+
+def live_cluster(args: argparse.Namespace, desc, classes: int | None):
+    """The swarm's devices, profiled on each (a job on every agent, cached there) and the
+    bandwidth between every pair measured: (Cluster, one of the profiles, None), or
+    (None, None, why not)."""
+    import os
+
+    from swarm.agent import DEFAULT_PORT
+    from swarm.commands.runtime_common import run_trio
+    from swarm.net import Credentials, parse_peers, resolve_network
+    from swarm.state import find_token, process_id, state_dir_from
+
+    state_dir = state_dir_from(args.state_dir)
+    try:
+        token, _ = find_token(args.token_file, state_dir, create=False)
+    except SwarmError:
+        return None, None, "no cluster token here (so no swarm to ask)"
+    network = resolve_network(args.interface)
+    peers = parse_peers(args.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
+    credentials = Credentials(process_id(state_dir), token)
+    from swarm.zoo import BUILTIN, model_source
+
+    spec = {"model": args.model, "img_size": desc.img_size, "classes": classes,
+            "cfg": None if args.model in BUILTIN else model_source(args.model)[1], "threads": args.threads}
+    live = run_trio(gather_live, credentials, network, peers, spec, args.wait)
+    if live is None:
+        return None, None, f"no device of the swarm answered within {args.wait:g} s"
+    return cluster_from_live(live, desc), next(iter(live["profiles"].values())), None
+
+
+async def gather_live(credentials, network, peers, spec: dict, wait: float, discover: bool = True):
+    """Discover the swarm, profile every alive device, measure every pair (None: nobody there)."""
+    import trio
+
+    from swarm.agent.bandwidth_job import measure_bandwidth
+    from swarm.cluster import open_cluster
+    from swarm.profiler import profile_devices
+
+    async with open_cluster(credentials, network, peers=peers, discover=discover) as cluster:
+        await trio.sleep(wait)
+        devices = cluster.alive()
+        if not devices:
+            return None
+        say(f"found {len(devices)} device(s): {', '.join(d.name for d in devices)}; profiling each (cached there "
+            "after the first time) and measuring the links")
+        ids = [d.node_id for d in devices]
+        profiles = await profile_devices(cluster, ids, spec)
+        links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
+        return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
+
+
+def cluster_from_live(live: dict, desc):
+    """A planner Cluster from what gather_live found: each device's measured costs, its memory
+    less the runtime's, the measured pairwise rates, and half the median round trip."""
+    import statistics
+
+    from planner.cluster import Cluster, Device, bandwidth_matrix
+    from planner.profile import ProfileError
+
+    names, devices = {}, []
+    for d in live["devices"]:
+        profile = live["profiles"][d["node_id"]]
+        try:
+            profile.check_matches(desc)
+        except ProfileError as exc:
+            raise SwarmError(str(exc)) from None
+        name = d["name"] if d["name"] not in names.values() else f"{d['name']}@{d['address']}"
+        names[d["node_id"]] = name
+        budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes)
+        devices.append(Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]}))
+    rates = {(names[a], names[b]): r["bytes_per_second"] for (a, b), r in live["links"].items()}
+    order = [dev.name for dev in devices]
+    bw = bandwidth_matrix(order, rates) if len(order) > 1 else [[float("inf")]]
+    latency = statistics.median(r["latency"] for r in live["links"].values()) / 2 if live["links"] else 0.0
+    return Cluster(devices, bw, latency, None, "swarm")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,9 +244,18 @@ def run(args: argparse.Namespace) -> int:
         raise SwarmError("--jointdnn applies to --strategy jointdnn")
     desc, classes = describe(args)
     profiles = LocalProfiles(args, desc, classes)
-    cluster = cluster_from_file(args.devices, desc, profiles) if args.devices else this_machine(desc, profiles)
-    if profiles.profile is not None:
-        mem = MemoryModel(desc, profiles.profile.act_bytes, args.optimizer, measured=True)
+    measured = None  # a profile of any device: the saved bytes per layer
+    if args.devices:
+        cluster = cluster_from_file(args.devices, desc, profiles)
+    elif args.local:
+        cluster = this_machine(desc, profiles, "--local")
+    else:
+        cluster, measured, why = live_cluster(args, desc, classes)
+        if cluster is None:
+            cluster = this_machine(desc, profiles, why)
+    measured = profiles.profile or measured
+    if measured is not None:
+        mem = MemoryModel(desc, measured.act_bytes, args.optimizer, measured=True)
     else:
         mem = MemoryModel.estimated(desc, args.optimizer)
     inputs = PlanInputs(desc, mem, cluster, args.batch_size, args.microbatches)

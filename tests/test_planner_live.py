@@ -1,0 +1,45 @@
+"""`swarm plan` on the live swarm: agents in one trio loop on 127.0.0.1 profile themselves
+as a job, the links between them are measured, and the planner gets a Cluster."""
+from __future__ import annotations
+
+import pytest
+import trio
+
+from planner.inputs import PlanInputs
+from planner.memory import MemoryModel
+from planner.planners import make_plan
+from swarm.agent import Agent, AgentConfig, register_job_kind
+from swarm.commands.plan_cmd import cluster_from_live, gather_live
+from swarm.net import Credentials, resolve_network
+from swarm.profiler import PROFILE_JOB, run_profile_job
+from swarm.zoo import describe_model
+
+pytestmark = pytest.mark.trio
+
+TOKEN = "plan-test-token-" + "z" * 20
+
+
+async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWARM_STATE_DIR", str(tmp_path))  # where the agents cache their profiles
+    register_job_kind(PROFILE_JOB, run_profile_job)  # (agents started by `swarm join` register it by name)
+    network = resolve_network("lo")
+    spec = {"model": "lenet5", "img_size": None, "classes": None, "cfg": None, "batch_sizes": [1, 2], "repeats": 1,
+            "threads": 1}
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            agents = []
+            for i in range(2):
+                config = AgentConfig(name=f"dev{i}", node_id=f"node{i}", token=TOKEN, network=network, port=0,
+                                     advertise=False, memory=2**31)
+                agents.append(await nursery.start(Agent(config).run))
+            peers = [("127.0.0.1", a.port) for a in agents]
+            live = await gather_live(Credentials("coordinator", TOKEN), network, peers, spec, 0.5, discover=False)
+            nursery.cancel_scope.cancel()
+    desc = describe_model("lenet5")
+    cluster = cluster_from_live(live, desc)
+    assert sorted(cluster.names) == ["dev0", "dev1"]
+    assert cluster.bw("dev0", "dev1") > 0 and cluster.latency > 0
+    profile = live["profiles"]["node0"]
+    assert cluster.device("dev0").memory == pytest.approx(2**31 - profile.runtime_bytes)
+    plan = make_plan("dp", PlanInputs(desc, MemoryModel(desc, profile.act_bytes), cluster, 8, 2))
+    assert plan.predicted["fits"] and set(plan.used_devices()) <= {"dev0", "dev1"}
