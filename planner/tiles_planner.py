@@ -6,9 +6,10 @@ network, if any, follows as one stage on the fastest device outside the group (o
 group's device with the most memory). The group is the k fastest devices for k = 2, 4, 8,
 ..., N - 1 (leaving a device for the rest) and N, one tile each, on the most square grid
 of k tiles the maps allow. Each candidate is simulated with a sync at every layer; for the
-best, the tiles cost model's grouping choice (tiles.cost.choose_grouping: its dynamic
-program over sync points, from the devices' speed and link) gives the syncs, and whichever
-of the two simulates faster is the plan.
+best — unless its syncs take under 2% of the step, when fewer syncs cannot pay for the
+recomputation they cost — the tiles cost model's grouping choice (tiles.cost.
+choose_grouping: its dynamic program over sync points, from the devices' speed and link)
+gives the syncs, and whichever of the two simulates faster is the plan.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, PlanError, Stage
 
 
+SYNC_SHARE_WORTH_GROUPING = 0.02  # below this share of the step, fewer syncs cannot pay for recomputation
 MAX_TILES_LAYERS = 24  # a tiles stage for the feature-map-heavy front, not a whole deep network
 
 
@@ -74,7 +76,7 @@ def plan_tiles(inputs: PlanInputs) -> Plan:
     fastest = cl.by_speed(inputs.microbatch)
     n = len(fastest)
     sizes = sorted({k for k in (2 ** i for i in range(1, 8)) if k <= n} | {n} | ({n - 1} if n > 2 else set()))
-    best = None  # (key, plan, group, grid)
+    best = None  # (key, plan, group, grid, timeline)
     for k in sizes:
         group = fastest[:k]
         for grid in grids_for(k, *inputs.desc.layers[0].in_shape[1:]):
@@ -86,21 +88,24 @@ def plan_tiles(inputs: PlanInputs) -> Plan:
                 continue  # the grid does not fit the maps
             key = (not timeline.fits, timeline.step_time)
             if best is None or key < best[0]:
-                best = (key, plan, group, grid)
+                best = (key, plan, group, grid, timeline)
     if best is None:
         raise NoPlan(f"no grid of tiles fits the maps of {inputs.desc.name} at {inputs.desc.img_size}x{inputs.desc.img_size}")
-    _, plan, group, grid = best
-    slowest = min(effective_flops(inputs, d, 0, end) for d in group)
-    try:
-        choice = choose_grouping(inputs.desc.layers[0:end], grid, flops_per_s=slowest,
-                                 bytes_per_s=cl.min_bw(group) if len(group) > 1 else 1e30,
-                                 latency_s=cl.latency, samples=inputs.microbatch)
-        grouped = inputs.plan(tiles_stages(inputs, group, grid, end, list(choice.grouping.forward),
-                                           list(choice.grouping.backward)), "tiles")
-        candidates = [plan, grouped]
-    except TilingError:
-        candidates = [plan]
-    timelines = [inputs.simulate(p) for p in candidates]
+    _, plan, group, grid, timeline = best
+    candidates, timelines = [plan], [timeline]
+    work = timeline.works[0]
+    syncing = inputs.microbatches * (work.sync_fwd + work.sync_bwd)
+    if len(group) > 1 and syncing > SYNC_SHARE_WORTH_GROUPING * timeline.step_time:
+        slowest = min(effective_flops(inputs, d, 0, end) for d in group)
+        try:
+            choice = choose_grouping(inputs.desc.layers[0:end], grid, flops_per_s=slowest,
+                                     bytes_per_s=cl.min_bw(group), latency_s=cl.latency, samples=inputs.microbatch)
+            grouped = inputs.plan(tiles_stages(inputs, group, grid, end, list(choice.grouping.forward),
+                                               list(choice.grouping.backward)), "tiles")
+            candidates.append(grouped)
+            timelines.append(inputs.simulate(grouped))
+        except TilingError:
+            pass
     k = min(range(len(candidates)), key=lambda i: (not timelines[i].fits, timelines[i].step_time))
     plan = candidates[k]
     plan.predicted = timelines[k].summary()
