@@ -33,7 +33,8 @@ class Stage:
     """Layers [first, last) run by a group of devices in one mode.
 
     single: devices has one entry.
-    dp:     each micro-batch is split by `allocation` {device: samples}; gradients (and
+    dp:     each micro-batch is split by `allocation` {device: samples}, dealt in the order
+            of `devices` (the first device takes the first samples); gradients (and
             BatchNorm sums) are reduced inside the group.
     tiles:  each map is split into a grid (rows, cols); tile k (row-major) runs on
             tile_devices[k]. Forward, tiles exchange activation halos at the boundaries in
