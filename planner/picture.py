@@ -72,8 +72,9 @@ def draw_plan(plan: Plan, timeline: Timeline, desc, path: str, title: str | None
     for k in range(n_rows + 1):
         ax.axhline(k - 0.0, color="#eeeeee", linewidth=0.5)
     status = "" if timeline.fits else "  —  DOES NOT FIT IN MEMORY"
-    heading = title or (f"{plan.model} {plan.img_size}×{plan.img_size}, batch {plan.batch_size} in "
-                        f"{plan.microbatches} micro-batches — {plan.planner}: step {format_seconds(step)}, "
+    micro = f"{plan.microbatches} micro-batch" + ("es" if plan.microbatches > 1 else "")
+    heading = title or (f"{plan.model} {plan.img_size}×{plan.img_size}, batch {plan.batch_size} in {micro} — "
+                        f"{plan.planner}: step {format_seconds(step)}, "
                         f"{timeline.throughput:.3g} samples/s{status}")
     fig.suptitle(heading, fontsize=11, y=1 - 0.2 / fig_h)
     handles = [Patch(facecolor=_lighter(STAGE_COLOURS[i % len(STAGE_COLOURS)]), label=f"stage {i} fwd "
