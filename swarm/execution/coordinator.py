@@ -70,8 +70,9 @@ class TrainingCoordinator:
         return await self.ep.mailbox.get(key, self.job.timeout_s)
 
     async def ship_initial_state(self) -> None:
-        full = self.trainer.net.state_dict()
-        slots = optimizer_slots(self.trainer)
+        full, slots = await trio.to_thread.run_sync(
+            lambda: ({k: v.detach().clone() for k, v in self.trainer.net.state_dict().items()},
+                     optimizer_slots(self.trainer)))
         for p, stage in enumerate(self.plan.stages):
             state = stage_state(full, stage.first, stage.last)
             momentum = {k: v for k, v in slots.items() if stage.first <= int(k.split(".")[1]) < stage.last}
@@ -137,7 +138,7 @@ class TrainingCoordinator:
     async def collect(self) -> None:
         """Fetch every stage's weights and optimizer state into the coordinator's model, which
         is then at the last committed step."""
-        full = self.trainer.net.state_dict()
+        full = dict(self.trainer.net.state_dict())
         slots = {}
         for p, stage in enumerate(self.plan.stages):
             device = stage_parts(self.plan, p)[0].device
@@ -146,8 +147,10 @@ class TrainingCoordinator:
             for k, v in msg["state"].items():
                 full[k] = v
             slots.update(msg["momentum"])
-        self.trainer.net.load_state_dict(full)
-        load_optimizer_slots(self.trainer, slots)
+        def load() -> None:  # in a thread: a big model takes a while, and heartbeats must go on
+            self.trainer.net.load_state_dict(full)
+            load_optimizer_slots(self.trainer, slots)
+        await trio.to_thread.run_sync(load)
         self.trainer.step_count = self.committed
         if self.trainer.step_count > 0:  # as the local optimizer has it after its last step
             set_lr(self.trainer.optimizer, self.trainer.cfg.lr_at(self.trainer.step_count - 1))

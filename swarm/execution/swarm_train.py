@@ -37,6 +37,9 @@ class SwarmOptions:
     state_dir: str | None = None
     token_file: str | None = None
     timeout_s: float = 600.0  # longest wait for one message before a worker gives up
+    heartbeat_s: float = 0.25  # heartbeat interval asked of the agents
+    suspect_after_s: float = 2.0  # silence that makes a device suspect (a killed agent's link breaks at once)
+    probe_timeout_s: float = 2.0  # how long a suspect device has to answer a probe
 
 
 def unique_names(devices) -> dict[str, object]:
@@ -95,7 +98,9 @@ class SwarmRunner:
         network = resolve_network(o.interface)
         peers = parse_peers(o.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
         credentials = Credentials(process_id(state_dir), token)
-        async with open_cluster(credentials, network, peers=peers) as cluster:
+        # Training devices are busy: a heartbeat may come late without the device being gone.
+        async with open_cluster(credentials, network, peers=peers, heartbeat_interval=o.heartbeat_s,
+                                suspect_after=o.suspect_after_s, probe_timeout=o.probe_timeout_s) as cluster:
             found = await self._find(cluster)
             if not found:
                 if o.strategy == "auto":
@@ -190,26 +195,41 @@ class SwarmRunner:
                 report(r.step, r.loss, plan.batch_size, r.seconds, f"  util {util}%",
                        {"utilisation": {n: r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9) for n in used}})
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(endpoint.pump, lambda: job.receive(CHANNEL))
-                nursery.start_soon(self._watch_members, events, set(node_of.values()), name_of, coordinator)
-                nursery.start_soon(self._watch_signals)
-                await coordinator.run(total, on_step)
-                nursery.cancel_scope.cancel()
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(endpoint.pump, lambda: job.receive(CHANNEL))
+                    nursery.start_soon(self._watch_members, events, set(node_of.values()), name_of, coordinator)
+                    nursery.start_soon(self._watch_signals)
+                    await coordinator.run(total, on_step)
+                    nursery.cancel_scope.cancel()
+            except (Exception, BaseExceptionGroup) as exc:
+                if isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None:
+                    raise
+                gone = [(n, cluster.device(node_of[n])) for n in used]
+                gone = [(n, d.health if d else "gone") for n, d in gone if d is None or d.health != "alive"]
+                if gone:
+                    who = ", ".join(f"{n} ({h})" for n, h in gone)
+                    raise SwarmError(f"lost {who} during step {coordinator.committed + 1}; training stopped after "
+                                     f"step {coordinator.committed} (nothing was saved: the devices held the "
+                                     "weights)") from None
+                raise
         finally:
             with trio.CancelScope(shield=True):
                 with trio.move_on_after(10):
-                    await job.release_all()
+                    try:
+                        await job.release_all()
+                    except SwarmError:
+                        pass  # a device that is gone has nothing to release
         if coordinator.stopped_early:
             raise KeyboardInterrupt
 
     async def _watch_members(self, events, nodes: set[str], name_of: dict, coordinator) -> None:
         async for event in events:
             if event.node_id in nodes and event.kind in ("dead", "left"):
-                step = coordinator.committed + 1
-                raise SwarmError(f"device {name_of.get(event.node_id, event.node_id)} is {event.kind} "
-                                 f"({event.reason or 'no answer'}) during step {step}; training stopped after "
-                                 f"step {coordinator.committed}")
+                raise SwarmError(f"lost {name_of.get(event.node_id, event.node_id)} ({event.kind}: "
+                                 f"{event.reason or 'no answer'}) during step {coordinator.committed + 1}; training "
+                                 f"stopped after step {coordinator.committed} (nothing was saved: the devices held "
+                                 "the weights)")
 
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

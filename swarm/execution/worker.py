@@ -133,7 +133,7 @@ class DeviceWorker:
             copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
                                                  len(self.group_of(p)))
             init = await self.get(("init", p))
-            copy.load(init["state"], init.get("momentum"), init.get("step", 0))
+            await trio.to_thread.run_sync(copy.load, init["state"], init.get("momentum"), init.get("step", 0))
             self.copies[p] = copy
             if copy.stage.mode == "tiles":
                 self.tile_workers[p] = self.make_tile_workers(copy)
@@ -332,8 +332,8 @@ class DeviceWorker:
                 return
             p = msg_key[1]
             copy = self.copies[p]
-            await self.ep.send(COORDINATOR, ("state", p, self.device),
-                               {"state": copy.state(), "momentum": copy.momentum()})
+            state, momentum = await trio.to_thread.run_sync(lambda: (copy.state(), copy.momentum()))
+            await self.ep.send(COORDINATOR, ("state", p, self.device), {"state": state, "momentum": momentum})
 
     async def _next_control(self):
         """Wait for ("get_state", p) for any hosted stage, or ("stop",)."""

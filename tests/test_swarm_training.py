@@ -1,0 +1,132 @@
+"""Training across the namespace testbed gives the local trainer's weights (root only).
+
+Each case runs the command a user would type inside the cluster,
+    swarm testbed exec dev0 -- swarm train ... --strategy S --devices 4 --save X.pt
+and compares X.pt with `swarm train --strategy local` of the same flags. The comparisons are in
+float64, where any plan agrees with local to ~1e-12 (float32 training of these BN networks
+differs by up to ~1e-2 in zero-initialised tensors even between two local runs with different
+thread counts); a pure pipeline is also checked bit for bit in float32.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from swarm.testbed import testbed
+from tests.conftest import ROOT, run_swarm
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")]
+
+YOLO16 = ["--model", "yolov2-16", "--img-size", "128", "--batch-size", "16", "--microbatches", "4", "--steps", "3",
+          "--seed", "7", "--no-eval"]
+YOLO2 = ["--model", "yolov2", "--img-size", "64", "--batch-size", "8", "--microbatches", "4", "--steps", "3",
+         "--seed", "7", "--no-eval"]
+
+
+@pytest.fixture(scope="module")
+def bed():
+    if testbed.load() is not None:
+        pytest.skip("a namespace testbed is already up on this machine")
+    up = run_swarm("testbed", "up", "--devices", 4, timeout=180)
+    try:
+        assert up.returncode == 0, up.stderr
+        yield testbed.load()
+    finally:
+        run_swarm("testbed", "down", timeout=60)
+
+
+def swarm_in(device: str, *args, timeout=900):
+    return run_swarm("testbed", "exec", device, "--", sys.executable, "-m", "swarm", *args, timeout=timeout,
+                     env={"PYTHONPATH": str(ROOT)})
+
+
+def weights(path) -> dict:
+    return torch.load(path, weights_only=True)["model"]
+
+
+def worst(a: dict, b: dict) -> tuple[float, str]:
+    out = (0.0, "")
+    for k in a:
+        if a[k].is_floating_point():
+            out = max(out, (float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp(min=1e-30)), k))
+        else:
+            assert torch.equal(a[k], b[k]), k
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory):
+    cache = {}
+
+    def get(flags: tuple, dtype: str):
+        key = (flags, dtype)
+        if key not in cache:
+            path = tmp_path_factory.mktemp("local") / "local.pt"
+            r = run_swarm("train", "--strategy", "local", *flags, "--dtype", dtype, "--save", path, timeout=900)
+            assert r.returncode == 0, r.stderr
+            cache[key] = weights(path)
+        return cache[key]
+    return get
+
+
+CASES = [
+    ("yolov2-16 tiles 2x2", YOLO16, ["--strategy", "tiles", "--grid", "2x2"]),
+    ("yolov2-16 dp over 4", YOLO16, ["--strategy", "dp"]),
+    ("yolov2-16 pp over 4", YOLO16, ["--strategy", "pp", "--stages", "4"]),
+    ("yolov2-16 hybrid", YOLO16, ["--strategy", "hybrid"]),
+    ("yolov2 tiles front", YOLO2, ["--strategy", "tiles", "--grid", "2x2"]),
+    ("yolov2 dp over 4", YOLO2, ["--strategy", "dp"]),
+    ("yolov2 pp over 4", YOLO2, ["--strategy", "pp", "--stages", "4"]),
+    ("yolov2 hybrid", YOLO2, ["--strategy", "hybrid"]),
+]
+
+
+@pytest.mark.parametrize("name,flags,strategy", CASES, ids=[c[0] for c in CASES])
+def test_plan_on_the_testbed_equals_local(bed, local_runs, tmp_path, name, flags, strategy):
+    out = tmp_path / "swarm.pt"
+    r = swarm_in("dev0", "train", *flags, *strategy, "--devices", "4", "--dtype", "float64", "--save", out)
+    assert r.returncode == 0, r.stderr
+    assert "plan (" in r.stderr and "stage 0" in r.stderr
+    diff = worst(weights(out), local_runs(tuple(flags), "float64"))
+    assert diff[0] < 1e-9, diff
+
+
+def test_pipeline_is_bit_exact_in_float32(bed, local_runs, tmp_path):
+    out = tmp_path / "pp.pt"
+    r = swarm_in("dev0", "train", *YOLO16, "--strategy", "pp", "--devices", "4", "--save", out)
+    assert r.returncode == 0, r.stderr
+    assert worst(weights(out), local_runs(tuple(YOLO16), "float32"))[0] == 0.0
+    assert "util " in r.stderr  # per-device utilisation on the progress line
+
+
+def test_a_dead_device_stops_the_run_with_a_message(bed, tmp_path):
+    """No hang: the run ends within seconds of a device's death and says what happened."""
+    cmd = [sys.executable, "-m", "swarm", "testbed", "exec", "dev0", "--", sys.executable, "-m", "swarm", "train",
+           "--model", "yolov2-16", "--img-size", "256", "--batch-size", "16", "--microbatches", "4", "--steps", "200",
+           "--strategy", "pp", "--devices", "4", "--no-eval", "--save", str(tmp_path / "never.pt")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        seen = ""
+        deadline = time.monotonic() + 120
+        while "step 1/200" not in seen and time.monotonic() < deadline:  # the first committed step
+            seen += proc.stderr.readline()
+        assert "step 1/200" in seen, seen
+        killed_at = time.monotonic()
+        assert run_swarm("testbed", "kill", "dev2").returncode == 0
+        _, rest = proc.communicate(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        run_swarm("testbed", "down", timeout=60)
+        run_swarm("testbed", "up", "--devices", 4, timeout=180)  # the next tests get a whole testbed
+    assert proc.returncode == 2
+    assert "lost dev2" in rest and "training stopped after step" in rest and "Traceback" not in rest
+    assert took < 15, took
+    assert not (tmp_path / "never.pt").exists()
