@@ -2,7 +2,8 @@
 the real local trainer on this machine.
 
     python bench/planner_validate_local.py [--model yolov2-16] [--sizes 128,224] [--configs 8x1,16x1,16x4]
-                                           [--threads 1] [--steps 4] [--state-dir DIR]
+                                           [--threads 1] [--clock wall|cpu] [--steps 4] [--rounds 3]
+                                           [--state-dir DIR]
 
 For each image size the profiler measures this machine (or reuses its cache) at batch sizes
 covering every micro-batch. For each batch x micro-batches, a fresh process builds the
@@ -42,18 +43,19 @@ def child(args) -> None:
     trainer.step(*batches[0])  # warm-up: torch initialised, momentum buffers made
     resident = sum(OPTIMIZER_COPIES["sgd"] * p.numel() * p.element_size() for p in trainer.net.parameters())
     runtime = settled_rss() - resident
+    now = time.thread_time if args.clock == "cpu" else time.perf_counter
     times = []
     with _PeakRSS() as rss:
         for images, targets in batches[1:]:
-            t0 = time.perf_counter()
+            t0 = now()
             trainer.step(images, targets)
-            times.append(time.perf_counter() - t0)
+            times.append(now() - t0)
     print(json.dumps({"step_s": statistics.median(times), "all_s": times, "peak": rss.peak - runtime}))
 
 
 def measure(args, img: int, batch: int, micro: int) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", args.model, "--img", str(img), "--batch", str(batch),
-           "--micro", str(micro), "--threads", str(args.threads), "--steps", str(args.steps)]
+           "--micro", str(micro), "--threads", str(args.threads), "--steps", str(args.steps), "--clock", args.clock]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -64,6 +66,9 @@ def main() -> None:
     p.add_argument("--sizes", default="128,224")
     p.add_argument("--configs", default="8x1,16x1,16x4", help="batch x micro-batches, comma separated")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: count the compute thread's CPU time in the profile and the steps alike (one thread; "
+                        "for a machine shared with other work)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per configuration, interleaved")
     p.add_argument("--repeats", type=int, default=5, help="profiler repeats")
@@ -94,7 +99,7 @@ def main() -> None:
     rows, errors = [], []
     for img in (int(s) for s in args.sizes.split(",")):
         profile, cached, path = load_or_profile(args.model, img, None, args.state_dir, batch_sizes=sizes,
-                                                repeats=args.repeats, threads=args.threads,
+                                                repeats=args.repeats, threads=args.threads, clock=args.clock,
                                                 log=lambda t: print(f"  profiling {img}: {t}", file=sys.stderr))
         print(f"profile ({'cached' if cached else 'new'}): {path}", file=sys.stderr)
         desc = describe_model(args.model, img, profile.classes)
@@ -121,8 +126,8 @@ def main() -> None:
     import os
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"{args.model}, {args.threads} thread(s); measured: median over {args.rounds} processes of the median of "
-          f"{args.steps} steps after a warm-up; load average at the end {load:.2f}")
+    print(f"{args.model}, {args.threads} thread(s), {args.clock} clock; measured: median over {args.rounds} processes "
+          f"of the median of {args.steps} steps after a warm-up; load average at the end {load:.2f}")
     print(table(rows, ["img", "batch", "predicted s", "measured s", "error", "predicted peak", "measured peak",
                        "error"]))
     print(f"largest step-time error {100 * max(abs(e) for e in errors):.1f}%")

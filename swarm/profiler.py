@@ -95,13 +95,21 @@ def default_classes(model: str, img_size: int | None = None) -> int | None:
 
 # ---- measuring ---------------------------------------------------------------------------
 
-def _median_time(fn, repeats: int) -> float:
+CLOCKS = {
+    "wall": time.perf_counter,
+    # this thread's CPU time: what one thread computes, whatever else shares the machine
+    # (one compute thread only; for measuring on a busy machine)
+    "cpu": time.thread_time,
+}
+
+
+def _median_time(fn, repeats: int, now=time.perf_counter) -> float:
     """Median seconds of `repeats` calls."""
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times)
 
 
@@ -159,7 +167,7 @@ def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
     return outs
 
 
-def _time_in_context(net, desc, loss_fn, images, targets, repeats: int):
+def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, now=time.perf_counter):
     """Per-layer forward and backward seconds measured inside whole training passes (so each
     layer meets its data as a real step does: produced by the layer before, not cached
     from a previous run of itself), and the loss head's. Forward: the clock between layer
@@ -173,18 +181,18 @@ def _time_in_context(net, desc, loss_fn, images, targets, repeats: int):
     runs = []
     for r in range(repeats + 1):  # the first run warms up
         outs = {-1: images}
-        t = [time.perf_counter()]
+        t = [now()]
         for i, layer in enumerate(desc.layers):
             outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in layer.inputs}, keys))
-            t.append(time.perf_counter())
+            t.append(now())
         loss = loss_fn(outs[L - 1], targets, len(images))
-        t_loss = time.perf_counter()
+        t_loss = now()
         stamps = {}
         for i in range(L):
-            outs[i].register_hook(lambda g, i=i: stamps.__setitem__(i, time.perf_counter()))
-        t0 = time.perf_counter()
+            outs[i].register_hook(lambda g, i=i: stamps.__setitem__(i, now()))
+        t0 = now()
         loss.backward()
-        t_end = time.perf_counter()
+        t_end = now()
         net.zero_grad(set_to_none=True)
         fwd = [t[i + 1] - t[i] for i in range(L)]
         ready = [stamps.get(i, t0) for i in range(L)]  # dL/d(output of i) complete
@@ -221,7 +229,7 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
     return saved
 
 
-def _time_updates(net, desc, repeats: int, optimizer: str) -> list[float]:
+def _time_updates(net, desc, repeats: int, optimizer: str, now=time.perf_counter) -> list[float]:
     import torch
 
     from swarm.trainer import TrainConfig, make_optimizer
@@ -238,7 +246,7 @@ def _time_updates(net, desc, repeats: int, optimizer: str) -> list[float]:
         with torch.no_grad():
             before = [p.detach().clone() for _, p in named]
             opt.step()  # creates the momentum buffers
-            out.append(_median_time(opt.step, repeats))
+            out.append(_median_time(opt.step, repeats, now))
             for (_, p), b in zip(named, before):
                 p.copy_(b)
         for _, p in named:
@@ -248,8 +256,9 @@ def _time_updates(net, desc, repeats: int, optimizer: str) -> list[float]:
 
 def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes: int | None = None,
                   batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS, threads: int | None = None,
-                  cfg_text: str | None = None, optimizer: str = "sgd", log=None) -> DeviceProfile:
-    """Measure this device running `model` (uses the built-in synthetic data for inputs)."""
+                  cfg_text: str | None = None, optimizer: str = "sgd", log=None, clock: str = "wall") -> DeviceProfile:
+    """Measure this device running `model` (uses the built-in synthetic data for inputs).
+    clock "cpu" counts this thread's CPU time instead of the wall clock (one thread only)."""
     import psutil
     import torch
 
@@ -263,6 +272,11 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     if repeats < 1:
         raise SwarmError(f"--repeats must be at least 1, got {repeats}")
     threads = threads or usable_cores()
+    if clock not in CLOCKS:
+        raise SwarmError(f"unknown clock '{clock}'; use {' or '.join(CLOCKS)}")
+    if clock == "cpu" and threads != 1:
+        raise SwarmError("the cpu clock measures one compute thread: use --threads 1")
+    now = CLOCKS[clock]
     torch.set_num_threads(threads)
     desc0 = describe_model(model, img_size, None, cfg_text)
     data, _ = open_datasets(None, desc0.img_size, desc0.in_channels)
@@ -301,9 +315,9 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         with _PeakRSS() as rss:
             step()
         peak[b] = float(rss.peak - runtime)
-        step_time[b] = _median_time(step, repeats)
+        step_time[b] = _median_time(step, repeats, now)
         say(f"batch {b}: layers")
-        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats)
+        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats, now)
         fwd.append(f)
         bwd.append(bk)
         loss_f.append(lf)
@@ -312,10 +326,11 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         saved = _saved_bytes(net, desc, outs, b)
         del outs
     say("optimizer updates")
-    update = _time_updates(net, desc, repeats, optimizer)
+    update = _time_updates(net, desc, repeats, optimizer, now)
     facts = device_facts(threads)
     costs = CostTable(batch_sizes, np.array(fwd).T, np.array(bwd).T, update, loss_f, loss_b,
-                      f"measured on {facts['name']} ({threads} thread{'s' if threads > 1 else ''})")
+                      f"measured on {facts['name']} ({threads} thread{'s' if threads > 1 else ''}"
+                      + (", CPU time" if clock == "cpu" else "") + ")")
     return DeviceProfile(model=desc.name, img_size=desc.img_size, costs=costs, act_bytes=saved, device=facts,
                          classes=classes, step_time=step_time, peak_bytes=peak, runtime_bytes=float(runtime),
                          repeats=repeats, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -348,7 +363,7 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
 def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, classes: int | None = None,
                     state_dir: Path | None = None, batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS,
                     threads: int | None = None, cfg_text: str | None = None, refresh: bool = False,
-                    log=None) -> tuple[DeviceProfile, bool, Path]:
+                    log=None, clock: str = "wall") -> tuple[DeviceProfile, bool, Path]:
     """The cached profile of this device for the model, or a fresh one (then cached).
     Returns (profile, came from the cache, its path)."""
     from swarm.zoo import describe_model, model_source
@@ -362,12 +377,15 @@ def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, class
     facts = device_facts(threads)
     path = cache_path(Path(state_dir or default_state_dir()), facts["fingerprint"], desc.name, desc.img_size,
                       classes, cfg_text)
+    if clock != "wall":
+        path = path.with_name(path.stem + f"-{clock}" + path.suffix)
     if path.exists() and not refresh:
         try:
             return read_profile(path), True, path
         except SwarmError:
             pass  # a stale or broken cache entry: measure again
-    profile = profile_model(model, desc.img_size, classes, batch_sizes, repeats, threads, cfg_text, log=log)
+    profile = profile_model(model, desc.img_size, classes, batch_sizes, repeats, threads, cfg_text, log=log,
+                            clock=clock)
     write_profile(profile, path)
     return profile, False, path
 
