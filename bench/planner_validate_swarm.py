@@ -1,0 +1,126 @@
+"""Predicted vs measured across a swarm: plans run by `swarm train --plan` on the devices of a
+testbed, against the simulator's step time for the same plan.
+
+    swarm testbed up --devices 4 --cpu 0.5 --mem 1G --bandwidth 100mbit
+    swarm testbed exec dev0 -- swarm profile --model yolov2-16 --img-size 128 --threads 1 --out prof.json
+    swarm testbed exec dev0 -- python bench/planner_validate_swarm.py --profile prof.json \\
+        --model yolov2-16 --img-size 128 --batch-size 8 --microbatches 2 --strategies local,dp,pp,asteroid,tiles
+
+Run as a device of the swarm (it coordinates from there). It finds the devices, measures
+every link with the agents' bandwidth job (rate, and half the round trip of an empty
+message as the per-message latency), describes them with `--profile` (measured on one
+device under the same quota; every device of the testbed is alike) and their advertised
+memory, plans each strategy, and trains `--steps` steps of each plan. Measured: the median
+time between consecutive steps' ends after the first two (from --metrics).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+async def survey(wait: float):
+    """(devices as dicts, measured links) of the swarm this process is part of."""
+    import trio
+
+    from swarm.agent import DEFAULT_PORT
+    from swarm.agent.bandwidth_job import measure_bandwidth
+    from swarm.cluster import open_cluster
+    from swarm.net import Credentials, parse_peers, resolve_network
+    from swarm.state import default_state_dir, find_token, process_id
+
+    state = default_state_dir()
+    token, _ = find_token(None, state, create=False)
+    network = resolve_network(None)
+    peers = parse_peers(os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
+    async with open_cluster(Credentials(process_id(state), token), network, peers=peers) as cluster:
+        await trio.sleep(wait)
+        devices = cluster.alive()
+        links = await measure_bandwidth(cluster, [d.node_id for d in devices])
+        return [d.as_dict() for d in devices], links
+
+
+def measured_step(metrics: Path, skip: int) -> float:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    ends = [r["wall_s"] for r in rows]
+    gaps = [b - a for a, b in zip(ends, ends[1:])][skip - 1:]
+    if not gaps:
+        raise SystemExit(f"{metrics}: too few steps to measure; give more --steps")
+    return statistics.median(gaps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", required=True, help="a device's profile (swarm profile --out) under the testbed quota")
+    p.add_argument("--model", default="yolov2-16")
+    p.add_argument("--img-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--strategies", default="local,dp,pp,asteroid,tiles")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip", type=int, default=2, help="steps left out of the measurement (warm-up)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data-source", default="dev0", help="the device this coordinator runs on")
+    p.add_argument("--wait", type=float, default=2.0)
+    p.add_argument("--keep", metavar="DIR", help="keep the cluster file, plans and metrics here")
+    args = p.parse_args()
+
+    from planner.inputs import PlanInputs
+    from planner.memory import MemoryModel
+    from planner.planners import make_plan
+    from planner.report import table
+    from swarm.commands.plan_cmd import cluster_from_live
+    from swarm.commands.runtime_common import run_trio
+    from swarm.profiler import read_profile
+    from swarm.zoo import describe_model
+
+    profile = read_profile(Path(args.profile))
+    desc = describe_model(args.model, args.img_size, profile.classes)
+    devices, links = run_trio(survey, args.wait)
+    live = {"devices": devices, "profiles": {d["node_id"]: profile for d in devices}, "links": links}
+    cluster = cluster_from_live(live, desc)
+    cluster.data_source = args.data_source if args.data_source in cluster.names else None
+    inputs = PlanInputs(desc, MemoryModel(desc, profile.act_bytes, measured=True), cluster, args.batch_size,
+                        args.microbatches)
+    work = Path(args.keep or tempfile.mkdtemp(prefix="swarm-validate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"devices: {', '.join(cluster.names)}; latency {cluster.latency * 1e3:.2f} ms; rates (Mbit/s): "
+          + ", ".join(f"{a}->{b} {r['bytes_per_second'] * 8 / 1e6:.0f}" for (a, b), r in list(links.items())[:6]),
+          file=sys.stderr)
+    rows = []
+    for strategy in args.strategies.split(","):
+        plan = make_plan(strategy, inputs)
+        plan_file, metrics = work / f"{strategy}.json", work / f"{strategy}.jsonl"
+        plan_file.write_text(plan.to_json())
+        metrics.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "swarm", "train", "--model", args.model, "--img-size", str(args.img_size),
+               "--plan", str(plan_file), "--batch-size", str(args.batch_size), "--microbatches",
+               str(args.microbatches), "--steps", str(args.steps), "--threads", str(args.threads), "--metrics",
+               str(metrics), "--no-eval", "--save", str(work / f"{strategy}.pt")]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if done.returncode != 0:
+            print(f"{strategy}: swarm train failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+            continue
+        got = measured_step(metrics, args.skip)
+        predicted = plan.predicted["step_time_s"]
+        shape = " | ".join(f"{s.first}-{s.last - 1} {s.mode}x{len(s.devices)}" for s in plan.stages)
+        rows.append([strategy, shape, f"{predicted:.3f}", f"{got:.3f}", f"{100 * (predicted / got - 1):+.1f}%"])
+        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
+    print(f"{args.model} at {args.img_size}, batch {args.batch_size} in {args.microbatches} micro-batches, "
+          f"{args.threads} thread(s) per device; measured: median step of {args.steps - args.skip}; "
+          f"load average {load:.2f}; files in {work}")
+    print(table(rows, ["strategy", "stages", "predicted s", "measured s", "error"]))
+
+
+if __name__ == "__main__":
+    main()
