@@ -8,7 +8,7 @@ from swarm import __version__
 from swarm.errors import SwarmError
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = ("train", "eval", "join", "status", "token", "testbed", "plan", "profile")
+COMMANDS = ("train", "eval", "join", "status", "token", "testbed", "plan", "profile", "service")
 
 
 def positive_int(text: str) -> int:

@@ -19,12 +19,16 @@ def add_parser(sub) -> None:
         "and send it heartbeats. Runs in the foreground and logs to stderr (systemd-friendly); "
         "SIGTERM or Ctrl-C stops it cleanly. The first start creates a cluster token in the state "
         "directory unless one is given: copy it to the other devices with `swarm token`."))
-    p.add_argument("--port", type=port_number, default=DEFAULT_PORT,
-                   help=f"TCP port to listen on (default: {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--port", type=port_number,
+                   help=f"TCP port to listen on (default: the config file's, else {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--name", help="name shown in `swarm status` (default: the host name)")
     add_token_args(p)
     add_network_args(p)
-    p.add_argument("--no-mdns", action="store_true", help="do not advertise on mDNS (reach it with --peers)")
+    p.add_argument("--no-mdns", action="store_true", default=None,
+                   help="do not advertise on mDNS (reach it with --peers)")
+    p.add_argument("--config", metavar="FILE",
+                   help="settings file (default: $SWARM_CONFIG, else /etc/swarm/swarm.toml if it exists); "
+                        "flags and SWARM_* variables override it")
     p.add_argument("--verbose", "-v", action="store_true", help="log debug detail too")
     p.set_defaults(run=run)
 
@@ -32,15 +36,18 @@ def add_parser(sub) -> None:
 def agent_config(args):
     """The AgentConfig the flags ask for; SwarmError for anything the user must fix."""
     from swarm.agent import DEFAULT_PORT, AgentConfig
+    from swarm.config import apply_settings, config_path, read_settings
     from swarm.net import parse_peers, resolve_network
     from swarm.state import ensure_state_dir, find_token, node_id, state_dir_from
 
+    apply_settings(args, read_settings(config_path(args.config)))
     state_dir = ensure_state_dir(state_dir_from(args.state_dir))
     token, token_from = find_token(args.token_file, state_dir, create=True)
     network = resolve_network(args.interface)
     peers = parse_peers(args.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
     config = AgentConfig(name=args.name or socket.gethostname(), node_id=node_id(state_dir), token=token,
-                         network=network, port=args.port, peers=tuple(peers), advertise=not args.no_mdns)
+                         network=network, port=DEFAULT_PORT if args.port is None else args.port, peers=tuple(peers),
+                         advertise=not args.no_mdns)
     return config, state_dir, token_from
 
 
@@ -56,12 +63,18 @@ async def _serve_until_signalled(config) -> None:
     import trio
 
     from swarm.agent import Agent
+    from swarm.agent.sd_notify import Notifier, feed_watchdog
 
+    systemd = Notifier.from_environment()  # under a Type=notify unit; inert otherwise
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(Agent(config).run)
+            nursery.start_soon(feed_watchdog, systemd)
+            agent = await nursery.start(Agent(config).run)  # returns once it listens and is advertised
+            systemd.ready(f"serving on port {agent.port}" + ("" if config.advertise else " (mDNS off)"))
             async for signum in signals:
                 log.info("%s: saying goodbye and shutting down", signal.Signals(signum).name)
+                systemd.stopping("saying goodbye")
                 nursery.cancel_scope.cancel()
                 break
+    systemd.close()
     log.info("stopped")
