@@ -189,3 +189,29 @@ def test_strategy_mistakes_are_plan_errors():
         simple_plan("tiles", desc, ["a", "b"], 8, 2, sync="x")
     with pytest.raises(PlanError, match="does not fit"):
         simple_plan("tiles", desc, ["a", "b"], 8, 2, grid=(8, 8))
+
+
+@pytest.mark.parametrize("gpipe", [False, True])
+def test_1f1b_holds_at_most_k_p_microbatches(monkeypatch, gpipe):
+    """Stage p keeps the activations of at most K_p = 2(P - p) - 1 micro-batches (all M under GPipe)."""
+    from swarm.execution.stage import StageCopy
+
+    peaks: dict[int, int] = {}
+    forward = StageCopy.forward
+
+    def counting(self, *args, **kw):
+        out = forward(self, *args, **kw)
+        peaks[self.p] = max(peaks.get(self.p, 0), len(self.inflight))
+        return out
+
+    monkeypatch.setattr(StageCopy, "forward", counting)
+    m = 8
+    cfg = TrainConfig(model="yolov2-16", img_size=32, batch_size=8, microbatches=m, seed=1, classes=5)
+    stages = PLANS["pp4"](N16)
+    if gpipe:
+        for s in stages:
+            s.warmup = m
+    plan = Plan("yolov2-16", 32, 8, m, stages)
+    _planned(cfg, plan, steps=1)
+    expected = [m] * 4 if gpipe else [min(2 * (4 - p) - 1, m) for p in range(4)]
+    assert [peaks[p] for p in range(4)] == expected  # [7, 5, 3, 1] with 1F1B

@@ -26,7 +26,10 @@ def add_parser(sub) -> None:
                    "running `swarm join`: auto (default; this machine alone when no other device answers), local "
                    "(this machine, no discovery), dp, pp, tiles, hybrid")
     p.add_argument("--plan", metavar="FILE", help="run this plan (JSON, as `swarm plan --out` writes)")
-    p.add_argument("--devices", type=positive_int, metavar="N", help="wait for N devices before planning")
+    p.add_argument("--devices", type=positive_int, metavar="N", help="use N devices (waits for them; default: "
+                   "every device that answers)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="micro-batch order of pipeline "
+                   "stages: 1f1b (default; Asteroid's warm-up, least memory) or gpipe (all forwards first)")
     p.add_argument("--wait", type=non_negative_float, default=2.0, metavar="SECONDS",
                    help="how long to look for devices (default: 2)")
     p.add_argument("--stages", type=positive_int, metavar="N", help="pp: number of pipeline stages (default: one "
@@ -133,6 +136,7 @@ def runner_for(args: argparse.Namespace, log):
 
     options = SwarmOptions(strategy="plan" if args.plan else args.strategy, plan_path=args.plan, grid=grid,
                            sync=args.sync, stages=args.stages, devices=args.devices, wait_s=args.wait,
+                           schedule=args.schedule,
                            interface=args.interface, peers=args.peers, state_dir=args.state_dir,
                            token_file=args.token_file)
     return LocalTrainer, SwarmRunner(options, log, fallback=run_local_steps)

@@ -29,6 +29,7 @@ class StepReport:
     loss: float
     seconds: float
     busy_s: dict[str, float] = field(default_factory=dict)
+    times: dict[str, dict] = field(default_factory=dict)  # per device: schedule, reduce and wait seconds
 
 
 def stage_state(full: dict[str, torch.Tensor], first: int, last: int) -> dict[str, torch.Tensor]:
@@ -114,11 +115,12 @@ class TrainingCoordinator:
             await self.feed(step, next_batch)
             if step + 1 < total_steps:  # load the next batch while this step runs
                 pending = self.pool.submit(self.load_batch, step + 1)
-            loss, busy = 0.0, {}
+            loss, busy, times = 0.0, {}, {}
             for device in devices:
                 report = await self.get(("ready", step, device))
                 loss += report["loss"]
                 busy[device] = report["busy_s"]
+                times[device] = report.get("times", {})
             if not np.isfinite(loss):
                 raise SwarmError(f"the loss became {loss} at step {step + 1}; try a smaller --lr or a longer --warmup")
             stop_here = step + 1 < total_steps and self.should_stop()
@@ -127,7 +129,7 @@ class TrainingCoordinator:
                 await self.ep.send(device, ("decide", step), {"commit": True, "last": is_last})
             self.committed = step + 1
             if on_step is not None:
-                on_step(StepReport(step + 1, loss, time.monotonic() - t0, busy))
+                on_step(StepReport(step + 1, loss, time.monotonic() - t0, busy, times))
             if stop_here:
                 self.stopped_early = True
                 break

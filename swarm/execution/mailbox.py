@@ -14,6 +14,7 @@ class Closed(Exception):
 
 class Mailbox:
     def __init__(self) -> None:
+        self.waited: dict[str, float] = {}  # seconds spent waiting in get(), by the key's first element
         self._items: dict[Hashable, Any] = {}
         self._waiters: dict[Hashable, trio.Event] = {}
         self._closed: BaseException | None = None
@@ -34,8 +35,11 @@ class Mailbox:
             if self._closed is not None:
                 raise Closed(str(self._closed)) from self._closed
             event = self._waiters.setdefault(key, trio.Event())
+            started = trio.current_time()
             with trio.move_on_after(timeout) as scope:
                 await event.wait()
+            kind = str(key[0]) if isinstance(key, tuple) and key else "?"
+            self.waited[kind] = self.waited.get(kind, 0.0) + trio.current_time() - started
             if scope.cancelled_caught:
                 self._waiters.pop(key, None)
                 raise trio.TooSlowError(f"no message {key!r} within {timeout:g} s")

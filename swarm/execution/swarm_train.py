@@ -30,7 +30,8 @@ class SwarmOptions:
     grid: tuple[int, int] | None = None
     sync: str | None = None
     stages: int | None = None
-    devices: int | None = None  # wait for this many devices (default: whoever answers in `wait_s`)
+    devices: int | None = None  # use this many devices (default: whoever answers in `wait_s`)
+    schedule: str = "1f1b"  # or "gpipe": all forwards of a step, then all backwards
     wait_s: float = 2.0
     interface: str | None = None
     peers: str | None = None
@@ -125,6 +126,7 @@ class SwarmRunner:
             if len(devices) < o.devices:
                 raise SwarmError(f"only {len(devices)} of {o.devices} devices answered within {o.wait_s:g} s: "
                                  f"{', '.join(d.name for d in devices) or 'none'}")
+            devices = sorted(devices, key=lambda d: (d.name, d.node_id))[:o.devices]
         else:
             await trio.sleep(o.wait_s)
             devices = cluster.alive()
@@ -154,6 +156,9 @@ class SwarmRunner:
         else:
             plan = simple_plan(o.strategy, desc, names, cfg.batch_size, cfg.microbatches, grid=o.grid, sync=o.sync,
                                stages=o.stages, facts=facts)
+        if o.schedule == "gpipe":  # every stage runs all forwards first (for comparison)
+            for stage in plan.stages:
+                stage.warmup = plan.microbatches
         plan.validate(desc)
         return plan
 
@@ -193,7 +198,8 @@ class SwarmRunner:
             def on_step(r: StepReport) -> None:
                 util = "/".join(f"{100 * r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9):.0f}" for n in used)
                 report(r.step, r.loss, plan.batch_size, r.seconds, f"  util {util}%",
-                       {"utilisation": {n: r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9) for n in used}})
+                       {"utilisation": {n: r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9) for n in used},
+                        "device_times": {n: {"busy_s": r.busy_s.get(n, 0.0), **r.times.get(n, {})} for n in used}})
 
             try:
                 async with trio.open_nursery() as nursery:

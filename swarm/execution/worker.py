@@ -158,12 +158,18 @@ class DeviceWorker:
 
     async def run_step(self, step: int) -> bool:
         self.busy_s = 0.0
+        self.ep.mailbox.waited.clear()
         losses: list[float] = []
+        t0 = trio.current_time()
         async with trio.open_nursery() as nursery:
             for p in sorted(self.copies):
                 nursery.start_soon(self.run_stage, step, p, losses)
+        t1 = trio.current_time()
         await self.reduce_gradients(step)
-        await self.ep.send(COORDINATOR, ("ready", step, self.device), {"loss": float(sum(losses)), "busy_s": self.busy_s})
+        times = {"schedule_s": t1 - t0, "reduce_s": trio.current_time() - t1,
+                 **{f"wait_{k}_s": v for k, v in self.ep.mailbox.waited.items()}}
+        await self.ep.send(COORDINATOR, ("ready", step, self.device),
+                           {"loss": float(sum(losses)), "busy_s": self.busy_s, "times": times})
         decision = await self.get(("decide", step))
         for copy in self.copies.values():
             if decision["commit"]:

@@ -12,7 +12,10 @@ from pathlib import Path
 from swarm.errors import SwarmError
 from swarm.testbed.names import CGROUP_GROUP
 
-CPU_PERIOD_US = 100_000
+# A short CFS period: a quarter-core device then runs 2.5 ms in every 10 ms, like a slow core,
+# rather than 25 ms in every 100 ms, which would stall every exchange between devices for up
+# to 75 ms whenever one of them has spent its share.
+CPU_PERIOD_US = 10_000
 
 
 @dataclass(frozen=True)

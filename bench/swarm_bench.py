@@ -1,0 +1,138 @@
+"""Training throughput across the namespace testbed with Raspberry-Pi-class devices (root).
+
+    sudo python bench/swarm_bench.py [--devices 8] [--cpu 0.2] [--mem 1G] [--bandwidth 100mbit]
+                                     [--tiles 1,2,4,8] [--yolov2] [--steps 4] [--img-size 416]
+
+Brings up a testbed of --devices devices, makes every agent load torch once (a tiny job), then
+for each configuration runs, inside dev0's namespace, the command a user would type:
+
+    swarm train --model yolov2-16 --img-size 416 --batch-size 8 --microbatches 8 --steps 4
+                --strategy tiles --devices N --metrics FILE --no-eval
+
+and reports samples/s as the median over the steps after the first, the speedup over one
+device training alone (plain autograd, the same batch and micro-batches), and the largest
+peak resident memory of a device's agent during the run above that agent's idle size.
+With --yolov2 it adds the full yolov2 with pp and dp over all devices.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def swarm(*args, check=True, timeout=3600) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "swarm", *map(str, args)], capture_output=True, text=True, env=ENV,
+                       timeout=timeout)
+    if check and r.returncode:
+        sys.exit(f"swarm {' '.join(map(str, args))} failed:\n{r.stderr}")
+    return r
+
+
+def agents() -> dict[str, int]:
+    status = json.loads(swarm("testbed", "status", "--json").stdout)
+    return {d["device"]: d["pid"] for d in status["devices"]}
+
+
+def rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def train_in_cluster(args: list[str], metrics: Path) -> subprocess.CompletedProcess:
+    return swarm("testbed", "exec", "dev0", "--", sys.executable, "-m", "swarm", "train", *args,
+                 "--metrics", metrics, "--no-eval", "--save", metrics.with_suffix(".pt"), check=False)
+
+
+def measure(label: str, args: list[str], used: int, work: Path) -> dict:
+    pids = agents()
+    names = sorted(pids)[:used]
+    idle = {}
+    for name in names:
+        Path(f"/proc/{pids[name]}/clear_refs").write_text("5")  # reset the peak resident size
+        idle[name] = rss_kib(pids[name], "VmRSS")
+    metrics = work / f"{label.replace(' ', '_')}.jsonl"
+    t0 = time.monotonic()
+    r = train_in_cluster(args, metrics)
+    wall = time.monotonic() - t0
+    peaks = {n: rss_kib(pids[n], "VmHWM") - idle[n] for n in names}
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        return {"label": label, "error": last, "wall_s": wall}
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rates = [s["samples_per_s"] for s in steps[1:]] or [steps[0]["samples_per_s"]]
+    return {"label": label, "samples_per_s": statistics.median(rates), "rates": rates, "wall_s": wall,
+            "peak_above_idle_mib": max(peaks.values()) / 1024, "devices": used}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--cpu", default="0.2")
+    p.add_argument("--mem", default="1G")
+    p.add_argument("--bandwidth", default="100mbit")
+    p.add_argument("--tiles", default="1,2,4,8")
+    p.add_argument("--img-size", type=int, default=416)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--yolov2", action="store_true", help="also full yolov2 with pp and dp over all devices")
+    p.add_argument("--keep", action="store_true", help="leave the testbed up afterwards")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("the namespace testbed needs root")
+    swarm("testbed", "down", check=False)
+    swarm("testbed", "up", "--devices", args.devices, "--cpu", args.cpu, "--mem", args.mem,
+          "--bandwidth", args.bandwidth, timeout=300)
+    common = ["--img-size", args.img_size, "--batch-size", args.batch_size, "--microbatches", args.microbatches,
+              "--steps", args.steps, "--seed", 1]
+    results = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            warm = train_in_cluster(["--model", "yolov2-16", "--img-size", "32", "--batch-size", args.devices,
+                                     "--steps", 1, "--strategy", "dp", "--devices", args.devices], work / "warm.jsonl")
+            if warm.returncode:
+                sys.exit(f"warm-up failed:\n{warm.stderr}")
+            base = measure("yolov2-16 on 1 device", ["--model", "yolov2-16", *common, "--strategy", "pp",
+                                                      "--stages", 1, "--devices", 1], 1, work)
+            results.append(base)
+            for n in [int(x) for x in args.tiles.split(",")]:
+                results.append(measure(f"yolov2-16 tiles over {n}", ["--model", "yolov2-16", *common,
+                                                                     "--strategy", "tiles", "--devices", n], n, work))
+            if args.yolov2:
+                n = args.devices
+                for strategy in ("pp", "dp"):
+                    results.append(measure(f"yolov2 {strategy} over {n}", ["--model", "yolov2", *common,
+                                                                            "--strategy", strategy, "--devices", n],
+                                           n, work))
+    finally:
+        if not args.keep:
+            swarm("testbed", "down", check=False)
+    one = base.get("samples_per_s")
+    print(f"testbed: {args.devices} devices, {args.cpu} core, {args.mem}, {args.bandwidth} each; "
+          f"{args.img_size}x{args.img_size}, batch {args.batch_size} in {args.microbatches} micro-batches")
+    print(f"{'run':<28} {'samples/s':>10} {'speedup':>8} {'per device':>10} {'peak MiB above idle':>20}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['label']:<28} failed: {r['error']}")
+            continue
+        speedup = r["samples_per_s"] / one if one else float("nan")
+        print(f"{r['label']:<28} {r['samples_per_s']:>10.3f} {speedup:>8.2f} {speedup / r['devices']:>10.2f} "
+              f"{r['peak_above_idle_mib']:>20.0f}")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
