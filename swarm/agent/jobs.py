@@ -30,6 +30,7 @@ JobRunner = Callable[["JobContext"], Awaitable[dict | None]]
 JOB_KINDS: dict[str, JobRunner | str] = {
     "bandwidth": "swarm.agent.bandwidth_job:run_bandwidth_job",
     "train": "swarm.execution.job:run_train_job",
+    "profile": "swarm.profiler:run_profile_job",
 }
 
 

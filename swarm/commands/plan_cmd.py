@@ -280,6 +280,13 @@ def run(args: argparse.Namespace) -> int:
         if args.microbatches == 1 and len(cluster.devices) > 1:
             say("hint: with one micro-batch a pipeline cannot overlap its stages; try --microbatches 4")
     if args.show:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            from swarm.errors import SwarmError
+
+            raise SwarmError("--show draws with matplotlib, which is not installed: pip install 'swarm-train[plot]' "
+                             "(or pip install matplotlib)") from None
         from planner.picture import draw_plan
 
         draw_plan(plan, timeline, desc, args.show)
