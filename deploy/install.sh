@@ -10,7 +10,8 @@
 #   deploy/install.sh --root DIR                    # install under DIR (an image): no apt, no systemctl
 #
 # Options:
-#   --token-file F, --user U, --gpu auto|yes|no   passed to `swarm service install`
+#   --token-file F, --user U, --gpu auto|yes|no, --port N, --interface NAME, --name NAME
+#                   passed to `swarm service install` (see `swarm service install --help`)
 #   --from SRC      what to install: a source tree, a wheel or a pip requirement
 #                   (default: the source tree this script is in)
 #   --python PY     the Python (3.10 or newer) to build the environment from (default: python3)
@@ -22,7 +23,7 @@
 # it is never replaced. Elsewhere pip installs torch from the package index.
 set -euo pipefail
 
-ROOT="" DRY=0 UPGRADE=0 PY=python3 SRC="" PIP_ARGS="" SERVICE_ARGS=()
+ROOT="" DRY=0 UPGRADE=0 PY=python3 SRC="" PIP_ARGS="" SERVICE_ARGS=() NEW_PACKAGE=""
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 die() { printf 'install.sh: error: %s\n' "$*" >&2; exit 2; }
@@ -38,7 +39,7 @@ while [ $# -gt 0 ]; do
         --pip-args) need_value "$@"; PIP_ARGS=$2; shift 2 ;;
         --token-file) need_value "$@"; [ -f "$2" ] || die "token file $2 does not exist"
                       SERVICE_ARGS+=(--token-file "$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"); shift 2 ;;
-        --user|--gpu) need_value "$@"; SERVICE_ARGS+=("$1" "$2"); shift 2 ;;
+        --user|--gpu|--port|--interface|--name) need_value "$@"; SERVICE_ARGS+=("$1" "$2"); shift 2 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
@@ -150,6 +151,7 @@ if [ "$UPGRADE" = 0 ] && [ -x "$VENV/bin/swarm" ] && [ "$(cat "$STAMP" 2>/dev/nu
     ok "swarm installed from $SRC ($SOURCE_ID)"
 else
     act "install swarm from $SRC into $VENV" install_package
+    NEW_PACKAGE=1
 fi
 
 # -- the swarm command -------------------------------------------------------------------
@@ -174,6 +176,11 @@ else
         printf '%s\n' "$out"
         CHANGES=$((CHANGES + 1))
     fi
+    # a running agent keeps the old code until restarted (unless the service step just (re)started it)
+    if [ -n "$NEW_PACKAGE" ] && [ -z "$ROOT" ] && [ -d /run/systemd/system ] &&
+        ! printf '%s\n' "$out" | grep -q 'start' && systemctl is-active --quiet swarm.service; then
+        act "restart swarm.service to run the new package" systemctl restart swarm.service
+    fi
 fi
 
 if [ "$CHANGES" = 0 ]; then
@@ -181,5 +188,5 @@ if [ "$CHANGES" = 0 ]; then
 elif [ "$DRY" = 1 ]; then
     echo "dry run: $CHANGES steps to take, nothing changed"
 else
-    echo "done${ROOT:+ under $ROOT}: swarm status shows the devices of the cluster (sudo swarm status)"
+    echo "done${ROOT:+ under $ROOT}"
 fi

@@ -200,3 +200,25 @@ def test_unit_quotes_odd_paths():
     text = unit_text(["/opt/my swarm/bin/swarm"], "pi")
     assert 'ExecStart="/opt/my swarm/bin/swarm" join --config /etc/swarm/swarm.toml\n' in text
     assert "ExecStart=/opt/50%%/swarm join" in unit_text(["/opt/50%/swarm"])
+
+
+def test_state_directory_is_handed_to_the_service_user(tmp_path):
+    """Files root left there (a token just written, an earlier `sudo swarm join`) become the user's."""
+    from swarm.commands.service_cmd import ownership_step
+
+    state = tmp_path / "state"
+    (state / "profiles").mkdir(parents=True)
+    (state / "node_id").write_text("abc\n")
+    steps = []
+    ownership_step(steps, state, "nobody", pending=False)
+    assert [s.what for s in steps] == [f"hand {state} to user nobody"]
+    if os.geteuid() != 0:
+        pytest.skip("changing owners needs root")
+    steps[0].take()
+    import pwd
+    assert {p.stat().st_uid for p in [state, *state.rglob("*")]} == {pwd.getpwnam("nobody").pw_uid}
+    steps = []
+    ownership_step(steps, state, "nobody", pending=False)
+    assert steps == []
+    ownership_step(steps, state, "nobody", pending=True)   # a token is about to be written there
+    assert len(steps) == 1

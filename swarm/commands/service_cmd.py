@@ -176,7 +176,10 @@ def install_steps(args, target: Target) -> tuple[list[Step], list[str]]:
         write_step(steps, config_file, render_settings(settings, CONFIG_HEADER))
 
     token_file = target.path(settings.token_file or f"{settings.state_dir or su.STATE_DIR}/token")
-    token_steps(steps, notes, target, token_file, new_token, user)
+    before = len(steps)
+    token_steps(steps, notes, target, token_file, new_token)
+    if target.live:
+        ownership_step(steps, target.path(settings.state_dir or su.STATE_DIR), user, pending=len(steps) > before)
 
     unit_dir = target.path(su.UNIT_DIR)
     unit_file = unit_dir / su.UNIT_NAME
@@ -224,7 +227,7 @@ def install_steps(args, target: Target) -> tuple[list[Step], list[str]]:
     return steps, notes
 
 
-def token_steps(steps, notes, target: Target, token_file: Path, new_token: str | None, user: str) -> None:
+def token_steps(steps, notes, target: Target, token_file: Path, new_token: str | None) -> None:
     from swarm.state import new_token as make_token
     from swarm.state import read_token_file
 
@@ -238,10 +241,10 @@ def token_steps(steps, notes, target: Target, token_file: Path, new_token: str |
                                  f"pass the right one with --token-file FILE") from None
     if new_token is not None and new_token != current:
         what = "replace the cluster token in" if current else "install the cluster token in"
-        steps.append(Step(f"{what} {token_file}", lambda: write_secret(token_file, new_token, user, target)))
+        steps.append(Step(f"{what} {token_file}", lambda: write_secret(token_file, new_token)))
     elif new_token is None and current is None:
         steps.append(Step(f"create a new cluster token in {token_file} (the first device of a cluster)",
-                          lambda: write_secret(token_file, make_token(), user, target)))
+                          lambda: write_secret(token_file, make_token())))
         notes.append("this device has a new cluster token: print it with `sudo swarm token` and install the other "
                      "devices with --token-file FILE")
 
@@ -275,7 +278,7 @@ def uninstall_steps(args, target: Target) -> tuple[list[Step], list[str]]:
     if target.systemd_running() and unit_file.exists():
         steps.append(Step("stop and disable the service (systemctl disable --now swarm.service)",
                           lambda: run_command(["systemctl", "disable", "--now", su.UNIT_NAME])))
-    if link.is_symlink():
+    if link.is_symlink() and not (target.systemd_running() and unit_file.exists()):  # else `disable` removes it
         steps.append(Step(f"remove {link}", lambda: remove_file(link)))
     if (dropin_dir / su.GPU_DROPIN).exists():
         steps.append(Step(f"remove {dropin_dir / su.GPU_DROPIN}",
@@ -328,21 +331,36 @@ def write_file(path: Path, text: str, mode: int = 0o644) -> None:
         raise SwarmError(f"cannot write {path}: {exc.strerror}") from None
 
 
-def write_secret(path: Path, token: str, user: str, target: Target) -> None:
-    """The token, readable only by the service user (owner fixed here on a live system; under
-    --root, StateDirectory= hands the state directory to the user at the first start)."""
+def write_secret(path: Path, token: str) -> None:
+    """The token, readable by its owner only (the service user's, once ownership_step has run)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
         raise SwarmError(f"cannot create {path.parent}: {exc.strerror}") from None
     write_file(path, token + "\n", 0o600)
-    if target.live:
-        try:
-            entry = pwd.getpwnam(user)
-        except KeyError:
-            return  # no such user yet (a dry run, or sysusers to come): StateDirectory= fixes it at start
-        for p in (path.parent, path):
-            os.chown(p, entry.pw_uid, entry.pw_gid)
+
+
+def ownership_step(steps: list[Step], state_dir: Path, user: str, pending: bool) -> None:
+    """Hand the state directory to the service user where anything in it belongs to someone else
+    (a token just written by root, files of an earlier `sudo swarm join`); `pending`: an earlier
+    step writes there. StateDirectory= does this at start only when the directory itself has
+    another owner."""
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        uid = None  # the sysusers step creates the user
+    if not pending:
+        if not state_dir.exists():
+            return
+        if uid is not None and all(p.lstat().st_uid == uid for p in [state_dir, *state_dir.rglob("*")]):
+            return
+
+    def chown_all() -> None:
+        owner = pwd.getpwnam(user)
+        for p in [state_dir, *state_dir.rglob("*")]:
+            os.lchown(p, owner.pw_uid, owner.pw_gid)
+
+    steps.append(Step(f"hand {state_dir} to user {user}", chown_all))
 
 
 def make_link(link: Path, target: str) -> None:
