@@ -283,8 +283,6 @@ def run(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            from swarm.errors import SwarmError
-
             raise SwarmError("--show draws with matplotlib, which is not installed: pip install 'swarm-train[plot]' "
                              "(or pip install matplotlib)") from None
         from planner.picture import draw_plan
