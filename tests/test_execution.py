@@ -32,10 +32,11 @@ def _local(cfg: TrainConfig, steps: int = STEPS) -> dict:
     return trainer.net.state_dict()
 
 
-def _planned(cfg: TrainConfig, plan: Plan, steps: int = STEPS) -> LocalTrainer:
+def _planned(cfg: TrainConfig, plan: Plan, steps: int = STEPS, **kw) -> LocalTrainer:
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, cfg.img_size, 3)
-    return train_plan_in_process(plan, trainer, data, steps, timeout_s=120)
+    train_plan_in_process(plan, trainer, data, steps, timeout_s=120, **kw)
+    return trainer
 
 
 def _worst(a: dict, b: dict) -> tuple[float, str]:

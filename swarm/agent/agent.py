@@ -287,6 +287,11 @@ class Agent:
             log.exception("cannot load job kind %s", msg.kind)
             runner, refuse = None, f"job kind '{msg.kind}' cannot be loaded here: {type(exc).__name__}: {exc}"
         job = self.job
+        if job is not None and job.job_id != msg.job_id and refuse is None:
+            holder = self._coordinator(job)
+            if holder is None or holder.conn.closed:  # its coordinator is gone: the new one may have us
+                self._release(job, f"its coordinator is gone and node {peer.node_id} assigns job {msg.job_id}")
+                job = None
         if not 0 < len(msg.job_id) <= MAX_NAME or not 0 < len(msg.kind) <= MAX_NAME or msg.epoch < 0:
             refuse = f"a job needs an id and a kind of 1-{MAX_NAME} characters and an epoch >= 0"
         elif job is not None and job.job_id != msg.job_id:

@@ -54,7 +54,11 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
     p.add_argument("--save", metavar="PATH", help="checkpoint path (default: swarm-MODEL.pt, or the --resume path)")
     p.add_argument("--save-every", type=non_negative_int, default=0, metavar="N",
-                   help="also save every N steps (default: only at the end or when interrupted)")
+                   help="also save every N steps (default: at the end and when interrupted; across devices also "
+                   "every 25 steps, so that a lost coordinator costs little)")
+    p.add_argument("--backup-every", type=positive_int, default=1, metavar="N",
+                   help="across devices: snapshot and back up every stage every N steps (default: 1; a device "
+                   "lost later rolls the run back to the last backup and replays)")
     p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; flags not given are taken from it")
     p.add_argument("--metrics", metavar="FILE", help="append one JSON object per step to FILE")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
@@ -136,7 +140,10 @@ def runner_for(args: argparse.Namespace, log):
 
     options = SwarmOptions(strategy="plan" if args.plan else args.strategy, plan_path=args.plan, grid=grid,
                            sync=args.sync, stages=args.stages, devices=args.devices, wait_s=args.wait,
-                           schedule=args.schedule,
+                           schedule=args.schedule, backup_interval=args.backup_every,
+                           checkpoint_every=args.save_every if args.save_every else 25,
+                           local_save_every=args.save_every,
+                           save_path=args.save or args.resume or f"swarm-{Path(args.model or 'yolov2-16').stem}.pt",
                            interface=args.interface, peers=args.peers, state_dir=args.state_dir,
                            token_file=args.token_file)
     return LocalTrainer, SwarmRunner(options, log, fallback=run_local_steps)
@@ -149,8 +156,11 @@ def run(args: argparse.Namespace) -> int:
     save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     make_trainer, run_steps = runner_for(args, log)
+    from swarm.execution.swarm_train import SwarmRunner
+
+    swarm_run = isinstance(run_steps, SwarmRunner)  # saves at intervals itself, with collected weights
     summary = train(cfg, state=state, save=save, metrics=args.metrics, threads=args.threads,
-                    evaluate_at_end=not args.no_eval, save_every=args.save_every, log=log,
+                    evaluate_at_end=not args.no_eval, save_every=0 if swarm_run else args.save_every, log=log,
                     make_trainer=make_trainer, run_steps=run_steps)
     first, last = summary["first_loss"], summary["last_loss"]
     parts = [f"trained {cfg.model} for {summary['steps']} steps"]

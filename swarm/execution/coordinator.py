@@ -1,25 +1,35 @@
-"""The coordinator's side of a training job: ship the starting weights, feed each step's
-samples (uint8 images to the first stage, targets to the last), commit steps when every
-device is ready, and collect the weights at the end into a local-format checkpoint.
+"""The coordinator's side of a training job: start each epoch's plan on its devices, feed
+each step's samples (uint8 images to the first stage, targets to the last), commit a step
+when every device is ready, keep track of complete backups, and when a device is lost, roll
+every stage back to the last complete backup, re-plan over the survivors, and replay.
 
-Messages it receives: ("ready", step, device) and ("state", stage, device).
+Devices are reached through a `control` (the swarm's cluster, or devices in this process):
+
+    endpoint = await control.start_epoch(epoch, job)   # (re)start every device of job.plan
+    lost = await control.next_loss()                    # names of devices that died or failed
+    control.alive()                                     # names of the devices that answer now
+
+Messages it receives: ("ready", step, device), ("backup_ready", step, device) and
+("state", step, stage, device).
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 import trio
 
+from planner.plan import Plan, PlanError
 from swarm.data import class_targets, make_batch, microbatch_bounds, step_indices
 from swarm.errors import SwarmError
 from swarm.execution.blocks import cut
-from swarm.execution.endpoint import Endpoint
+from swarm.execution.replan import Move, backup_holders, layer_sources, replan
 from swarm.execution.routing import Block, Layout, stage_parts
-from swarm.execution.worker import JobSpec
+from swarm.execution.tiling import TileGeometry
+from swarm.execution.worker import COORDINATOR, JobSpec
 from swarm.trainer import LocalTrainer, set_lr
 
 
@@ -30,10 +40,20 @@ class StepReport:
     seconds: float
     busy_s: dict[str, float] = field(default_factory=dict)
     times: dict[str, dict] = field(default_factory=dict)  # per device: schedule, reduce and wait seconds
+    epoch: int = 0
+    replayed: bool = False  # a step run again after a recovery
 
 
-def stage_state(full: dict[str, torch.Tensor], first: int, last: int) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in full.items() if first <= int(k.split(".")[1]) < last}
+@dataclass
+class Recovery:
+    epoch: int
+    lost: list[str]
+    how: str  # lightweight | heavy | rejoin
+    why: str
+    rolled_back_to: int  # committed steps the run went back to
+    detected_at: float  # trio clock when the loss was noticed
+    resumed_at: float | None = None  # first committed step after it
+    plan: Plan | None = None
 
 
 def optimizer_slots(trainer: LocalTrainer) -> dict[str, torch.Tensor]:
@@ -47,39 +67,96 @@ def optimizer_slots(trainer: LocalTrainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_optimizer_slots(trainer: LocalTrainer, slots: dict[str, torch.Tensor]) -> None:
+def load_states(trainer: LocalTrainer, states: dict[str, torch.Tensor]) -> None:
+    """Weights, buffers and optimizer slots (as workers send them) into the whole model."""
+    model = {k: v for k, v in states.items() if "|" not in k}
+    full = dict(trainer.net.state_dict())
+    full.update(model)
+    trainer.net.load_state_dict(full)
     params = dict(trainer.net.named_parameters())
-    for key, value in slots.items():
-        name, slot = key.split("|", 1)
-        trainer.optimizer.state[params[name]][slot] = value.clone()
+    for key, value in states.items():
+        if "|" in key:
+            name, slot = key.split("|", 1)
+            trainer.optimizer.state[params[name]][slot] = value.clone()
+
+
+def holdings(plan: Plan) -> dict[str, set[int]]:
+    """Which layers each device has once a backup step of `plan` is complete: its stages'
+    layers (its snapshot) and the stages it backs up."""
+    have: dict[str, set[int]] = {}
+    for p, s in enumerate(plan.stages):
+        for d in s.devices:
+            have.setdefault(d, set()).update(range(s.first, s.last))
+        holder = plan.backups.get(p)
+        if holder is not None:
+            have.setdefault(holder, set()).update(range(s.first, s.last))
+    return have
+
+
+class DeviceLost(Exception):
+    def __init__(self, devices: set[str]):
+        super().__init__(", ".join(sorted(devices)))
+        self.devices = devices
 
 
 class TrainingCoordinator:
-    def __init__(self, endpoint: Endpoint, job: JobSpec, trainer: LocalTrainer, train_set, layout: Layout):
-        self.ep = endpoint
+    def __init__(self, control, job: JobSpec, trainer: LocalTrainer, train_set, *, strategy: str = "pp",
+                 checkpoint_every: int = 0, save_hook=None, log=print, max_recoveries: int = 16):
+        self.control = control
         self.job = job
         self.plan = job.plan
         self.trainer = trainer  # holds the whole model: the start, and the end result
         self.train_set = train_set
-        self.layout = layout
+        self.strategy = strategy  # for heavy re-planning
+        self.checkpoint_every = checkpoint_every
+        self.save_hook = save_hook  # called after the trainer received a checkpoint's weights
+        self.log = log
+        self.max_recoveries = max_recoveries
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-feed")
         self.committed = trainer.step_count  # steps applied on every device
         self.should_stop = lambda: False  # asked after every commit: end the run there?
         self.stopped_early = False
+        self.epoch = job.epoch
+        self.ep = None
+        self.layout: Layout | None = None
+        # what is where: the coordinator's own weights, and complete backups on the devices
+        self.own_step = trainer.step_count
+        self.backup_step: int | None = None
+        self.backup_holdings: dict[str, set[int]] = {}
+        self.pending_backups: dict[int, set[str]] = {}  # step -> devices not ready yet
+        self.recoveries: list[Recovery] = []
+        self.replay_until = 0  # steps below this are being run again
+        self.joined: set[str] = set()  # devices that (re)appeared and may be taken in
 
+    # ---- epochs ------------------------------------------------------------------------
+    async def start_epoch(self, plan: Plan, start: int, moves: list[Move]) -> None:
+        """Start `plan` on its devices from committed step `start`."""
+        plan.backups = plan.backups or backup_holders(plan)
+        self.plan = plan
+        self.job = replace(self.job, plan=plan, epoch=self.epoch, start_step=start, moves=moves)
+        self.layout = Layout(plan, self.trainer.desc, TileGeometry(plan, self.trainer.desc))
+        self.pending_backups = {start: set(plan.used_devices())}
+        self.ep = await self.control.start_epoch(self.epoch, self.job)
+        own = [m for m in moves if m.src == COORDINATOR]
+        if own:
+            states = await trio.to_thread.run_sync(self._own_states)
+            for m in own:
+                wanted = set(m.layers)
+                piece = {k: v for k, v in states.items() if int(k.split("|")[0].split(".")[1]) in wanted}
+                await self.ep.send(m.dst, ("layers", m.stage, COORDINATOR), {"states": piece})
+
+    def _own_states(self) -> dict[str, torch.Tensor]:
+        states = {k: v.detach().clone() for k, v in self.trainer.net.state_dict().items()}
+        states.update({k: v.clone() for k, v in optimizer_slots(self.trainer).items()})
+        return states
+
+    def first_moves(self, plan: Plan) -> list[Move]:
+        return [Move(COORDINATOR, d, p, list(range(s.first, s.last)), self.committed)
+                for p, s in enumerate(plan.stages) for d in s.devices]
+
+    # ---- data --------------------------------------------------------------------------
     async def get(self, key):
         return await self.ep.mailbox.get(key, self.job.timeout_s)
-
-    async def ship_initial_state(self) -> None:
-        full, slots = await trio.to_thread.run_sync(
-            lambda: ({k: v.detach().clone() for k, v in self.trainer.net.state_dict().items()},
-                     optimizer_slots(self.trainer)))
-        for p, stage in enumerate(self.plan.stages):
-            state = stage_state(full, stage.first, stage.last)
-            momentum = {k: v for k, v in slots.items() if stage.first <= int(k.split(".")[1]) < stage.last}
-            for device in stage.devices:
-                await self.ep.send(device, ("init", p), {"state": state, "momentum": momentum,
-                                                         "step": self.trainer.step_count})
 
     def load_batch(self, step: int):
         cfg = self.trainer.cfg
@@ -104,19 +181,47 @@ class TrainingCoordinator:
                 await self.ep.send(holding.part.device, ("tgt", step, holding.part.index, m),
                                    {"arrays": [targets[lo + s0:lo + s1].contiguous()]})
 
+    # ---- the run -----------------------------------------------------------------------
     async def run(self, total_steps: int, on_step=None) -> None:
-        """Train from the trainer's step to `total_steps`, then collect the weights into it."""
-        devices = self.plan.used_devices()
-        start = self.trainer.step_count
-        await self.ship_initial_state()
-        next_batch = await trio.to_thread.run_sync(self.load_batch, start) if start < total_steps else None
-        for step in range(start, total_steps):
+        """Train from the trainer's step to `total_steps` (or until asked to stop), surviving
+        lost devices; then collect the weights into the trainer."""
+        await self.start_epoch(self.plan, self.committed, self.first_moves(self.plan))
+        while True:
+            lost: set[str] = set()
+            async with trio.open_nursery() as nursery:
+                scope = trio.CancelScope()
+
+                async def watch() -> None:
+                    while True:  # a loss already dealt with (reported twice, or gone from the plan) is news to no one
+                        news = await self.control.next_loss() & set(self.plan.used_devices())
+                        if news:
+                            lost.update(news)
+                            scope.cancel()
+                            return
+
+                nursery.start_soon(watch)
+                nursery.start_soon(self._watch_joins)
+                with scope:
+                    await self._steps(total_steps, on_step)
+                nursery.cancel_scope.cancel()
+            if not lost:
+                break
+            await self.recover(lost)
+        self.pool.shutdown(wait=False)
+
+    async def _watch_joins(self) -> None:
+        while True:
+            self.joined |= await self.control.next_join()
+
+    async def _steps(self, total_steps: int, on_step) -> None:
+        step = self.committed
+        next_batch = await trio.to_thread.run_sync(self.load_batch, step) if step < total_steps else None
+        while step < total_steps:
             t0 = time.monotonic()
             await self.feed(step, next_batch)
-            if step + 1 < total_steps:  # load the next batch while this step runs
-                pending = self.pool.submit(self.load_batch, step + 1)
+            pending = self.pool.submit(self.load_batch, step + 1) if step + 1 < total_steps else None
             loss, busy, times = 0.0, {}, {}
-            for device in devices:
+            for device in self.plan.used_devices():
                 report = await self.get(("ready", step, device))
                 loss += report["loss"]
                 busy[device] = report["busy_s"]
@@ -125,37 +230,138 @@ class TrainingCoordinator:
                 raise SwarmError(f"the loss became {loss} at step {step + 1}; try a smaller --lr or a longer --warmup")
             stop_here = step + 1 < total_steps and self.should_stop()
             is_last = step + 1 == total_steps or stop_here
-            for device in devices:
-                await self.ep.send(device, ("decide", step), {"commit": True, "last": is_last})
+            checkpoint = is_last or bool(self.checkpoint_every and (step + 1) % self.checkpoint_every == 0)
+            for device in self.plan.used_devices():
+                await self.ep.send(device, ("decide", step), {"commit": True, "last": is_last,
+                                                              "checkpoint": checkpoint})
             self.committed = step + 1
+            if self.committed % self.job.backup_interval == 0 and not is_last:
+                self.pending_backups[self.committed] = set(self.plan.used_devices())
+            for r in self.recoveries:
+                if r.resumed_at is None:
+                    r.resumed_at = trio.current_time()
+            await self._take_backup_acks()
             if on_step is not None:
-                on_step(StepReport(step + 1, loss, time.monotonic() - t0, busy, times))
+                on_step(StepReport(self.committed, loss, time.monotonic() - t0, busy, times, self.epoch,
+                                   self.committed <= self.replay_until))
+            if checkpoint:
+                await self.collect()
             if stop_here:
                 self.stopped_early = True
                 break
-            if step + 1 < total_steps:
+            step += 1
+            if pending is not None:
                 next_batch = await trio.to_thread.run_sync(pending.result)
-        await self.collect()
+            if self.joined and self.committed % self.job.backup_interval == 0:
+                await self.take_in_joined()
+        if step >= total_steps or self.stopped_early:
+            for device in self.plan.used_devices():
+                await self.ep.send(device, ("stop",), {})
+
+    async def _take_backup_acks(self) -> None:
+        """Note the backup steps every device has confirmed (without waiting for more)."""
+        for step in sorted(self.pending_backups):
+            waiting = self.pending_backups[step]
+            for device in list(waiting):
+                try:
+                    self.ep.mailbox.get_nowait(("backup_ready", step, device))
+                    waiting.discard(device)
+                except KeyError:
+                    pass
+            if not waiting:
+                del self.pending_backups[step]
+                if self.backup_step is None or step >= self.backup_step:
+                    same = self.backup_step == step
+                    self.backup_step = step
+                    new = holdings(self.plan)
+                    if same:  # a second snapshot of the same step (after a re-plan): both count
+                        for d, layers in self.backup_holdings.items():
+                            new.setdefault(d, set()).update(layers)
+                    self.backup_holdings = new
+                for device in self.plan.used_devices():
+                    await self.ep.send(device, ("forget", step), {})
 
     async def collect(self) -> None:
-        """Fetch every stage's weights and optimizer state into the coordinator's model, which
-        is then at the last committed step."""
-        full = dict(self.trainer.net.state_dict())
-        slots = {}
-        for p, stage in enumerate(self.plan.stages):
+        """Fetch every stage's weights and optimizer state (sent by the first device of each
+        stage after a checkpoint decision) into the coordinator's model."""
+        states: dict[str, torch.Tensor] = {}
+        for p in range(len(self.plan.stages)):
             device = stage_parts(self.plan, p)[0].device
-            await self.ep.send(device, ("get_state", p), {})
-            msg = await self.get(("state", p, device))
-            for k, v in msg["state"].items():
-                full[k] = v
-            slots.update(msg["momentum"])
+            msg = await self.get(("state", self.committed, p, device))
+            states.update(msg["states"])
+
         def load() -> None:  # in a thread: a big model takes a while, and heartbeats must go on
-            self.trainer.net.load_state_dict(full)
-            load_optimizer_slots(self.trainer, slots)
+            load_states(self.trainer, states)
+            if self.committed > 0:  # as the local optimizer has it after its last step
+                set_lr(self.trainer.optimizer, self.trainer.cfg.lr_at(self.committed - 1))
         await trio.to_thread.run_sync(load)
-        self.trainer.step_count = self.committed
-        if self.trainer.step_count > 0:  # as the local optimizer has it after its last step
-            set_lr(self.trainer.optimizer, self.trainer.cfg.lr_at(self.trainer.step_count - 1))
-        for device in self.plan.used_devices():
-            await self.ep.send(device, ("stop",), {})
-        self.pool.shutdown(wait=False)
+        self.trainer.step_count = self.own_step = self.committed
+        if self.save_hook is not None:
+            await trio.to_thread.run_sync(self.save_hook)
+
+    # ---- failures ----------------------------------------------------------------------
+    async def recover(self, lost: set[str]) -> None:
+        """Roll back to the newest complete backup, re-plan without `lost`, start a new epoch."""
+        detected = trio.current_time()
+        if len(self.recoveries) >= self.max_recoveries:
+            raise SwarmError(f"lost {', '.join(sorted(lost))} after {len(self.recoveries)} recoveries; giving up")
+        alive = set(self.control.alive())
+        dead = (set(self.plan.used_devices()) - alive) | lost
+        survivors = [d for d in self.plan.used_devices() if d not in dead]
+        if not survivors:
+            raise SwarmError(f"lost every device of the plan ({', '.join(sorted(dead))}); training stopped after "
+                             f"step {self.committed}")
+        try:
+            change = replan(self.plan, self.trainer.desc, dead, survivors, self.strategy)
+        except PlanError as exc:
+            raise SwarmError(f"lost {', '.join(sorted(dead))} and cannot re-plan over {', '.join(survivors)}: {exc}"
+                             ) from None
+        moves, start = self._sources(change.plan, dead)
+        self.log(f"lost {', '.join(sorted(dead))} during step {self.committed + 1}: {change.how} re-plan "
+                 f"({change.why}); rolling back to step {start} and replaying")
+        self.replay_until = max(self.replay_until, self.committed)
+        self.committed = start
+        self.epoch += 1
+        self.recoveries.append(Recovery(self.epoch, sorted(dead), change.how, change.why, start, detected,
+                                        plan=change.plan))
+        self.backup_holdings = {d: ls for d, ls in self.backup_holdings.items() if d not in dead}
+        await self.start_epoch(change.plan, start, moves)
+
+    def _sources(self, plan: Plan, dead: set[str]) -> tuple[list[Move], int]:
+        """Moves from the newest complete backup the survivors have; else from the
+        coordinator's own copy (the start, or the last checkpoint)."""
+        if self.backup_step is not None and self.backup_step >= self.own_step:
+            have = {d: ls for d, ls in self.backup_holdings.items() if d not in dead}
+            try:
+                return layer_sources(have, plan, self.backup_step), self.backup_step
+            except PlanError:
+                pass
+        everything = set(range(len(self.trainer.desc.layers)))
+        return layer_sources({COORDINATOR: everything}, plan, self.own_step), self.own_step
+
+    async def take_in_joined(self) -> None:
+        """At a backup step, once it is complete, re-plan with devices that joined or came back."""
+        with trio.move_on_after(self.job.timeout_s):
+            while self.committed in self.pending_backups:
+                await trio.sleep(0.05)
+                await self._take_backup_acks()
+        if self.backup_step != self.committed:
+            return
+        alive = self.control.alive()
+        joined = sorted(d for d in self.joined if d in alive and d not in self.plan.used_devices())
+        self.joined.clear()
+        if not joined:
+            return
+        devices = [d for d in alive if d in self.plan.used_devices() or d in joined]
+        try:
+            change = replan(self.plan, self.trainer.desc, set(), devices, self.strategy, prefer="heavy")
+        except PlanError as exc:
+            self.log(f"{', '.join(joined)} joined, but no plan takes them in: {exc}")
+            return
+        have = dict(self.backup_holdings)
+        moves = layer_sources(have, change.plan, self.committed)
+        self.log(f"{', '.join(joined)} joined: re-planned over {len(devices)} devices from step {self.committed}")
+        self.epoch += 1
+        self.recoveries.append(Recovery(self.epoch, [], "rejoin", f"{', '.join(joined)} joined", self.committed,
+                                        trio.current_time(), plan=change.plan))
+        await self.start_epoch(change.plan, self.committed, moves)

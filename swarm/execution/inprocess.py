@@ -1,40 +1,113 @@
 """Running a whole Plan inside one process: every device a task, the network in memory.
 
-Used by tests (plans checked against the local trainer with no sockets involved) and by
-`swarm train --in-process` for a plan, to try a plan out on one machine.
+Used by tests (plans checked against the local trainer with no sockets involved, devices
+killed and brought back at chosen steps) and by `swarm train --in-process`, to try a plan
+out on one machine.
 """
 from __future__ import annotations
+
+import math
 
 import trio
 
 from planner.plan import Plan
 from swarm.execution.coordinator import TrainingCoordinator
 from swarm.execution.endpoint import LocalNetwork
-from swarm.execution.routing import Layout
-from swarm.execution.tiling import TileGeometry
+from swarm.execution.store import DeviceStore
 from swarm.execution.worker import COORDINATOR, DeviceWorker, JobSpec
 from swarm.trainer import LocalTrainer
 
 
+class LocalControl:
+    """Devices in this process with epochs: each epoch gets a fresh in-memory network (so
+    nothing of an older epoch reaches a newer one); killing a device cancels its worker and
+    forgets everything it held, as a power cut would."""
+
+    def __init__(self, devices: list[str], nursery: trio.Nursery):
+        self.devices = list(devices)
+        self.nursery = nursery
+        self.stores = {d: DeviceStore() for d in devices}
+        self.dead: set[str] = set()
+        self.scopes: dict[str, trio.CancelScope] = {}
+        self._loss_send, self._loss_recv = trio.open_memory_channel(math.inf)
+        self._join_send, self._join_recv = trio.open_memory_channel(math.inf)
+        self.epochs_started = 0
+
+    async def start_epoch(self, epoch: int, job: JobSpec):
+        for scope in self.scopes.values():
+            scope.cancel()
+        self.scopes = {}
+        self.epochs_started += 1
+        network = LocalNetwork()
+        coordinator = network.endpoint(COORDINATOR)
+        for d in job.plan.used_devices():
+            scope = trio.CancelScope()
+            self.scopes[d] = scope
+            self.nursery.start_soon(self._run, scope, DeviceWorker(network.endpoint(d), job, self.stores[d]))
+        return coordinator
+
+    @staticmethod
+    async def _run(scope: trio.CancelScope, worker: DeviceWorker) -> None:
+        with scope:
+            await worker.run()
+
+    def kill(self, device: str) -> None:
+        if device in self.scopes:
+            self.scopes.pop(device).cancel()
+        self.stores[device] = DeviceStore()
+        self.dead.add(device)
+        self._loss_send.send_nowait({device})
+
+    def revive(self, device: str) -> None:
+        """A device that comes back (empty-handed) or a new one."""
+        if device not in self.devices:
+            self.devices.append(device)
+            self.stores[device] = DeviceStore()
+        self.dead.discard(device)
+        self._join_send.send_nowait({device})
+
+    def alive(self) -> list[str]:
+        return [d for d in self.devices if d not in self.dead]
+
+    async def next_loss(self) -> set[str]:
+        return await self._loss_recv.receive()
+
+    async def next_join(self) -> set[str]:
+        return await self._join_recv.receive()
+
+
 def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_steps: int, *,
-                          on_step=None, timeout_s: float = 300.0) -> LocalTrainer:
+                          on_step=None, timeout_s: float = 300.0, events=(), backup_interval: int = 1,
+                          strategy: str = "pp", devices: list[str] | None = None, log=lambda s: None):
     """Train `trainer` (its weights are the start, and receive the result) to `total_steps`
-    with `plan`, all devices in this process."""
+    with `plan`, all devices in this process. `events` are (committed step, "kill"|"revive",
+    device, delay seconds): after that step commits, wait `delay`, then do it. Returns the
+    coordinator (its `recoveries` say what happened)."""
     plan.validate(trainer.desc)
-    job = JobSpec(plan, trainer.cfg, trainer.cfg_text, timeout_s=timeout_s)
-    network = LocalNetwork()
-    coordinator = TrainingCoordinator(network.endpoint(COORDINATOR), job, trainer, train_set,
-                                      Layout(plan, trainer.desc, TileGeometry(plan, trainer.desc)))
-    workers = [DeviceWorker(network.endpoint(device), job) for device in plan.used_devices()]
+    job = JobSpec(plan, trainer.cfg, trainer.cfg_text, timeout_s=timeout_s, backup_interval=backup_interval)
+    pending = sorted(events)
 
-    async def main() -> None:
+    async def main():
         async with trio.open_nursery() as nursery:
-            for worker in workers:
-                nursery.start_soon(worker.run)
-            await coordinator.run(total_steps, on_step)
+            control = LocalControl(devices or plan.used_devices(), nursery)
+            coordinator = TrainingCoordinator(control, job, trainer, train_set, strategy=strategy, log=log)
 
-    trio.run(main)
-    return trainer
+            def stepped(report):
+                if on_step is not None:
+                    on_step(report)
+                while pending and pending[0][0] <= report.step and not report.replayed:
+                    _, action, device, delay = pending.pop(0)
+                    nursery.start_soon(act, action, device, delay)
+
+            async def act(action: str, device: str, delay: float) -> None:
+                await trio.sleep(delay)
+                getattr(control, action)(device)
+
+            await coordinator.run(total_steps, stepped)
+            nursery.cancel_scope.cancel()
+            return coordinator
+
+    return trio.run(main)
 
 
 class InProcessRunner:
@@ -58,4 +131,4 @@ class InProcessRunner:
         def on_step(r):
             report(r.step, r.loss, cfg.batch_size, r.seconds)
 
-        train_plan_in_process(plan, trainer, train_set, total, on_step=on_step)
+        train_plan_in_process(plan, trainer, train_set, total, on_step=on_step, strategy=self.strategy, log=self.log)

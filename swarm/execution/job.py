@@ -15,6 +15,8 @@ import trio
 
 from planner.plan import Plan
 from swarm.execution.mailbox import Mailbox
+from swarm.execution.replan import Move
+from swarm.execution.store import DeviceStore
 from swarm.execution.worker import COORDINATOR, DeviceWorker, JobSpec
 from swarm.trainer import TrainConfig
 
@@ -38,7 +40,7 @@ def to_wire(value):
 def from_wire(value):
     """Numpy arrays back to torch tensors (sharing memory), recursively."""
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(value) if value.dtype != np.uint8 or value.ndim else torch.from_numpy(value)
+        return torch.from_numpy(value)
     if isinstance(value, dict):
         return {k: from_wire(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -89,11 +91,22 @@ class WireEndpoint:
             self.deliver(message.body)
 
 
-def job_spec_dict(plan: Plan, cfg: TrainConfig, cfg_text: str | None, devices: dict[str, dict],
-                  timeout_s: float) -> dict:
-    """The spec each agent receives: the plan, the training config, and who is who."""
-    return {"plan": plan.to_dict(), "cfg": asdict(cfg), "cfg_text": cfg_text, "devices": devices,
-            "timeout_s": timeout_s}
+def job_spec_dict(job: JobSpec, devices: dict[str, dict]) -> dict:
+    """The spec each agent receives: the plan, the training config, where its layers come
+    from, and who is who (name -> node id and address)."""
+    return {"plan": job.plan.to_dict(), "cfg": asdict(job.cfg), "cfg_text": job.cfg_text, "devices": devices,
+            "timeout_s": job.timeout_s, **job.spec_fields()}
+
+
+# What each job's runs on this agent keep between epochs (a re-plan restarts the run; the
+# layers it kept must survive that). One job at a time: a new job id clears the others.
+STORES: dict[str, DeviceStore] = {}
+
+
+def store_for(job_id: str) -> DeviceStore:
+    for other in [j for j in STORES if j != job_id]:
+        del STORES[other]
+    return STORES.setdefault(job_id, DeviceStore())
 
 
 def _train_config(d: dict) -> TrainConfig:
@@ -124,10 +137,13 @@ async def run_train_job(ctx) -> dict:
 
     endpoint = WireEndpoint(me, node_of, send_to, connect)
     job = JobSpec(plan, cfg, spec.get("cfg_text"), timeout_s=float(spec.get("timeout_s", 120.0)),
-                  threads=usable_cores())
-    worker = DeviceWorker(endpoint, job)
+                  threads=usable_cores(), epoch=int(spec.get("epoch", 0)), start_step=int(spec.get("start_step", 0)),
+                  moves=[Move.from_dict(m) for m in spec.get("moves", [])],
+                  backup_interval=int(spec.get("backup_interval", 1)))
+    worker = DeviceWorker(endpoint, job, store_for(ctx.job_id))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(endpoint.pump, lambda: ctx.receive(CHANNEL))
         await worker.run()
         nursery.cancel_scope.cancel()
+    STORES.pop(ctx.job_id, None)  # the job is over
     return {"device": me, "busy_s": worker.busy_s, "bytes_sent": endpoint.bytes_sent}

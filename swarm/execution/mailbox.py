@@ -47,6 +47,10 @@ class Mailbox:
                 raise Closed(str(self._closed)) from self._closed
         return self._items.pop(key)
 
+    def get_nowait(self, key: Hashable) -> Any:
+        """The message with `key` if it has come (removed from the box); KeyError if not."""
+        return self._items.pop(key)
+
     def close(self, reason: BaseException) -> None:
         """Wake every waiter with Closed; later puts are dropped."""
         self._closed = reason

@@ -73,19 +73,24 @@ class StageCopy:
                     out[f"{by_param[id(param)]}|{k}"] = v.detach().clone()
         return out
 
-    def load(self, state: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor] | None = None,
-             step: int = 0) -> None:
+    def states(self) -> dict[str, torch.Tensor]:
+        """Weights, buffers and optimizer slots ("name|slot") of this stage, as copies."""
+        return {**self.state(), **self.momentum()}
+
+    def load_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Load weights, buffers and optimizer slots (as `states()` gives them)."""
         own = self.net.state_dict()
-        missing = [k for k in own if k not in state]
+        missing = [k for k in own if k not in states]
         if missing:
-            raise ValueError(f"stage {self.p}: initial state lacks {missing[:3]}")
-        self.net.load_state_dict({k: state[k] for k in own})
-        if momentum:
-            params = dict(self.net.named_parameters())
-            for key, value in momentum.items():
+            raise ValueError(f"stage {self.p}: the state to start from lacks {missing[:3]}")
+        self.net.load_state_dict({k: states[k] for k in own})
+        params = dict(self.net.named_parameters())
+        self.optimizer.state.clear()
+        for key, value in states.items():
+            if "|" in key:
                 name, slot = key.split("|", 1)
-                st = self.optimizer.state[params[name]]
-                st[slot] = value.clone()
+                if name in params:
+                    self.optimizer.state[params[name]][slot] = value.clone()
 
     # ---- compute (worker thread) ---------------------------------------------------------
     def forward(self, part: int, m: int, inputs: dict[int, torch.Tensor], keys: list[int],

@@ -5,6 +5,7 @@ If no other device answers, the run stays on this machine (the local trainer).
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -17,9 +18,7 @@ from planner.plan import Plan, PlanError
 from swarm.errors import SwarmError
 from swarm.execution.coordinator import StepReport, TrainingCoordinator
 from swarm.execution.job import CHANNEL, WireEndpoint, job_spec_dict
-from swarm.execution.routing import Layout
 from swarm.execution.strategies import simple_plan
-from swarm.execution.tiling import TileGeometry
 from swarm.execution.worker import COORDINATOR, JobSpec
 
 
@@ -41,6 +40,10 @@ class SwarmOptions:
     heartbeat_s: float = 0.25  # heartbeat interval asked of the agents
     suspect_after_s: float = 2.0  # silence that makes a device suspect (a killed agent's link breaks at once)
     probe_timeout_s: float = 2.0  # how long a suspect device has to answer a probe
+    backup_interval: int = 1  # devices snapshot and back up their stages every this many steps
+    checkpoint_every: int = 25  # the coordinator collects the weights and saves every this many steps
+    save_path: str | None = None
+    local_save_every: int = 0  # --save-every when the run stays on this machine
 
 
 def unique_names(devices) -> dict[str, object]:
@@ -77,6 +80,7 @@ class SwarmRunner:
 
         went_local = run_trio(self._main, trainer, train_set, start, total, report)
         if went_local:
+            report.save_every = self.options.local_save_every
             self.fallback(trainer, train_set, start, total, report)
 
     async def _main(self, trainer, train_set, start: int, total: int, report) -> bool:
@@ -173,69 +177,45 @@ class SwarmRunner:
 
     async def _run_job(self, cluster, names: dict, plan: Plan, trainer, train_set, total: int, report) -> None:
         o = self.options
-        used = plan.used_devices()
-        devices = {n: {"node_id": names[n].node_id, "address": f"{names[n].address}:{names[n].port}"} for n in used}
-        node_of = {n: d["node_id"] for n, d in devices.items()}
-        name_of = {v: k for k, v in node_of.items()}
-        job = cluster.job(f"train-{uuid.uuid4().hex[:8]}", epoch=0)
-        spec = job_spec_dict(plan, trainer.cfg, trainer.cfg_text, devices, o.timeout_s)
-        node_of[COORDINATOR] = cluster.credentials.node_id
+        async with trio.open_nursery() as nursery:
+            control = ClusterControl(cluster, f"train-{uuid.uuid4().hex[:8]}", names, nursery, self.log)
+            job = JobSpec(plan, trainer.cfg, trainer.cfg_text, o.timeout_s, backup_interval=o.backup_interval)
+            save_hook = None
+            if o.save_path and o.checkpoint_every:
+                from swarm.checkpoint import save_checkpoint
 
-        async def send_to(node_id: str, body: dict) -> None:
-            await job.send(node_id, job.data(CHANNEL, body))
-
-        endpoint = WireEndpoint(COORDINATOR, node_of, send_to)
-        events = cluster.subscribe()
-        try:
-            for n in used:
-                await job.assign(node_of[n], "train", spec)
-            for n in used:
-                await job.start(node_of[n])
-            coordinator = TrainingCoordinator(endpoint, JobSpec(plan, trainer.cfg, trainer.cfg_text, o.timeout_s),
-                                              trainer, train_set, Layout(plan, trainer.desc, TileGeometry(plan, trainer.desc)))
+                def save_hook() -> None:
+                    save_checkpoint(o.save_path, trainer.state())
+            coordinator = TrainingCoordinator(control, job, trainer, train_set, strategy=self.strategy_for_replan(),
+                                              checkpoint_every=o.checkpoint_every if save_hook else 0,
+                                              save_hook=save_hook, log=self.log)
             coordinator.should_stop = lambda: self.stopping
+            self.coordinator = coordinator
 
             def on_step(r: StepReport) -> None:
+                used = coordinator.plan.used_devices()
                 util = "/".join(f"{100 * r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9):.0f}" for n in used)
-                report(r.step, r.loss, plan.batch_size, r.seconds, f"  util {util}%",
+                replay = "  (replayed)" if r.replayed else ""
+                report(r.step, r.loss, coordinator.plan.batch_size, r.seconds, f"  util {util}%{replay}",
                        {"utilisation": {n: r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9) for n in used},
-                        "device_times": {n: {"busy_s": r.busy_s.get(n, 0.0), **r.times.get(n, {})} for n in used}})
+                        "device_times": {n: {"busy_s": r.busy_s.get(n, 0.0), **r.times.get(n, {})} for n in used},
+                        "epoch": r.epoch, "replayed": r.replayed, "devices": len(used)})
 
+            nursery.start_soon(self._watch_signals)
             try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(endpoint.pump, lambda: job.receive(CHANNEL))
-                    nursery.start_soon(self._watch_members, events, set(node_of.values()), name_of, coordinator)
-                    nursery.start_soon(self._watch_signals)
-                    await coordinator.run(total, on_step)
-                    nursery.cancel_scope.cancel()
-            except (Exception, BaseExceptionGroup) as exc:
-                if isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None:
-                    raise
-                gone = [(n, cluster.device(node_of[n])) for n in used]
-                gone = [(n, d.health if d else "gone") for n, d in gone if d is None or d.health != "alive"]
-                if gone:
-                    who = ", ".join(f"{n} ({h})" for n, h in gone)
-                    raise SwarmError(f"lost {who} during step {coordinator.committed + 1}; training stopped after "
-                                     f"step {coordinator.committed} (nothing was saved: the devices held the "
-                                     "weights)") from None
-                raise
-        finally:
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(10):
-                    try:
-                        await job.release_all()
-                    except SwarmError:
-                        pass  # a device that is gone has nothing to release
+                await coordinator.run(total, on_step)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await control.release()
+            nursery.cancel_scope.cancel()
         if coordinator.stopped_early:
             raise KeyboardInterrupt
 
-    async def _watch_members(self, events, nodes: set[str], name_of: dict, coordinator) -> None:
-        async for event in events:
-            if event.node_id in nodes and event.kind in ("dead", "left"):
-                raise SwarmError(f"lost {name_of.get(event.node_id, event.node_id)} ({event.kind}: "
-                                 f"{event.reason or 'no answer'}) during step {coordinator.committed + 1}; training "
-                                 f"stopped after step {coordinator.committed} (nothing was saved: the devices held "
-                                 "the weights)")
+    def strategy_for_replan(self) -> str:
+        s = self.options.strategy
+        if s in ("dp", "pp", "tiles", "hybrid"):
+            return s
+        return "tiles" if self.plan and any(st.mode == "tiles" for st in self.plan.stages) else "pp"
 
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -244,6 +224,129 @@ class SwarmRunner:
                     raise KeyboardInterrupt  # a second Ctrl-C: stop now
                 self.stopping = True
                 self.log("stopping after this step (Ctrl-C again to stop at once)")
+
+
+class ClusterControl:
+    """The coordinator's hold on the swarm's devices for one training job: each epoch is a
+    job handle at that epoch (agents refuse older epochs), assigned and started on the
+    plan's devices; deaths and job failures come out of next_loss(), devices that join or
+    come back out of next_join()."""
+
+    def __init__(self, cluster, job_id: str, names: dict, nursery: trio.Nursery, log):
+        self.cluster = cluster
+        self.job_id = job_id
+        self.names = dict(names)  # device name -> swarm.cluster Device
+        self.nursery = nursery
+        self.log = log
+        self.handle = None
+        self.epoch_scope: trio.CancelScope | None = None
+        self._loss_send, self._loss_recv = trio.open_memory_channel(math.inf)
+        self._join_send, self._join_recv = trio.open_memory_channel(math.inf)
+        self.in_plan: set[str] = set()
+        self.failure_grace_s = 10.0  # how long a failed part waits for a death that explains it
+        nursery.start_soon(self._watch_membership, cluster.subscribe())
+
+    def node_of(self, name: str) -> str:
+        return self.names[name].node_id
+
+    def alive(self) -> list[str]:
+        out = []
+        for name, d in self.names.items():
+            now = self.cluster.device(d.node_id)
+            if now is not None and now.health not in ("dead", "left", "unreachable", "refused"):
+                out.append(name)  # a suspect device is busy, not gone, until its probe fails
+        return sorted(out)
+
+    async def next_loss(self) -> set[str]:
+        return await self._loss_recv.receive()
+
+    async def next_join(self) -> set[str]:
+        return await self._join_recv.receive()
+
+    async def _watch_membership(self, events) -> None:
+        by_node = {d.node_id: n for n, d in self.names.items()}
+        async for event in events:
+            name = by_node.get(event.node_id)
+            if event.kind in ("dead", "left") and name in self.in_plan:
+                self.log(f"{name} is {event.kind} ({event.reason or 'no answer'})")
+                self._loss_send.send_nowait({name})
+            elif event.kind in ("joined", "recovered"):
+                device = self.cluster.device(event.node_id)
+                if device is None:
+                    continue
+                if name is None:  # a device new to this run
+                    name = device.name if device.name not in self.names else f"{device.name}-{device.node_id[:6]}"
+                    self.names[name] = device
+                    by_node[device.node_id] = name
+                if name not in self.in_plan:
+                    self._join_send.send_nowait({name})
+
+    async def start_epoch(self, epoch: int, job: JobSpec):
+        used = job.plan.used_devices()
+        self.in_plan = set(used)
+        if self.epoch_scope is not None:
+            self.epoch_scope.cancel()
+        handle = self.cluster.job(self.job_id, epoch=epoch)
+        self.handle = handle
+        devices = {n: {"node_id": self.node_of(n), "address": f"{self.names[n].address}:{self.names[n].port}"}
+                   for n in used}
+        node_of = {n: d["node_id"] for n, d in devices.items()}
+        node_of[COORDINATOR] = self.cluster.credentials.node_id
+        spec = job_spec_dict(job, devices)
+
+        async def send_to(node_id: str, body: dict) -> None:
+            await handle.send(node_id, handle.data(CHANNEL, body))
+
+        endpoint = WireEndpoint(COORDINATOR, node_of, send_to)
+        lost = set()
+        for n in used:  # a device that refuses or cannot be reached counts as lost
+            try:
+                await handle.assign(node_of[n], "train", spec)
+                await handle.start(node_of[n])
+            except (SwarmError, trio.TooSlowError) as exc:
+                self.log(f"{n} could not take its part: {exc}")
+                lost.add(n)
+        if lost:
+            self._loss_send.send_nowait(lost)
+        scope = trio.CancelScope()
+        self.epoch_scope = scope
+        self.nursery.start_soon(self._epoch_tasks, scope, endpoint, handle,
+                                [(n, node_of[n]) for n in used if n not in lost])
+        return endpoint
+
+    async def _epoch_tasks(self, scope, endpoint, handle, parts) -> None:
+        """This epoch's message pump and watch on every part, until the next epoch."""
+        with scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(endpoint.pump, lambda: handle.receive(CHANNEL))
+                for name, node_id in parts:
+                    nursery.start_soon(self._watch_job, handle, name, node_id)
+
+    async def _watch_job(self, handle, name: str, node_id: str) -> None:
+        """A part whose device is gone is a loss. A part that fails while its device is fine
+        has usually lost a peer that is dying too: if no device is declared lost within the
+        grace period (which cancels this watch with a new epoch), the run stops with its error."""
+        from swarm.cluster import JobError
+
+        try:
+            await handle.wait_done(node_id)
+        except JobError as exc:
+            device = self.cluster.device(node_id)
+            if device is None or device.health in ("dead", "left"):
+                self._loss_send.send_nowait({name})
+                return
+            await trio.sleep(self.failure_grace_s)
+            raise SwarmError(f"{name} failed: {exc}") from None
+
+    async def release(self) -> None:
+        if self.epoch_scope is not None:
+            self.epoch_scope.cancel()
+        if self.handle is not None:
+            with trio.move_on_after(10):
+                try:
+                    await self.handle.release_all()
+                except SwarmError:
+                    pass  # a device that is gone has nothing to release
 
 
 def describe_plan(plan: Plan) -> str:

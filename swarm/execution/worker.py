@@ -2,24 +2,34 @@
 to and from neighbouring stages, reduce gradients in its groups, and apply a step only when
 the coordinator commits it.
 
+A worker runs for one epoch of a job (one plan). It starts by gathering its stages' state at
+the epoch's start step, as the spec's moves say: layers it kept itself, layers another
+device sends it, or (at the very start) layers from the coordinator. Every `backup_interval`
+committed steps it snapshots its own layers and sends the layers of its single-device stages
+to their backup holders (DeviceStore), so that after a death the survivors can roll back to
+that step and replay.
+
 Messages a worker receives (keys; see also coordinator.py):
-    ("init", stage)                          stage weights (+ optimizer state) to start from
+    ("layers", stage, src)                   layer states for a stage, from device src (a move)
+    ("backup", step, stage)                  another device's stage at a backup step, to hold
+    ("forget", step)                         the backup at `step` is complete: drop older ones
     ("feed", step, part, m)                  uint8 image block for a first-stage part
     ("tgt", step, part, m)                   targets for a last-stage part
     ("act", step, stage, part, m, t, src)    activation block of tensor t from part src of stage-1
     ("grad", step, stage, part, m, t, src)   gradient block of tensor t from part src of stage+1
-    ("decide", step)                         {"commit": bool, "last": bool}
-    ("get_state", stage)                     send the stage's weights and optimizer state back
+    ("decide", step)                         {"commit", "last", "checkpoint": bool}
     ("stop",)
-and sends ("ready", step, device) {"loss": float, "busy_s": float} when its share of a step is
-done and its gradients are reduced.
+and sends ("ready", step, device) {"loss", "busy_s", "times"} when its share of a step is
+done and its gradients are reduced, ("backup_ready", step, device) when its snapshot and the
+backups it holds for `step` are in place, and ("state", stage, device) with a stage's weights
+and optimizer state when a decision asks for a checkpoint (the first device of each stage).
 """
 from __future__ import annotations
 
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import trio
@@ -30,7 +40,8 @@ from swarm.data import microbatch_bounds, sample_keys
 from swarm.execution.blocks import assemble, cut, map_shape
 from swarm.execution.collectives import allgather, allreduce_sum
 from swarm.execution.endpoint import Endpoint
-from swarm.execution.routing import Layout, Part, parts_on
+from swarm.execution.routing import Layout, Part, parts_on, stage_parts
+from swarm.execution.store import DeviceStore
 from swarm.execution.stage import StageCopy
 from swarm.execution.tiling import DeviceTiles, TileGeometry
 from swarm.trainer import TrainConfig
@@ -45,6 +56,14 @@ class JobSpec:
     cfg_text: str | None
     timeout_s: float = 120.0  # longest wait for any one message before the job is given up
     threads: int | None = None
+    epoch: int = 0
+    start_step: int = 0  # committed steps the epoch starts from
+    moves: list = field(default_factory=list)  # replan.Move: where each stage's layers come from
+    backup_interval: int = 1  # snapshot and back up every this many committed steps
+
+    def spec_fields(self) -> dict:
+        return {"epoch": self.epoch, "start_step": self.start_step, "moves": [m.to_dict() for m in self.moves],
+                "backup_interval": self.backup_interval}
 
 
 class ComputeLock:
@@ -74,9 +93,10 @@ class ComputeLock:
 
 
 class DeviceWorker:
-    def __init__(self, endpoint: Endpoint, job: JobSpec):
+    def __init__(self, endpoint: Endpoint, job: JobSpec, store: DeviceStore | None = None):
         self.ep = endpoint
         self.job = job
+        self.store = store if store is not None else DeviceStore()
         self.plan = job.plan
         self.cfg = job.cfg
         self.device = endpoint.name
@@ -128,22 +148,71 @@ class DeviceWorker:
         self.desc = desc
         self.tile_geometry = TileGeometry(self.plan, desc)
         self.layout = Layout(self.plan, desc, self.tile_geometry)
-        step = None
-        for p in sorted({part.stage for part in self.parts}):
-            copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
-                                                 len(self.group_of(p)))
-            init = await self.get(("init", p))
-            await trio.to_thread.run_sync(copy.load, init["state"], init.get("momentum"), init.get("step", 0))
-            self.copies[p] = copy
-            if copy.stage.mode == "tiles":
-                self.tile_workers[p] = self.make_tile_workers(copy)
-            step = init.get("step", 0)
-        while True:
-            last = await self.run_step(step)
-            if last:
-                break
-            step += 1
-        await self.serve_state_requests()
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            await self.restore()
+            step = self.job.start_step
+            await self.back_up(step)
+            while not await self.run_step(step):
+                step += 1
+            await self.get(("stop",))
+            nursery.cancel_scope.cancel()
+
+    async def restore(self) -> None:
+        """Build this device's stages and load their state at the start step: send what
+        others need of ours, take what we kept, receive the rest."""
+        start = self.job.start_step
+        self.store.drop_after(start)
+        async with trio.open_nursery() as nursery:
+            for move in self.job.moves:
+                if move.src == self.device and move.dst != self.device:
+                    nursery.start_soon(self._push, move)
+            for p in sorted({part.stage for part in self.parts}):
+                nursery.start_soon(self._build_stage, p, start)
+
+    async def _push(self, move) -> None:
+        states = self.store.states_at(move.step, move.layers)
+        await self.ep.send(move.dst, ("layers", move.stage, self.device), {"states": states})
+
+    async def _build_stage(self, p: int, start: int) -> None:
+        copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
+                                             len(self.group_of(p)))
+        states: dict = {}
+        for move in self.job.moves:
+            if move.dst != self.device or move.stage != p:
+                continue
+            if move.src == self.device:
+                states.update(self.store.states_at(move.step, move.layers))
+            else:
+                states.update((await self.get(("layers", p, move.src)))["states"])
+        await trio.to_thread.run_sync(copy.load_states, states)
+        self.copies[p] = copy
+        if copy.stage.mode == "tiles":
+            self.tile_workers[p] = self.make_tile_workers(copy)
+
+    async def back_up(self, step: int) -> None:
+        """At a backup step: snapshot our layers, send our single-device stages to their
+        holders, and (in the background) take in what we hold for others, then tell the
+        coordinator."""
+        states = {}
+        for copy in self.copies.values():
+            states.update(await trio.to_thread.run_sync(copy.states))
+        await trio.to_thread.run_sync(self.store.snapshot, step, states)
+        for p, holder in self.plan.backups.items():
+            if self.plan.stages[p].devices == [self.device] and holder != self.device:
+                await self.ep.send(holder, ("backup", step, p), {"states": self.copies[p].states()})
+        held = [p for p, holder in self.plan.backups.items() if holder == self.device
+                and self.plan.stages[p].devices != [self.device]]
+        self.nursery.start_soon(self._hold_backups, step, held)
+
+    async def _hold_backups(self, step: int, stages: list[int]) -> None:
+        for p in stages:
+            msg = await self.get(("backup", step, p))
+            await trio.to_thread.run_sync(self.store.hold, step, msg["states"])
+        await self.ep.send(COORDINATOR, ("backup_ready", step, self.device), {})
+        forget = await self.ep.mailbox.get(("forget", step), math.inf)
+        del forget
+        self.store.forget_before(step)
 
     def make_tile_workers(self, copy: StageCopy) -> dict:
         from tiles.executor import TileWorker
@@ -176,6 +245,14 @@ class DeviceWorker:
                 copy.apply_step(step)
             else:
                 copy.optimizer.zero_grad(set_to_none=True)
+        committed = step + 1
+        if decision.get("checkpoint"):
+            for p, copy in self.copies.items():
+                if stage_parts(self.plan, p)[0].device == self.device:
+                    states = await trio.to_thread.run_sync(copy.states)
+                    await self.ep.send(COORDINATOR, ("state", committed, p, self.device), {"states": states})
+        if decision["commit"] and committed % self.job.backup_interval == 0 and not decision.get("last"):
+            await self.back_up(committed)
         return bool(decision.get("last"))
 
     async def run_stage(self, step: int, p: int, losses: list[float]) -> None:
@@ -329,33 +406,6 @@ class DeviceWorker:
             flat = await trio.to_thread.run_sync(copy.flat_grads)
             total = await allreduce_sum(self.ep, group, ("grads", step, p), flat, self.job.timeout_s)
             await trio.to_thread.run_sync(copy.set_flat_grads, total)
-
-    async def serve_state_requests(self) -> None:
-        while True:
-            # the coordinator asks for the stages it needs, then says stop
-            msg_key = await self._next_control()
-            if msg_key[0] == "stop":
-                return
-            p = msg_key[1]
-            copy = self.copies[p]
-            state, momentum = await trio.to_thread.run_sync(lambda: (copy.state(), copy.momentum()))
-            await self.ep.send(COORDINATOR, ("state", p, self.device), {"state": state, "momentum": momentum})
-
-    async def _next_control(self):
-        """Wait for ("get_state", p) for any hosted stage, or ("stop",)."""
-        result = {}
-
-        async def watch(key):
-            await self.ep.mailbox.get(key, math.inf)
-            result.setdefault("key", key)
-            nursery.cancel_scope.cancel()
-
-        with trio.fail_after(self.job.timeout_s):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch, ("stop",))
-                for p in self.copies:
-                    nursery.start_soon(watch, ("get_state", p))
-        return result["key"]
 
 
 def plan_batch(plan: Plan) -> int:

@@ -1,0 +1,227 @@
+"""Changing a running plan: without the devices that died (or with ones that came), which
+layers move where, and who backs up whom (pure).
+
+Lightweight (Asteroid section 3.4): keep the plan's shape and shift it. A dp group deals the
+lost replica's samples to the survivors, a tiles stage is re-gridded over its survivors, and
+a stage left with no device gives its layers to its neighbours in proportion to their
+compute (FLOPs-based, moving the stage boundaries a little). Heavy: plan again over the
+devices there are. `replan` tries the light way and says why it took the other when it
+must.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from planner.model_desc import ModelDesc
+from planner.plan import Plan, PlanError, Stage
+from swarm.execution.strategies import even_allocation, simple_plan, square_grid
+
+
+@dataclass
+class Move:
+    """Send the state of `layers` at committed step `step` from `src` to `dst` (for its stage
+    `stage` of the new plan). `src` may be "coordinator"."""
+
+    src: str
+    dst: str
+    stage: int
+    layers: list[int]
+    step: int
+
+    def to_dict(self) -> dict:
+        return {"src": self.src, "dst": self.dst, "stage": self.stage, "layers": self.layers, "step": self.step}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Move":
+        return cls(d["src"], d["dst"], int(d["stage"]), [int(x) for x in d["layers"]], int(d["step"]))
+
+
+def stage_flops(desc: ModelDesc, first: int, last: int) -> float:
+    return float(sum(desc.layers[i].flops + desc.layers[i].backward_flops for i in range(first, last)))
+
+
+def bottleneck(plan: Plan, desc: ModelDesc, speed: dict[str, float] | None = None) -> float:
+    """FLOPs per unit of speed on the busiest device (lower is faster): a plan's cost for
+    comparing re-plans when nothing better is known."""
+    load: dict[str, float] = {}
+    mb = plan.batch_size / plan.microbatches
+    for s in plan.stages:
+        work = stage_flops(desc, s.first, s.last) * plan.batch_size
+        if s.mode == "dp":
+            for d, n in s.allocation.items():
+                load[d] = load.get(d, 0.0) + work * n / mb
+        elif s.mode == "tiles":
+            tiles = len(s.tile_devices)
+            for d in s.tile_devices:
+                load[d] = load.get(d, 0.0) + work / tiles
+        else:
+            load[s.devices[0]] = load.get(s.devices[0], 0.0) + work
+    return max(v / (speed or {}).get(d, 1.0) for d, v in load.items())
+
+
+def backup_holders(plan: Plan) -> dict[int, str]:
+    """Topology-driven backups: a stage on one device is copied to a device of the next stage
+    (the last to the first stage); a stage on several devices needs none, its survivors
+    have its weights."""
+    holders = {}
+    n = len(plan.stages)
+    for p, s in enumerate(plan.stages):
+        if len(s.devices) > 1:
+            continue
+        owner = s.devices[0]
+        for q in [(p + k) % n for k in range(1, n + 1)]:
+            candidates = [d for d in plan.stages[q].devices if d != owner]
+            if candidates:
+                holders[p] = candidates[0]
+                break
+    return holders
+
+
+def _allocate(devices: list[str], samples: int, speed: dict[str, float]) -> dict[str, int]:
+    """Samples in proportion to speed, at least one each while they last (largest remainder)."""
+    total = sum(speed.get(d, 1.0) for d in devices)
+    raw = {d: samples * speed.get(d, 1.0) / total for d in devices}
+    alloc = {d: int(v) for d, v in raw.items()}
+    for d in sorted(devices, key=lambda d: raw[d] - alloc[d], reverse=True)[:samples - sum(alloc.values())]:
+        alloc[d] += 1
+    return alloc
+
+
+def _regrid(s: Stage, survivors: list[str], desc: ModelDesc) -> Stage:
+    rows, cols = square_grid(len(survivors))
+    fits = all(rows <= desc.layers[i].out_shape[1] and cols <= desc.layers[i].out_shape[2]
+               for i in range(s.first, s.last))
+    if not fits:  # keep the grid; the lost devices' tiles go to the survivors in turn
+        tiles, k = [], 0
+        for d in s.tile_devices:
+            if d not in survivors:
+                d, k = survivors[k % len(survivors)], k + 1
+            tiles.append(d)
+        return replace(s, devices=survivors, tile_devices=tiles, warmup=None)
+    return replace(s, devices=survivors, grid=(rows, cols), tile_devices=list(survivors), warmup=None)
+
+
+def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, float] | None = None) -> Plan:
+    """The plan without `dead`, changed as little as possible; PlanError when it cannot be."""
+    speed = speed or {}
+    mb = plan.batch_size // plan.microbatches
+    stages: list[Stage | None] = []
+    for s in plan.stages:
+        survivors = [d for d in s.devices if d not in dead]
+        if not survivors:
+            stages.append(None)
+        elif len(survivors) == len(s.devices):
+            stages.append(replace(s, warmup=None))
+        elif s.mode == "dp":
+            stages.append(replace(s, devices=survivors, allocation=_allocate(survivors, mb, speed), warmup=None))
+        elif s.mode == "tiles":
+            stages.append(_regrid(s, survivors, desc))
+        else:
+            stages.append(replace(s, devices=survivors, warmup=None))
+    # stages left without devices: their layers go to the neighbours, in proportion to compute
+    while None in stages:
+        i = stages.index(None)
+        j = i
+        while j + 1 < len(stages) and stages[j + 1] is None:
+            j += 1  # a run of stages that all lost their devices goes as one block
+        lo, hi = plan.stages[i].first, plan.stages[j].last
+        before = stages[i - 1] if i > 0 else None
+        after = stages[j + 1] if j + 1 < len(stages) else None
+        takers = [s for s in (before, after) if isinstance(s, Stage) and s.mode != "tiles"]
+        before = before if isinstance(before, Stage) else None
+        after = after if isinstance(after, Stage) else None
+        if not takers:
+            raise PlanError(f"layers {lo}-{hi - 1} lost all their devices and no neighbouring stage can take them")
+        if len(takers) == 1:
+            cut = hi if takers[0] is before else lo
+        else:
+            cap_b = sum(speed.get(d, 1.0) for d in before.devices)
+            cap_a = sum(speed.get(d, 1.0) for d in after.devices)
+            load_b = stage_flops(desc, before.first, before.last)
+            load_a = stage_flops(desc, after.first, after.last)
+            best = None
+            for c in range(lo, hi + 1):  # before takes [lo, c), after takes [c, hi)
+                t = max((load_b + stage_flops(desc, lo, c)) / cap_b, (load_a + stage_flops(desc, c, hi)) / cap_a)
+                if best is None or t < best[0]:
+                    best = (t, c)
+            cut = best[1]
+        if before is not None and cut > lo:
+            stages[i - 1] = replace(before, last=cut)
+        if after is not None and cut < hi:
+            stages[j + 1] = replace(after, first=cut)
+        for k in range(i, j + 1):
+            stages[k] = "gone"  # type: ignore[assignment]
+    new_stages = [s for s in stages if s != "gone"]
+    new = Plan(plan.model, plan.img_size, plan.batch_size, plan.microbatches, new_stages,
+               devices={d: f for d, f in plan.devices.items() if d not in dead}, planner=f"{plan.planner}, shifted")
+    new.validate(desc)
+    new.backups = backup_holders(new)
+    return new
+
+
+def heavy(plan: Plan, desc: ModelDesc, devices: list[str], strategy: str, facts: dict | None = None) -> Plan:
+    """Plan again from scratch over `devices` with `strategy`."""
+    new = simple_plan(strategy, desc, devices, plan.batch_size, plan.microbatches,
+                      facts={d: (facts or {}).get(d, plan.devices.get(d, {})) for d in devices})
+    new.backups = backup_holders(new)
+    new.planner = f"{strategy}, re-planned"
+    return new
+
+
+@dataclass
+class Replan:
+    plan: Plan
+    how: str  # "lightweight" or "heavy"
+    why: str
+
+
+def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strategy: str,
+           speed: dict[str, float] | None = None, prefer: str = "auto") -> Replan:
+    """A plan without `dead` (over `alive`, which may include devices new to the plan)."""
+    gone = ", ".join(sorted(dead)) or "none"
+    joined = [d for d in alive if d not in plan.used_devices()]
+    if prefer != "heavy" and not joined:
+        try:
+            light = lightweight(plan, desc, dead, speed)
+        except PlanError as exc:
+            why = f"the light way cannot: {exc}"
+        else:
+            if prefer == "light":
+                return Replan(light, "lightweight", f"lost {gone}: shifted the plan as asked")
+            try:
+                full = heavy(plan, desc, alive, strategy)
+            except PlanError:
+                return Replan(light, "lightweight", f"lost {gone}: shifted the plan (no fresh plan fits)")
+            if bottleneck(light, desc, speed) <= 1.25 * bottleneck(full, desc, speed):
+                return Replan(light, "lightweight", f"lost {gone}: shifted the plan, within 25% of a fresh plan's "
+                                                    "busiest device")
+            why = "a fresh plan's busiest device has over 25% less work"
+    else:
+        why = f"{', '.join(joined)} joined" if joined else "asked for"
+    return Replan(heavy(plan, desc, alive, strategy), "heavy", f"lost {gone}; {why}: planned again")
+
+
+def layer_sources(holdings: dict[str, set[int]], plan: Plan, step: int, preferred: dict[int, str] | None = None
+                  ) -> list[Move]:
+    """Moves that give every device of `plan` the layers of its stages at `step`, from the
+    devices in `holdings` (device -> layers it has at that step). A device takes what it has
+    itself; otherwise the layer comes from `preferred[layer]` if it has it, else the first
+    holder by name. PlanError names a layer nobody has."""
+    moves: dict[tuple[str, str, int], list[int]] = {}
+    for p, s in enumerate(plan.stages):
+        for dst in s.devices:
+            for layer in range(s.first, s.last):
+                if layer in holdings.get(dst, set()):
+                    src = dst
+                else:
+                    pick = (preferred or {}).get(layer)
+                    have = sorted(d for d, ls in holdings.items() if layer in ls)
+                    if not have:
+                        raise PlanError(f"no surviving device has layer {layer} at step {step}")
+                    src = pick if pick in have else have[0]
+                moves.setdefault((src, dst, p), []).append(layer)
+    return [Move(src, dst, p, layers, step) for (src, dst, p), layers in moves.items()]
+
+
+__all__ = ["Move", "Replan", "backup_holders", "bottleneck", "even_allocation", "heavy", "layer_sources",
+           "lightweight", "replan"]

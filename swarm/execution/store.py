@@ -1,0 +1,91 @@
+"""What a device keeps of a training job across plan changes: its layers' committed state,
+snapshots at backup steps, and backups it holds for other devices.
+
+Layer states are flat dicts keyed like the model's state_dict ("layers.12.conv.weight",
+"layers.12.bn.running_mean") plus optimizer slots ("layers.12.conv.weight|momentum_buffer"),
+so any set of layers can be cut out, sent, merged and loaded into any stage that covers
+them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+LayerStates = dict[str, torch.Tensor]
+
+
+def layer_of(key: str) -> int:
+    """"layers.12.conv.weight|momentum_buffer" -> 12."""
+    return int(key.split("|", 1)[0].split(".")[1])
+
+
+def select(states: LayerStates, layers) -> LayerStates:
+    """The entries of `states` for the given layer indices (a range or a set)."""
+    wanted = set(layers)
+    return {k: v for k, v in states.items() if layer_of(k) in wanted}
+
+
+def layers_in(states: LayerStates) -> set[int]:
+    return {layer_of(k) for k in states}
+
+
+def clone(states: LayerStates) -> LayerStates:
+    return {k: v.detach().clone() for k, v in states.items()}
+
+
+@dataclass
+class Snapshot:
+    step: int  # committed steps when it was taken
+    states: LayerStates
+
+
+@dataclass
+class DeviceStore:
+    """Per job, per device. `snapshots` are this device's own layers at backup steps (the
+    newest two: the older stays until the newer backup is complete everywhere);
+    `held` are other devices' layers it keeps as their backup, by step."""
+
+    snapshots: list[Snapshot] = field(default_factory=list)
+    held: dict[int, LayerStates] = field(default_factory=dict)
+
+    def snapshot(self, step: int, states: LayerStates) -> None:
+        """Keep `states` as our layers at `step` (added to what we kept at that step)."""
+        for snap in self.snapshots:
+            if snap.step == step:
+                snap.states.update(clone(states))
+                return
+        self.snapshots = sorted(self.snapshots, key=lambda s: s.step)[-1:] + [Snapshot(step, clone(states))]
+
+    def hold(self, step: int, states: LayerStates) -> None:
+        self.held.setdefault(step, {}).update(clone(states))
+        for old in sorted(self.held)[:-2]:  # the newest two backup steps are enough
+            del self.held[old]
+
+    def drop_after(self, step: int) -> None:
+        """Drop what is newer than `step` (the run went back to `step`)."""
+        self.snapshots = [s for s in self.snapshots if s.step <= step]
+        for new in [s for s in self.held if s > step]:
+            del self.held[new]
+
+    def forget_before(self, step: int) -> None:
+        """Drop what is older than `step` (a newer backup is complete everywhere)."""
+        self.snapshots = [s for s in self.snapshots if s.step >= step]
+        for old in [s for s in self.held if s < step]:
+            del self.held[old]
+
+    def states_at(self, step: int, layers) -> LayerStates:
+        """This device's knowledge of `layers` at `step`: its own snapshot and what it holds."""
+        found: LayerStates = {}
+        for snap in self.snapshots:
+            if snap.step == step:
+                found.update(select(snap.states, layers))
+        found.update(select(self.held.get(step, {}), layers))
+        return found
+
+    def layers_at(self, step: int) -> set[int]:
+        have = set()
+        for snap in self.snapshots:
+            if snap.step == step:
+                have |= layers_in(snap.states)
+        return have | layers_in(self.held.get(step, {}))

@@ -1,0 +1,119 @@
+"""Devices die mid-training and the run ends with the failure-free weights (in process).
+
+Each case kills devices at chosen steps (the kill lands while the next step is running),
+the coordinator rolls every stage back to the last complete backup, re-plans over the
+survivors and replays; the final weights must equal the local trainer's (float64, so the
+comparison tests the logic: see test_execution.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.plan import Plan, Stage
+from swarm.data import make_batch, open_datasets, step_indices
+from swarm.execution.inprocess import train_plan_in_process
+from swarm.execution.replan import backup_holders, lightweight, replan
+from swarm.execution.strategies import simple_plan
+from swarm.trainer import LocalTrainer, TrainConfig
+from swarm.zoo import describe_model
+
+STEPS = 5
+DEVICES = ["d0", "d1", "d2", "d3"]
+
+
+def _cfg() -> TrainConfig:
+    return TrainConfig(model="yolov2-16", img_size=64, batch_size=8, microbatches=4, seed=11, classes=5,
+                       dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def local_weights():
+    cfg = _cfg()
+    trainer = LocalTrainer(cfg)
+    data, _ = open_datasets(None, 64, 3)
+    for s in range(STEPS):
+        trainer.step(*make_batch(data, step_indices(len(data), 8, s, cfg.seed)))
+    return trainer.net.state_dict()
+
+
+def _run(strategy: str, events, backup_interval: int = 1, devices=None):
+    cfg = _cfg()
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, 64, 3)
+    plan = simple_plan(strategy, trainer.desc, DEVICES, 8, 4)
+    plan.backups = backup_holders(plan)
+    coordinator = train_plan_in_process(plan, trainer, data, STEPS, events=events, strategy=strategy,
+                                        backup_interval=backup_interval, devices=devices, timeout_s=60)
+    return trainer, coordinator
+
+
+def _worst(a: dict, b: dict) -> float:
+    worst = 0.0
+    for k in a:
+        if a[k].is_floating_point():
+            worst = max(worst, float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)))
+        else:
+            assert torch.equal(a[k], b[k]), k
+    return worst
+
+
+CASES = [
+    ("pp", [(1, "kill", "d1", 0.0)], "a single-device pipeline stage"),
+    ("pp", [(2, "kill", "d2", 0.05)], "the backup holder of stage 1"),
+    ("dp", [(1, "kill", "d3", 0.0)], "a dp replica"),
+    ("tiles", [(2, "kill", "d2", 0.0)], "a tiles device"),
+    ("hybrid", [(1, "kill", "d3", 0.0)], "the last device of a dp stage's group... and the single stage's holder"),
+    ("pp", [(1, "kill", "d1", 0.0), (3, "kill", "d3", 0.0)], "two devices, one after the other"),
+]
+
+
+@pytest.mark.parametrize("strategy,events,what", CASES, ids=[c[2].split(" ")[1] + "-" + c[0] for c in CASES])
+def test_killed_device_replayed_to_the_failure_free_weights(local_weights, strategy, events, what):
+    trainer, coordinator = _run(strategy, events)
+    assert trainer.step_count == STEPS
+    assert len(coordinator.recoveries) == len(events)
+    lost = sorted(d for r in coordinator.recoveries for d in r.lost)
+    assert lost == sorted(e[2] for e in events)
+    assert all(d not in coordinator.plan.used_devices() for d in lost)
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_backups_every_other_step_roll_back_further(local_weights):
+    trainer, coordinator = _run("pp", [(3, "kill", "d2", 0.0)], backup_interval=2)
+    (recovery,) = coordinator.recoveries
+    assert recovery.rolled_back_to in (2, 3)  # the newest complete backup: step 2 (or the start of a new epoch)
+    assert recovery.rolled_back_to == 2
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_device_that_comes_back_is_taken_in(local_weights):
+    trainer, coordinator = _run("pp", [(1, "kill", "d3", 0.0), (2, "revive", "d3", 0.0)])
+    kinds = [r.how for r in coordinator.recoveries]
+    assert kinds[0] in ("lightweight", "heavy") and kinds[-1] == "rejoin"
+    assert "d3" in coordinator.plan.used_devices()
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_lightweight_shifts_boundaries_by_flops():
+    desc = describe_model("yolov2-16", 128, classes=5)
+    plan = simple_plan("pp", desc, DEVICES, 16, 4)
+    plan.backups = backup_holders(plan)
+    assert plan.backups == {0: "d1", 1: "d2", 2: "d3", 3: "d0"}
+    light = lightweight(plan, desc, {"d1"})
+    assert [s.devices for s in light.stages] == [["d0"], ["d2"], ["d3"]]
+    assert light.stages[0].first == 0 and light.stages[-1].last == 17
+    # stage 1's layers are split between its neighbours: both grow
+    assert light.stages[0].last > plan.stages[0].last and light.stages[1].first < plan.stages[2].first
+    change = replan(plan, desc, {"d1"}, ["d0", "d2", "d3"], "pp")
+    assert change.how in ("lightweight", "heavy") and change.why
+
+
+def test_whole_group_lost_gives_its_layers_to_a_neighbour():
+    desc = describe_model("yolov2-16", 128, classes=5)
+    plan = Plan("yolov2-16", 128, 16, 4, [Stage(0, 6, "single", ["a"]),
+                                          Stage(6, 12, "dp", ["b", "c"], allocation={"b": 2, "c": 2}),
+                                          Stage(12, 17, "single", ["d"])])
+    light = lightweight(plan, desc, {"b", "c"})
+    assert [(s.first, s.last, s.devices) for s in light.stages][0][2] == ["a"]
+    assert len(light.stages) == 2 and light.stages[0].last == light.stages[1].first
