@@ -169,7 +169,7 @@ def test_cgroup_v2_limits(tmp_path):
     assert host.version == 2
     dirs = cgroups.create_limits(host, "dev0", cpu=0.25, memory=2**30)
     assert dirs == [tmp_path / "v2" / PREFIX / "dev0"]
-    assert (dirs[0] / "cpu.max").read_text() == "25000 100000"
+    assert (dirs[0] / "cpu.max").read_text() == "2500 10000"  # a quarter of a core, on a 10 ms period
     assert (dirs[0] / "memory.max").read_text() == str(2**30)
     for parent in (tmp_path / "v2", tmp_path / "v2" / PREFIX):
         assert (parent / "cgroup.subtree_control").read_text() == "+cpu +memory"
@@ -182,8 +182,8 @@ def test_cgroup_v1_limits(tmp_path):
     assert host.version == 1
     cpu_dir, memory_dir = cgroups.create_limits(host, "dev3", cpu=1.5, memory=512 * 2**20)
     assert cpu_dir == tmp_path / "cpu,cpuacct" / PREFIX / "dev3"
-    assert (cpu_dir / "cpu.cfs_quota_us").read_text() == "150000"
-    assert (cpu_dir / "cpu.cfs_period_us").read_text() == "100000"
+    assert (cpu_dir / "cpu.cfs_quota_us").read_text() == "15000"
+    assert (cpu_dir / "cpu.cfs_period_us").read_text() == "10000"
     assert (memory_dir / "memory.limit_in_bytes").read_text() == str(512 * 2**20)
     assert cgroups.detect("") is None
 
