@@ -4,6 +4,7 @@ On a terminal it redraws one line; otherwise (logs, CI) it prints a line now and
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -16,13 +17,14 @@ def format_seconds(s: float) -> str:
 
 
 class Progress:
-    def __init__(self, total: int, start: int = 0, stream=None, width: int = 24, log_every_s: float = 15.0):
+    def __init__(self, total: int, start: int = 0, stream=None, width: int = 24, log_every_s: float | None = None):
         self.total = total
         self.start_step = start
         self.stream = stream or sys.stderr
         self.width = width
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.log_every_s = log_every_s
+        # not on a terminal: a line every this many seconds ($SWARM_PROGRESS_SECONDS, 0 = every step)
+        self.log_every_s = log_every_s if log_every_s is not None else float(os.environ.get("SWARM_PROGRESS_SECONDS", 15))
         self.t0 = time.monotonic()
         self.last_log = -1e9
         self.samples = 0

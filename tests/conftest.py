@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Discovery and connections never leave the machine in tests: every swarm command (and
 # every subprocess a test starts) sees this unless a test pins another interface itself.
 os.environ["SWARM_INTERFACE"] = "lo"
+os.environ["SWARM_CONFIG"] = os.devnull  # never the machine's own /etc/swarm/swarm.toml
 
 
 @pytest.fixture(autouse=True)

@@ -182,7 +182,8 @@ def up(count: int, *, cpu: float | None = None, memory: int | None = None, bandw
 
 def _agent_command(device: str, directory: Path, interface: str, port: int, peers: str | None) -> list[str]:
     cmd = _swarm_command() + ["join", "--name", device, "--state-dir", str(directory / device), "--token-file",
-                              str(directory / "token"), "--interface", interface, "--port", str(port)]
+                              str(directory / "token"), "--interface", interface, "--port", str(port),
+                              "--config", os.devnull]  # not the machine's own service settings
     return cmd + (["--peers", peers] if peers else [])
 
 

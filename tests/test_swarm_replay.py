@@ -1,0 +1,108 @@
+"""Kill-a-node tests on the namespace testbed (root): a device is SIGKILLed (or cut off) at a
+seeded random step while `swarm train` runs inside the cluster; the run recovers, replays,
+and ends with the failure-free weights (float64, so the comparison tests the logic: see
+test_swarm_training.py)."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from swarm.testbed import testbed
+from tests.conftest import ROOT, run_swarm
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")]
+
+STEPS = 8
+FLAGS = ["--model", "yolov2-16", "--img-size", "64", "--batch-size", "8", "--microbatches", "4", "--steps", STEPS,
+         "--seed", "5", "--dtype", "float64", "--no-eval"]
+
+
+@pytest.fixture(scope="module")
+def local_weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("local") / "local.pt"
+    r = run_swarm("train", "--strategy", "local", *FLAGS, "--save", path, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return torch.load(path, weights_only=True)["model"]
+
+
+@pytest.fixture
+def bed():
+    if testbed.load() is not None:
+        pytest.skip("a namespace testbed is already up on this machine")
+    up = run_swarm("testbed", "up", "--devices", 4, timeout=180)
+    try:
+        assert up.returncode == 0, up.stderr
+        yield testbed.load()
+    finally:
+        run_swarm("testbed", "down", timeout=60)
+
+
+def train_with_faults(tmp_path, strategy: list[str], faults: list[tuple[int, str, str]]):
+    """Run training in dev0's namespace; when step k is reported, do `swarm testbed ACTION DEV`
+    for each (k, action, device). Returns (exit code, stderr, checkpoint path)."""
+    out = tmp_path / "swarm.pt"
+    cmd = [sys.executable, "-m", "swarm", "testbed", "exec", "dev0", "--", sys.executable, "-m", "swarm", "train",
+           *map(str, FLAGS), *strategy, "--devices", "4", "--wait", "30", "--save", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "SWARM_PROGRESS_SECONDS": "0"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines = []
+    todo = sorted(faults)
+    deadline = time.monotonic() + 600
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            while todo and line.startswith(f"step {todo[0][0]}/"):
+                _, action, device = todo.pop(0)
+                r = run_swarm("testbed", action, device)
+                assert r.returncode == 0, r.stderr
+            assert time.monotonic() < deadline, "".join(lines)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not todo, f"the run ended before step {todo[0][0]}:\n{''.join(lines)}"
+    return proc.returncode, "".join(lines), out
+
+
+def worst(a: dict, b: dict) -> float:
+    out = 0.0
+    for k in a:
+        if a[k].is_floating_point():
+            out = max(out, float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)))
+        else:
+            assert torch.equal(a[k], b[k]), k
+    return out
+
+
+def kill_step(seed: int) -> int:
+    return random.Random(seed).randint(2, STEPS - 3)
+
+
+CASES = [
+    ("a tiles device", ["--strategy", "tiles"], [(kill_step(1), "kill", "dev2")]),
+    ("a single-device pipeline stage", ["--strategy", "pp"], [(kill_step(2), "kill", "dev1")]),
+    ("a dp replica", ["--strategy", "dp"], [(kill_step(3), "kill", "dev1")]),  # 2 samples per micro-batch: dev0, dev1
+    ("the backup holder of stage 1", ["--strategy", "pp"], [(kill_step(4), "kill", "dev2")]),
+    ("two devices, one after the other", ["--strategy", "pp"], [(2, "kill", "dev1"), (5, "kill", "dev3")]),
+    ("a cut link (and its return)", ["--strategy", "pp"], [(kill_step(5), "cut", "dev3"),
+                                                            (kill_step(5) + 2, "heal", "dev3")]),
+]
+
+
+@pytest.mark.parametrize("what,strategy,faults", CASES, ids=[c[0] for c in CASES])
+def test_training_survives_and_equals_the_failure_free_run(bed, local_weights, tmp_path, what, strategy, faults):
+    code, log, out = train_with_faults(tmp_path, strategy, faults)
+    assert code == 0, log
+    assert "Traceback" not in log
+    lost = {d for _, action, d in faults if action in ("kill", "cut")}
+    for device in lost:
+        assert f"lost {device}" in log or f"lost dev" in log, log
+    assert "rolling back to step" in log
+    assert worst(torch.load(out, weights_only=True)["model"], local_weights) < 1e-9
