@@ -174,8 +174,6 @@ def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, now=time
     calls. Backward: gradient hooks on every layer's output stamp the moment its gradient
     is complete; a layer's backward is the time from its output's stamp to its input's.
     Returns (forward per layer, backward per layer, loss forward, loss backward), medians."""
-    import torch
-
     L = len(desc.layers)
     keys = list(range(len(images)))
     runs = []
@@ -259,7 +257,6 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
                   cfg_text: str | None = None, optimizer: str = "sgd", log=None, clock: str = "wall") -> DeviceProfile:
     """Measure this device running `model` (uses the built-in synthetic data for inputs).
     clock "cpu" counts this thread's CPU time instead of the wall clock (one thread only)."""
-    import psutil
     import torch
 
     from swarm.data import make_batch, open_datasets

@@ -29,3 +29,18 @@ def run_swarm(*args, cwd=None, env=None, timeout=600):
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "swarm", *map(str, args)], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def namespace_testbed(devices: int = 4, *flags):
+    """A generator for a fixture: `swarm testbed up` (skipping when one is already up on
+    the machine), the testbed record, then `swarm testbed down` whatever happened."""
+    from swarm.testbed import testbed
+
+    if testbed.load() is not None:
+        pytest.skip("a namespace testbed is already up on this machine")
+    up = run_swarm("testbed", "up", "--devices", devices, *flags, timeout=180)
+    try:
+        assert up.returncode == 0, up.stderr
+        yield testbed.load()
+    finally:
+        run_swarm("testbed", "down", timeout=60)

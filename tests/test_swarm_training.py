@@ -17,8 +17,7 @@ import time
 import pytest
 import torch
 
-from swarm.testbed import testbed
-from tests.conftest import ROOT, run_swarm
+from tests.conftest import ROOT, namespace_testbed, run_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")]
@@ -31,14 +30,7 @@ YOLO2 = ["--model", "yolov2", "--img-size", "64", "--batch-size", "8", "--microb
 
 @pytest.fixture(scope="module")
 def bed():
-    if testbed.load() is not None:
-        pytest.skip("a namespace testbed is already up on this machine")
-    up = run_swarm("testbed", "up", "--devices", 4, timeout=180)
-    try:
-        assert up.returncode == 0, up.stderr
-        yield testbed.load()
-    finally:
-        run_swarm("testbed", "down", timeout=60)
+    yield from namespace_testbed(4)
 
 
 def swarm_in(device: str, *args, timeout=900):

@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--save-every", type=non_negative_int, default=0, metavar="N",
                    help="also save every N steps (default: at the end and when interrupted; across devices also "
                    "every 25 steps, so that a lost coordinator costs little)")
+    p.add_argument("--recovery", choices=("auto", "light", "heavy"), default="auto",
+                   help="after a lost device: shift the plan over the survivors and replay from the last backup "
+                   "(light), plan again and reload the last checkpoint (heavy), or whichever suits (auto, default)")
     p.add_argument("--backup-every", type=positive_int, default=1, metavar="N",
                    help="across devices: snapshot and back up every stage every N steps (default: 1; a device "
                    "lost later rolls the run back to the last backup and replays)")
@@ -142,7 +145,7 @@ def runner_for(args: argparse.Namespace, log):
                            sync=args.sync, stages=args.stages, devices=args.devices, wait_s=args.wait,
                            schedule=args.schedule, backup_interval=args.backup_every,
                            checkpoint_every=args.save_every if args.save_every else 25,
-                           local_save_every=args.save_every,
+                           local_save_every=args.save_every, recovery=args.recovery,
                            save_path=args.save or args.resume or f"swarm-{Path(args.model or 'yolov2-16').stem}.pt",
                            interface=args.interface, peers=args.peers, state_dir=args.state_dir,
                            token_file=args.token_file)

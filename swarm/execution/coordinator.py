@@ -101,7 +101,8 @@ class DeviceLost(Exception):
 
 class TrainingCoordinator:
     def __init__(self, control, job: JobSpec, trainer: LocalTrainer, train_set, *, strategy: str = "pp",
-                 checkpoint_every: int = 0, save_hook=None, log=print, max_recoveries: int = 16):
+                 checkpoint_every: int = 0, save_hook=None, log=print, max_recoveries: int = 16,
+                 recovery: str = "auto"):
         self.control = control
         self.job = job
         self.plan = job.plan
@@ -112,6 +113,9 @@ class TrainingCoordinator:
         self.save_hook = save_hook  # called after the trainer received a checkpoint's weights
         self.log = log
         self.max_recoveries = max_recoveries
+        # auto: shift the plan when that is nearly as good as a fresh one; light: always shift;
+        # heavy: stop, plan again, and reload the last checkpoint (the coordinator's copy)
+        self.recovery = recovery
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-feed")
         self.committed = trainer.step_count  # steps applied on every device
         self.should_stop = lambda: False  # asked after every commit: end the run there?
@@ -312,11 +316,15 @@ class TrainingCoordinator:
             raise SwarmError(f"lost every device of the plan ({', '.join(sorted(dead))}); training stopped after "
                              f"step {self.committed}")
         try:
-            change = replan(self.plan, self.trainer.desc, dead, survivors, self.strategy)
+            change = replan(self.plan, self.trainer.desc, dead, survivors, self.strategy, prefer=self.recovery)
         except PlanError as exc:
             raise SwarmError(f"lost {', '.join(sorted(dead))} and cannot re-plan over {', '.join(survivors)}: {exc}"
                              ) from None
-        moves, start = self._sources(change.plan, dead)
+        if self.recovery == "heavy":
+            everything = set(range(len(self.trainer.desc.layers)))
+            moves, start = layer_sources({COORDINATOR: everything}, change.plan, self.own_step), self.own_step
+        else:
+            moves, start = self._sources(change.plan, dead)
         self.log(f"lost {', '.join(sorted(dead))} during step {self.committed + 1}: {change.how} re-plan "
                  f"({change.why}); rolling back to step {start} and replaying")
         self.replay_until = max(self.replay_until, self.committed)

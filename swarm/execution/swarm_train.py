@@ -44,14 +44,16 @@ class SwarmOptions:
     checkpoint_every: int = 25  # the coordinator collects the weights and saves every this many steps
     save_path: str | None = None
     local_save_every: int = 0  # --save-every when the run stays on this machine
+    recovery: str = "auto"  # after a lost device: auto | light | heavy (see TrainingCoordinator)
 
 
 def unique_names(devices) -> dict[str, object]:
-    """Device name -> Device, names made unique with a piece of the node id when needed."""
-    counts: dict[str, int] = {}
+    """Device name -> Device; a name two devices share gets its address (as `swarm plan`
+    names them, so its plans can be run as they are)."""
+    names: dict[str, object] = {}
     for d in devices:
-        counts[d.name] = counts.get(d.name, 0) + 1
-    return {(d.name if counts[d.name] == 1 else f"{d.name}-{d.node_id[:6]}"): d for d in devices}
+        names[d.name if d.name not in names else f"{d.name}@{d.address}"] = d
+    return names
 
 
 def own_addresses() -> set[str]:
@@ -115,7 +117,9 @@ class SwarmRunner:
                                  f"within {o.wait_s:g} s (check the token and the network, use --peers, or add "
                                  "--in-process to try it on this machine alone)")
             names = unique_names(found)
-            plan = self._make_plan(trainer, list(names), names)
+            measured = await self._measure(cluster, trainer, found) if o.strategy == "auto" and not o.plan_path \
+                else None
+            plan = self._make_plan(trainer, list(names), names, measured)
             self.plan = plan
             self.log(describe_plan(plan))
             await self._run_job(cluster, names, plan, trainer, train_set, total, report)
@@ -138,7 +142,27 @@ class SwarmRunner:
             return []  # only this machine's own agent: no other device
         return devices
 
-    def _make_plan(self, trainer, names: list[str], devices: dict) -> Plan:
+    async def _measure(self, cluster, trainer, devices) -> dict | None:
+        """Profiles of the devices (a job on each, cached there) and the links between them,
+        for the planner; None if that fails (the run then splits by FLOPs)."""
+        from swarm.agent.bandwidth_job import measure_bandwidth
+        from swarm.profiler import profile_devices
+        from swarm.zoo import BUILTIN
+
+        cfg = trainer.cfg
+        spec = {"model": cfg.model, "img_size": trainer.desc.img_size, "classes": cfg.classes,
+                "cfg": None if cfg.model in BUILTIN else trainer.cfg_text, "threads": None}
+        self.log(f"profiling {len(devices)} device(s) (cached on each after the first time) and measuring the links")
+        ids = [d.node_id for d in devices]
+        try:
+            profiles = await profile_devices(cluster, ids, spec)
+            links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
+        except (SwarmError, trio.TooSlowError) as exc:
+            self.log(f"could not profile the devices ({exc}); splitting by FLOPs instead")
+            return None
+        return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
+
+    def _make_plan(self, trainer, names: list[str], devices: dict, measured: dict | None = None) -> Plan:
         o = self.options
         cfg, desc = trainer.cfg, trainer.desc
         facts = {n: {"cores": d.cores, "memory": d.memory, "address": f"{d.address}:{d.port}"} for n, d in devices.items()}
@@ -156,7 +180,7 @@ class SwarmRunner:
                                  f"give --batch-size {plan.batch_size} --microbatches {plan.microbatches}")
             plan.devices = {d: facts[d] for d in plan.used_devices()}
         elif o.strategy == "auto":
-            plan = self._auto_plan(trainer, names, facts)
+            plan = self._auto_plan(trainer, names, facts, measured)
         else:
             plan = simple_plan(o.strategy, desc, names, cfg.batch_size, cfg.microbatches, grid=o.grid, sync=o.sync,
                                stages=o.stages, facts=facts)
@@ -166,12 +190,29 @@ class SwarmRunner:
         plan.validate(desc)
         return plan
 
-    def _auto_plan(self, trainer, names: list[str], facts: dict) -> Plan:
-        """Without profiles of the devices, `auto` splits like `tiles` when the network starts
-        with tileable layers, else like `pp`."""
+    def _auto_plan(self, trainer, names: list[str], facts: dict, measured: dict | None) -> Plan:
+        """The best predicted of the planners on the measured devices; without measurements,
+        tiles when the network starts with tileable layers, else a pipeline."""
         from tiles.layout import tileable_prefix
 
         cfg, desc = trainer.cfg, trainer.desc
+        if measured is not None:
+            from planner.inputs import PlanInputs
+            from planner.memory import MemoryModel
+            from planner.planners import make_plan
+            from swarm.commands.plan_cmd import cluster_from_live
+
+            try:
+                cluster = cluster_from_live(measured, desc)
+                profile = next(iter(measured["profiles"].values()))
+                mem = MemoryModel(desc, profile.act_bytes, cfg.optimizer, measured=True)
+                plan = make_plan("auto", PlanInputs(desc, mem, cluster, cfg.batch_size, cfg.microbatches))
+                plan.devices = {n: facts.get(n, {}) for n in plan.used_devices()}
+                if plan.predicted and not plan.predicted.get("fits", True):
+                    self.log("warning: the planner predicts this plan does not fit in the devices' memory")
+                return plan
+            except (PlanError, SwarmError, ValueError) as exc:
+                self.log(f"the planner could not plan these devices ({exc}); splitting by FLOPs instead")
         strategy = "tiles" if tileable_prefix(desc) > 0 else "pp"
         return simple_plan(strategy, desc, names, cfg.batch_size, cfg.microbatches, facts=facts)
 
@@ -180,15 +221,10 @@ class SwarmRunner:
         async with trio.open_nursery() as nursery:
             control = ClusterControl(cluster, f"train-{uuid.uuid4().hex[:8]}", names, nursery, self.log)
             job = JobSpec(plan, trainer.cfg, trainer.cfg_text, o.timeout_s, backup_interval=o.backup_interval)
-            save_hook = None
-            if o.save_path and o.checkpoint_every:
-                from swarm.checkpoint import save_checkpoint
-
-                def save_hook() -> None:
-                    save_checkpoint(o.save_path, trainer.state())
+            save_hook = self._save_hook(trainer)
             coordinator = TrainingCoordinator(control, job, trainer, train_set, strategy=self.strategy_for_replan(),
                                               checkpoint_every=o.checkpoint_every if save_hook else 0,
-                                              save_hook=save_hook, log=self.log)
+                                              save_hook=save_hook, log=self.log, recovery=o.recovery)
             coordinator.should_stop = lambda: self.stopping
             self.coordinator = coordinator
 
@@ -210,6 +246,15 @@ class SwarmRunner:
             nursery.cancel_scope.cancel()
         if coordinator.stopped_early:
             raise KeyboardInterrupt
+
+    def _save_hook(self, trainer):
+        """Writes the checkpoint once the coordinator holds the collected weights (or None)."""
+        o = self.options
+        if not (o.save_path and o.checkpoint_every):
+            return None
+        from swarm.checkpoint import save_checkpoint
+
+        return lambda: save_checkpoint(o.save_path, trainer.state())
 
     def strategy_for_replan(self) -> str:
         s = self.options.strategy

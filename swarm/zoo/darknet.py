@@ -29,27 +29,22 @@ class Section:
         self.used.add(key)
         return self.options.get(key)
 
-    def get_int(self, key: str, default: int | None = None) -> int:
+    def _get(self, key: str, default, kind, noun: str):
         raw = self._raw(key)
         if raw is None:
             if default is None:
                 raise SwarmError(f"{self.where()}: missing '{key}='")
             return default
         try:
-            return int(raw)
+            return kind(raw)
         except ValueError:
-            raise SwarmError(f"{self.where()}: '{key}={raw}' is not an integer") from None
+            raise SwarmError(f"{self.where()}: '{key}={raw}' is not {noun}") from None
+
+    def get_int(self, key: str, default: int | None = None) -> int:
+        return self._get(key, default, int, "an integer")
 
     def get_float(self, key: str, default: float | None = None) -> float:
-        raw = self._raw(key)
-        if raw is None:
-            if default is None:
-                raise SwarmError(f"{self.where()}: missing '{key}='")
-            return default
-        try:
-            return float(raw)
-        except ValueError:
-            raise SwarmError(f"{self.where()}: '{key}={raw}' is not a number") from None
+        return self._get(key, default, float, "a number")
 
     def get_str(self, key: str, default: str) -> str:
         raw = self._raw(key)
