@@ -61,7 +61,7 @@ def _worst(a: dict, b: dict) -> float:
 CASES = [
     ("pp", [(1, "kill", "d1", 0.0)], "a single-device pipeline stage"),
     ("pp", [(2, "kill", "d2", 0.05)], "the backup holder of stage 1"),
-    ("dp", [(1, "kill", "d3", 0.0)], "a dp replica"),
+    ("dp", [(1, "kill", "d1", 0.0)], "a dp replica"),  # two samples per micro-batch: d0 and d1
     ("tiles", [(2, "kill", "d2", 0.0)], "a tiles device"),
     ("hybrid", [(1, "kill", "d3", 0.0)], "the last device of a dp stage's group... and the single stage's holder"),
     ("pp", [(1, "kill", "d1", 0.0), (3, "kill", "d3", 0.0)], "two devices, one after the other"),

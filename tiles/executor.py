@@ -132,6 +132,9 @@ class TileWorker:
         self.keeps_running_stats = keeps_running_stats
         self.grad_lock = grad_lock
         self.saved: dict[int, MicroBatchState] = {}
+        # called as on_layer_done(mb, layer) once this tile's weight gradients of a layer are in
+        # (a driver may then start summing that layer over the devices while backward goes on)
+        self.on_layer_done = None
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, mb: int, x: torch.Tensor) -> Work:
@@ -220,6 +223,8 @@ class TileWorker:
             dz = yield from self._pointwise_backward(mb, state, p, saved, cur, cur_rect)
             if p.conv is not None:
                 self._weight_grads(p, saved, dz, cur_rect)
+                if self.on_layer_done is not None:
+                    self.on_layer_done(mb, l)
             dz_rect = cur_rect
             if b in lay.grouping.backward:
                 dz = yield from self._exchange(mb, "backward", b, dz, cur_rect, t.bwd_in[l])

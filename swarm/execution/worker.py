@@ -38,7 +38,8 @@ from planner.plan import Plan
 from planner.schedule import stage_schedule
 from swarm.data import microbatch_bounds, sample_keys
 from swarm.execution.blocks import assemble, cut, map_shape
-from swarm.execution.collectives import allgather, allreduce_sum
+from swarm.execution.collectives import allgather
+from swarm.execution.reduce import GradReducer
 from swarm.execution.endpoint import Endpoint
 from swarm.execution.routing import Layout, Part, parts_on, stage_parts
 from swarm.execution.store import DeviceStore
@@ -231,11 +232,16 @@ class DeviceWorker:
         losses: list[float] = []
         t0 = trio.current_time()
         async with trio.open_nursery() as nursery:
-            for p in sorted(self.copies):
-                nursery.start_soon(self.run_stage, step, p, losses)
-        t1 = trio.current_time()
-        await self.reduce_gradients(step)
+            self.reducers = {p: self.make_reducer(step, p, nursery) for p in self.copies
+                             if len(self.group_of(p)) > 1}
+            async with trio.open_nursery() as stages:
+                for p in sorted(self.copies):
+                    stages.start_soon(self.run_stage, step, p, losses)
+            t1 = trio.current_time()
+            for reducer in self.reducers.values():  # what is left to sum after the last backward
+                await reducer.finish()
         times = {"schedule_s": t1 - t0, "reduce_s": trio.current_time() - t1,
+                 "reducing_s": sum(r.seconds for r in self.reducers.values()),
                  **{f"wait_{k}_s": v for k, v in self.ep.mailbox.waited.items()}}
         await self.ep.send(COORDINATOR, ("ready", step, self.device),
                            {"loss": float(sum(losses)), "busy_s": self.busy_s, "times": times})
@@ -255,26 +261,44 @@ class DeviceWorker:
             await self.back_up(committed)
         return bool(decision.get("last"))
 
+    def make_reducer(self, step: int, p: int, nursery) -> GradReducer:
+        copy = self.copies[p]
+        parts = len([part for part in self.parts if part.stage == p])
+        return GradReducer(self.ep, self.group_of(p), ("grads", step, p), copy.net, copy.stage.first,
+                           copy.stage.last, nursery, self.job.timeout_s, self.token, parts)
+
     async def run_stage(self, step: int, p: int, losses: list[float]) -> None:
-        """The 1F1B schedule of this device's parts of stage p for one step."""
+        """The 1F1B schedule of this device's parts of stage p for one step. During the last
+        backward, layers whose gradients are final start being summed over the group."""
         plan = self.plan
         copy = self.copies[p]
         my_parts = [part for part in self.parts if part.stage == p]
         bounds = microbatch_bounds(plan.batch_size, plan.microbatches)
         tiled = copy.stage.mode == "tiles"
-        for kind, m in stage_schedule(plan.microbatches, plan.warmups()[p]):
+        reducer = self.reducers.get(p)
+        ops = stage_schedule(plan.microbatches, plan.warmups()[p])
+        for i, (kind, m) in enumerate(ops):
             lo, hi = bounds[m]
+            final = reducer is not None and i == len(ops) - 1  # the step's last backward
             if tiled:
                 if kind == "F":
                     await self.tiles_forward(step, copy, my_parts, m, lo, hi, losses)
                 else:
+                    for worker in self.tile_workers[p].values():
+                        worker.on_layer_done = (lambda mb, layer: reducer.layer_done_from_thread(layer)) \
+                            if final else None
                     await self.tiles_backward(step, copy, my_parts, m, hi - lo)
                 continue
-            for part in my_parts:
-                if kind == "F":
-                    await self.forward(step, copy, part, m, lo, hi, losses)
-                else:
-                    await self.backward(step, copy, part, m, hi - lo)
+            handles = reducer.hooks() if final else []
+            try:
+                for part in my_parts:
+                    if kind == "F":
+                        await self.forward(step, copy, part, m, lo, hi, losses)
+                    else:
+                        await self.backward(step, copy, part, m, hi - lo)
+            finally:
+                for h in handles:
+                    h.remove()
 
     # ---- moving blocks ---------------------------------------------------------------
     async def gather_inputs(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
@@ -396,16 +420,6 @@ class DeviceWorker:
         rect = lay.output_rect(tile)
         _, h, w = lay.map_shape(lay.last)
         return rect.rows.lo, rect.cols.lo, h, w
-
-    async def reduce_gradients(self, step: int) -> None:
-        """Sum each stage's gradients over the devices of its group (dp replicas, tiles)."""
-        for p, copy in sorted(self.copies.items()):
-            group = self.group_of(p)
-            if len(group) < 2:
-                continue
-            flat = await trio.to_thread.run_sync(copy.flat_grads)
-            total = await allreduce_sum(self.ep, group, ("grads", step, p), flat, self.job.timeout_s)
-            await trio.to_thread.run_sync(copy.set_flat_grads, total)
 
 
 def plan_batch(plan: Plan) -> int:
