@@ -57,7 +57,7 @@ def train_in_cluster(args: list[str], metrics: Path) -> subprocess.CompletedProc
 
 def measure(label: str, args: list[str], used: int, work: Path) -> dict:
     pids = agents()
-    names = sorted(pids)[:used]
+    names = sorted(pids)  # whichever devices the plan picks: the others stay at their idle size
     idle = {}
     for name in names:
         Path(f"/proc/{pids[name]}/clear_refs").write_text("5")  # reset the peak resident size

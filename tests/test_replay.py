@@ -117,3 +117,10 @@ def test_whole_group_lost_gives_its_layers_to_a_neighbour():
     light = lightweight(plan, desc, {"b", "c"})
     assert [(s.first, s.last, s.devices) for s in light.stages][0][2] == ["a"]
     assert len(light.stages) == 2 and light.stages[0].last == light.stages[1].first
+
+
+def test_losing_every_device_stops_with_a_message():
+    from swarm.errors import SwarmError
+
+    with pytest.raises(SwarmError, match="lost every device of the plan"):
+        _run("pp", [(1, "kill", d, 0.0) for d in DEVICES])

@@ -98,3 +98,32 @@ def test_training_survives_and_equals_the_failure_free_run(bed, local_weights, t
         assert f"lost {device}" in log, log
     assert "rolling back to step" in log
     assert worst(torch.load(out, weights_only=True)["model"], local_weights) < 1e-9
+
+
+def test_lost_coordinator_resumes_from_its_last_checkpoint(bed, local_weights, tmp_path):
+    """The coordinator is SIGKILLed: the agents let go of the job, and `swarm train --resume`
+    goes on from the last checkpoint it wrote, to the uninterrupted run's weights."""
+    out = tmp_path / "run.pt"
+    base = [sys.executable, "-m", "swarm", "testbed", "exec", "dev0", "--", sys.executable, "-m", "swarm", "train"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "SWARM_PROGRESS_SECONDS": "0"}
+    proc = subprocess.Popen([*base, *map(str, FLAGS), "--strategy", "pp", "--devices", "4", "--wait", "30",
+                             "--save-every", "2", "--save", str(out)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                            start_new_session=True)
+    try:
+        for line in proc.stderr:
+            if line.startswith("step 5/"):
+                os.killpg(proc.pid, 9)  # the coordinator (and the exec around it) die at once
+                break
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    saved = torch.load(out, weights_only=True)
+    assert saved["step"] == 4  # the last checkpoint before the kill (every 2 steps)
+    r = subprocess.run([*base, "--resume", str(out), "--strategy", "pp", "--devices", "4", "--wait", "30"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    done = torch.load(out, weights_only=True)
+    assert done["step"] == STEPS
+    assert worst(done["model"], local_weights) < 1e-9

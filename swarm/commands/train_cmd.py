@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
                    "every device that answers)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="micro-batch order of pipeline "
                    "stages: 1f1b (default; Asteroid's warm-up, least memory) or gpipe (all forwards first)")
-    p.add_argument("--wait", type=non_negative_float, default=2.0, metavar="SECONDS",
-                   help="how long to look for devices (default: 2)")
+    p.add_argument("--wait", type=non_negative_float, metavar="SECONDS",
+                   help="how long to look for devices (default: 2; with --devices N, up to 60 for them to answer)")
     p.add_argument("--stages", type=positive_int, metavar="N", help="pp: number of pipeline stages (default: one "
                    "per device)")
     p.add_argument("--grid", metavar="RxC", help="tiles: split each feature map into R rows x C columns of tiles")
@@ -142,7 +142,8 @@ def runner_for(args: argparse.Namespace, log):
     from swarm.execution.swarm_train import SwarmOptions, SwarmRunner
 
     options = SwarmOptions(strategy="plan" if args.plan else args.strategy, plan_path=args.plan, grid=grid,
-                           sync=args.sync, stages=args.stages, devices=args.devices, wait_s=args.wait,
+                           sync=args.sync, stages=args.stages, devices=args.devices,
+                           wait_s=args.wait if args.wait is not None else (60.0 if args.devices else 2.0),
                            schedule=args.schedule, backup_interval=args.backup_every,
                            checkpoint_every=args.save_every if args.save_every else 25,
                            local_save_every=args.save_every, recovery=args.recovery,

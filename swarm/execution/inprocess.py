@@ -107,7 +107,9 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
             nursery.cancel_scope.cancel()
             return coordinator
 
-    return trio.run(main)
+    from swarm.commands.runtime_common import run_trio
+
+    return run_trio(main)
 
 
 class InProcessRunner:

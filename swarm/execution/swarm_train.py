@@ -20,6 +20,7 @@ from swarm.execution.coordinator import StepReport, TrainingCoordinator
 from swarm.execution.job import CHANNEL, WireEndpoint, job_spec_dict
 from swarm.execution.strategies import simple_plan
 from swarm.execution.worker import COORDINATOR, JobSpec
+from swarm.net import ConnectionLost
 
 
 @dataclass
@@ -339,8 +340,20 @@ class ClusterControl:
         node_of[COORDINATOR] = self.cluster.credentials.node_id
         spec = job_spec_dict(job, devices)
 
+        name_of = {node: name for name, node in node_of.items()}
+        unreachable: set[str] = set()
+
         async def send_to(node_id: str, body: dict) -> None:
-            await handle.send(node_id, handle.data(CHANNEL, body))
+            """A device that cannot be reached is a loss: the recovery it starts cancels the
+            step that wanted to talk to it, so the message is dropped rather than raised."""
+            try:
+                await handle.send(node_id, handle.data(CHANNEL, body))
+            except (SwarmError, ConnectionLost) as exc:
+                name = name_of.get(node_id, node_id)
+                if name not in unreachable:
+                    unreachable.add(name)
+                    self.log(f"{name} cannot be reached ({exc})")
+                    self._loss_send.send_nowait({name})
 
         endpoint = WireEndpoint(COORDINATOR, node_of, send_to)
         lost = set()
