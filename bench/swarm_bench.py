@@ -1,7 +1,7 @@
 """Training throughput across the namespace testbed with Raspberry-Pi-class devices (root).
 
     sudo python bench/swarm_bench.py [--devices 8] [--cpu 0.2] [--mem 1G] [--bandwidth 100mbit]
-                                     [--tiles 1,2,4,8] [--yolov2] [--steps 4] [--img-size 416]
+                                     [--tiles 1,2,4,8] [--yolov2] [--schedules] [--steps 4] [--img-size 416]
 
 Brings up a testbed of --devices devices, makes every agent load torch once (a tiny job), then
 for each configuration runs, inside dev0's namespace, the command a user would type:
@@ -12,7 +12,8 @@ for each configuration runs, inside dev0's namespace, the command a user would t
 and reports samples/s as the median over the steps after the first, the speedup over one
 device training alone (plain autograd, the same batch and micro-batches), and the largest
 peak resident memory of a device's agent during the run above that agent's idle size.
-With --yolov2 it adds the full yolov2 with pp and dp over all devices.
+With --yolov2 it adds the full yolov2 with pp and dp over all devices; with --schedules,
+yolov2-16 in a pipeline over all devices on the 1F1B and on the GPipe schedule.
 """
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--yolov2", action="store_true", help="also full yolov2 with pp and dp over all devices")
+    p.add_argument("--tiles-microbatches", type=int, metavar="M", help="also each tiles run with M micro-batches "
+                   "(fewer, larger exchanges; the tiles hold only their share of the larger micro-batch)")
+    p.add_argument("--schedules", action="store_true", help="also yolov2-16 pp over all devices with the 1F1B "
+                   "and the GPipe order, for their memory")
     p.add_argument("--keep", action="store_true", help="leave the testbed up afterwards")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -111,6 +116,16 @@ def main() -> None:
             for n in [int(x) for x in args.tiles.split(",")]:
                 results.append(measure(f"yolov2-16 tiles over {n}", ["--model", "yolov2-16", *common,
                                                                      "--strategy", "tiles", "--devices", n], n, work))
+                if args.tiles_microbatches:
+                    m = args.tiles_microbatches
+                    results.append(measure(f"yolov2-16 tiles over {n}, M={m}",
+                                           ["--model", "yolov2-16", *common, "--microbatches", m,
+                                            "--strategy", "tiles", "--devices", n], n, work))
+            if args.schedules:
+                for schedule in ("1f1b", "gpipe"):
+                    results.append(measure(f"yolov2-16 pp {schedule} over {args.devices}",
+                                           ["--model", "yolov2-16", *common, "--strategy", "pp", "--schedule",
+                                            schedule, "--devices", args.devices], args.devices, work))
             if args.yolov2:
                 n = args.devices
                 for strategy in ("pp", "dp"):
