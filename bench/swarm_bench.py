@@ -56,6 +56,28 @@ def train_in_cluster(args: list[str], metrics: Path) -> subprocess.CompletedProc
                  "--metrics", metrics, "--no-eval", "--save", metrics.with_suffix(".pt"), check=False)
 
 
+TESTBED: list = []  # the `swarm testbed up` arguments
+
+
+def restart_testbed() -> None:
+    swarm("testbed", "down", check=False)
+    swarm("testbed", "up", *TESTBED, timeout=300)
+
+
+def oom_lines(n: int) -> list[str]:
+    r = subprocess.run(["dmesg"], capture_output=True, text=True)
+    return [line.split("] ", 1)[-1] for line in r.stdout.splitlines() if "Killed process" in line][-n:] or ["?"]
+
+
+def show(r: dict, one: float | None) -> None:
+    if "error" in r:
+        print(f"{r['label']:<28} failed: {r['error']}", flush=True)
+        return
+    speedup = r["samples_per_s"] / one if one else float("nan")
+    print(f"{r['label']:<28} {r['samples_per_s']:>10.3f} {speedup:>8.2f} {speedup / r['devices']:>10.2f} "
+          f"{r['peak_above_idle_mib']:>20.0f}", flush=True)
+
+
 def measure(label: str, args: list[str], used: int, work: Path) -> dict:
     pids = agents()
     names = sorted(pids)  # whichever devices the plan picks: the others stay at their idle size
@@ -67,6 +89,11 @@ def measure(label: str, args: list[str], used: int, work: Path) -> dict:
     t0 = time.monotonic()
     r = train_in_cluster(args, metrics)
     wall = time.monotonic() - t0
+    gone = [n for n in names if not Path(f"/proc/{pids[n]}").exists()]
+    if gone:  # the cgroup's memory limit killed an agent: bring the testbed back for the next run
+        restart_testbed()
+        return {"label": label, "error": f"the agent of {', '.join(gone)} was killed (out of memory: "
+                f"{'; '.join(oom_lines(3))})", "wall_s": wall}
     peaks = {n: rss_kib(pids[n], "VmHWM") - idle[n] for n in names}
     if r.returncode:
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
@@ -97,12 +124,19 @@ def main() -> None:
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("the namespace testbed needs root")
-    swarm("testbed", "down", check=False)
-    swarm("testbed", "up", "--devices", args.devices, "--cpu", args.cpu, "--mem", args.mem,
-          "--bandwidth", args.bandwidth, timeout=300)
+    TESTBED[:] = ["--devices", args.devices, "--cpu", args.cpu, "--mem", args.mem, "--bandwidth", args.bandwidth]
+    restart_testbed()
     common = ["--img-size", args.img_size, "--batch-size", args.batch_size, "--microbatches", args.microbatches,
               "--steps", args.steps, "--seed", 1]
+    print(f"testbed: {args.devices} devices, {args.cpu} core, {args.mem}, {args.bandwidth} each; "
+          f"{args.img_size}x{args.img_size}, batch {args.batch_size} in {args.microbatches} micro-batches")
+    print(f"{'run':<28} {'samples/s':>10} {'speedup':>8} {'per device':>10} {'peak MiB above idle':>20}", flush=True)
     results = []
+
+    def run(label: str, train_args: list, used: int) -> None:
+        results.append(measure(label, train_args, used, work))
+        show(results[-1], results[0].get("samples_per_s"))
+
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
@@ -110,42 +144,28 @@ def main() -> None:
                                      "--steps", 1, "--strategy", "dp", "--devices", args.devices], work / "warm.jsonl")
             if warm.returncode:
                 sys.exit(f"warm-up failed:\n{warm.stderr}")
-            base = measure("yolov2-16 on 1 device", ["--model", "yolov2-16", *common, "--strategy", "pp",
-                                                      "--stages", 1, "--devices", 1], 1, work)
-            results.append(base)
+            run("yolov2-16 on 1 device", ["--model", "yolov2-16", *common, "--strategy", "pp", "--stages", 1,
+                                          "--devices", 1], 1)
             for n in [int(x) for x in args.tiles.split(",")]:
-                results.append(measure(f"yolov2-16 tiles over {n}", ["--model", "yolov2-16", *common,
-                                                                     "--strategy", "tiles", "--devices", n], n, work))
+                run(f"yolov2-16 tiles over {n}", ["--model", "yolov2-16", *common, "--strategy", "tiles",
+                                                  "--devices", n], n)
                 if args.tiles_microbatches:
                     m = args.tiles_microbatches
-                    results.append(measure(f"yolov2-16 tiles over {n}, M={m}",
-                                           ["--model", "yolov2-16", *common, "--microbatches", m,
-                                            "--strategy", "tiles", "--devices", n], n, work))
+                    run(f"yolov2-16 tiles over {n}, M={m}", ["--model", "yolov2-16", *common, "--microbatches", m,
+                                                            "--strategy", "tiles", "--devices", n], n)
             if args.schedules:
                 for schedule in ("1f1b", "gpipe"):
-                    results.append(measure(f"yolov2-16 pp {schedule} over {args.devices}",
-                                           ["--model", "yolov2-16", *common, "--strategy", "pp", "--schedule",
-                                            schedule, "--devices", args.devices], args.devices, work))
+                    run(f"yolov2-16 pp {schedule} over {args.devices}",
+                        ["--model", "yolov2-16", *common, "--strategy", "pp", "--schedule", schedule,
+                         "--devices", args.devices], args.devices)
             if args.yolov2:
                 n = args.devices
                 for strategy in ("pp", "dp"):
-                    results.append(measure(f"yolov2 {strategy} over {n}", ["--model", "yolov2", *common,
-                                                                            "--strategy", strategy, "--devices", n],
-                                           n, work))
+                    run(f"yolov2 {strategy} over {n}", ["--model", "yolov2", *common, "--strategy", strategy,
+                                                        "--devices", n], n)
     finally:
         if not args.keep:
             swarm("testbed", "down", check=False)
-    one = base.get("samples_per_s")
-    print(f"testbed: {args.devices} devices, {args.cpu} core, {args.mem}, {args.bandwidth} each; "
-          f"{args.img_size}x{args.img_size}, batch {args.batch_size} in {args.microbatches} micro-batches")
-    print(f"{'run':<28} {'samples/s':>10} {'speedup':>8} {'per device':>10} {'peak MiB above idle':>20}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['label']:<28} failed: {r['error']}")
-            continue
-        speedup = r["samples_per_s"] / one if one else float("nan")
-        print(f"{r['label']:<28} {r['samples_per_s']:>10.3f} {speedup:>8.2f} {speedup / r['devices']:>10.2f} "
-              f"{r['peak_above_idle_mib']:>20.0f}")
     print(json.dumps(results))
 
 
