@@ -3,15 +3,16 @@
     sudo python bench/swarm_bench.py [--devices 8] [--cpu 0.2] [--mem 1G] [--bandwidth 100mbit]
                                      [--tiles 1,2,4,8] [--yolov2] [--schedules] [--steps 4] [--img-size 416]
 
-Brings up a testbed of --devices devices, makes every agent load torch once (a tiny job), then
-for each configuration runs, inside dev0's namespace, the command a user would type:
+For each configuration it brings up a fresh testbed of --devices devices and runs, inside
+dev0's namespace, the command a user would type:
 
     swarm train --model yolov2-16 --img-size 416 --batch-size 8 --microbatches 8 --steps 4
                 --strategy tiles --devices N --metrics FILE --no-eval
 
-and reports samples/s as the median over the steps after the first, the speedup over one
-device training alone (plain autograd, the same batch and micro-batches), and the largest
-peak resident memory of a device's agent during the run above that agent's idle size.
+and reports samples/s as the median over the steps after the first (which includes the
+agents loading torch), the speedup over one device training alone (a one-stage plan on an
+agent, the same batch and micro-batches), and the largest peak resident memory of an agent
+during the run above its idle size (torch included: an idle agent has not loaded it).
 With --yolov2 it adds the full yolov2 with pp and dp over all devices; with --schedules,
 yolov2-16 in a pipeline over all devices on the 1F1B and on the GPipe schedule.
 """
@@ -79,6 +80,7 @@ def show(r: dict, one: float | None) -> None:
 
 
 def measure(label: str, args: list[str], used: int, work: Path) -> dict:
+    restart_testbed()  # fresh agents: what an earlier run left in an agent's heap would hide this one's peak
     pids = agents()
     names = sorted(pids)  # whichever devices the plan picks: the others stay at their idle size
     idle = {}
@@ -125,7 +127,6 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("the namespace testbed needs root")
     TESTBED[:] = ["--devices", args.devices, "--cpu", args.cpu, "--mem", args.mem, "--bandwidth", args.bandwidth]
-    restart_testbed()
     common = ["--img-size", args.img_size, "--batch-size", args.batch_size, "--microbatches", args.microbatches,
               "--steps", args.steps, "--seed", 1]
     print(f"testbed: {args.devices} devices, {args.cpu} core, {args.mem}, {args.bandwidth} each; "
@@ -140,10 +141,6 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            warm = train_in_cluster(["--model", "yolov2-16", "--img-size", "32", "--batch-size", args.devices,
-                                     "--steps", 1, "--strategy", "dp", "--devices", args.devices], work / "warm.jsonl")
-            if warm.returncode:
-                sys.exit(f"warm-up failed:\n{warm.stderr}")
             run("yolov2-16 on 1 device", ["--model", "yolov2-16", *common, "--strategy", "pp", "--stages", 1,
                                           "--devices", 1], 1)
             for n in [int(x) for x in args.tiles.split(",")]:
