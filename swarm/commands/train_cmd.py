@@ -112,7 +112,9 @@ def runner_for(args: argparse.Namespace, log):
     if args.strategy == "local":
         extra = given("--grid", "--sync", "--in-process", "--plan", "--devices", "--stages")
         if extra:
-            raise SwarmError(f"{' and '.join(extra)} do not apply to --strategy local")
+            verb = "does" if len(extra) == 1 else "do"
+            raise SwarmError(f"{' and '.join(extra)} {verb} not apply to --strategy local (it trains on this "
+                             f"machine alone)")
         return LocalTrainer, run_local_steps
     if args.strategy not in ("tiles", "hybrid") and given("--grid", "--sync"):
         raise SwarmError(f"{' and '.join(given('--grid', '--sync'))} apply to --strategy tiles and hybrid only")
