@@ -10,8 +10,8 @@ dev0's namespace, the command a user would type:
                 --strategy tiles --devices N --metrics FILE --no-eval
 
 and reports samples/s as the median over the steps after the first (which includes the
-agents loading torch), the speedup over one device training alone (a one-stage plan on an
-agent, the same batch and micro-batches), and the largest peak resident memory of an agent
+agents loading torch), the speedup over the best of the runs on one device (a one-stage plan
+on an agent, and tiles over 1, with the same batch and micro-batches), and the largest peak resident memory of an agent
 during the run above its idle size (torch included: an idle agent has not loaded it).
 With --yolov2 it adds the full yolov2 with pp and dp over all devices; with --schedules,
 yolov2-16 in a pipeline over all devices on the 1F1B and on the GPipe schedule.
@@ -102,8 +102,10 @@ def measure(label: str, args: list[str], used: int, work: Path) -> dict:
         return {"label": label, "error": last, "wall_s": wall}
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     rates = [s["samples_per_s"] for s in steps[1:]] or [steps[0]["samples_per_s"]]
+    stages = [line.strip() for line in (r.stdout + r.stderr).splitlines() if line.strip().startswith("stage ")]
     return {"label": label, "samples_per_s": statistics.median(rates), "rates": rates, "wall_s": wall,
-            "peak_above_idle_mib": max(peaks.values()) / 1024, "devices": used}
+            "peak_above_idle_mib": max(peaks.values()) / 1024, "devices": used, "plan": stages,
+            "cpu_s": {d: t.get("cpu_s") for d, t in steps[-1].get("device_times", {}).items()}}
 
 
 def main() -> None:
@@ -120,6 +122,8 @@ def main() -> None:
     p.add_argument("--yolov2", action="store_true", help="also full yolov2 with pp and dp over all devices")
     p.add_argument("--tiles-microbatches", type=int, metavar="M", help="also each tiles run with M micro-batches "
                    "(fewer, larger exchanges; the tiles hold only their share of the larger micro-batch)")
+    p.add_argument("--one-at-a-time", action="store_true", help="also each tiles run with --together 1 (micro-batches "
+                   "one after another instead of as many at a time as fit)")
     p.add_argument("--schedules", action="store_true", help="also yolov2-16 pp over all devices with the 1F1B "
                    "and the GPipe order, for their memory")
     p.add_argument("--keep", action="store_true", help="leave the testbed up afterwards")
@@ -136,7 +140,8 @@ def main() -> None:
 
     def run(label: str, train_args: list, used: int) -> None:
         results.append(measure(label, train_args, used, work))
-        show(results[-1], results[0].get("samples_per_s"))
+        one = max([r.get("samples_per_s", 0.0) for r in results if r.get("devices") == 1] or [0.0]) or None
+        show(results[-1], one)  # speedup over the best run on one device so far
 
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -146,6 +151,9 @@ def main() -> None:
             for n in [int(x) for x in args.tiles.split(",")]:
                 run(f"yolov2-16 tiles over {n}", ["--model", "yolov2-16", *common, "--strategy", "tiles",
                                                   "--devices", n], n)
+                if args.one_at_a_time:
+                    run(f"yolov2-16 tiles over {n}, 1 at a time", ["--model", "yolov2-16", *common, "--strategy",
+                                                                   "tiles", "--together", 1, "--devices", n], n)
                 if args.tiles_microbatches:
                     m = args.tiles_microbatches
                     run(f"yolov2-16 tiles over {n}, M={m}", ["--model", "yolov2-16", *common, "--microbatches", m,

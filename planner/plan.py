@@ -15,7 +15,7 @@ enters layer b (the output of layer b - 1); boundary 0 is the image.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace, asdict, dataclass, field
 
 from planner.model_desc import ModelDesc
 from planner.schedule import asteroid_warmup, check_warmups
@@ -41,6 +41,11 @@ class Stage:
             `syncs` (always including `first`); backward, delta halos at `back_syncs`
             (always including `last`). Default: a sync at every layer.
     warmup: K_p, forwards before the first backward (default Asteroid's 2(P - p) - 1).
+    together: (tiles, in a one-stage plan) micro-batches run through the stage as one block:
+            one halo and one BatchNorm exchange per sync for all of them, larger and faster
+            kernels, the gradient sum overlapped with the whole backward; each micro-batch
+            keeps its own BatchNorm statistics, so the result does not change. Costs the
+            activation memory of the block. Divides the micro-batches; default 1.
     """
 
     first: int
@@ -53,10 +58,14 @@ class Stage:
     syncs: list[int] | None = None
     back_syncs: list[int] | None = None
     warmup: int | None = None
+    together: int | None = None
 
     @property
     def layers(self) -> range:
         return range(self.first, self.last)
+
+    def block(self) -> int:
+        return self.together or 1
 
     def forward_syncs(self) -> list[int]:
         return sorted(set(self.syncs)) if self.syncs is not None else list(range(self.first, self.last))
@@ -85,6 +94,16 @@ class Plan:
     # ---- derived facts -------------------------------------------------------------
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
+
+    def in_blocks(self) -> "Plan":
+        """The plan as its stages see the work: a one-stage plan that runs `together`
+        micro-batches as one block takes the time and memory of the plan with M / together
+        micro-batches of that many times the samples (the statistics are per micro-batch, the
+        cost is not)."""
+        size = self.stages[0].block() if len(self.stages) == 1 else 1
+        if size == 1:
+            return self
+        return replace(self, microbatches=self.microbatches // size, stages=[replace(self.stages[0], together=None)])
 
     def warmups(self) -> list[int]:
         p = len(self.stages)
@@ -137,6 +156,8 @@ class Plan:
                 unknown = [d for d in s.devices if d not in self.devices]
                 if unknown:
                     raise PlanError(f"{where} uses unknown device(s) {', '.join(unknown)}; known: {', '.join(self.devices)}")
+            if s.together not in (None, 1) and s.mode != "tiles":
+                raise PlanError(f"{where}: only a tiles stage runs micro-batches together")
             getattr(self, f"_check_{s.mode}")(i, s, where, desc)
         if expect != n_layers:
             raise PlanError(f"the stages end at layer {expect - 1}, but the model has {n_layers} layers (0-{n_layers - 1})")
@@ -182,6 +203,12 @@ class Plan:
             raise PlanError(f"{where}: forward syncs {fwd} must start at layer {s.first} and lie in {s.first}-{s.last - 1}")
         if not bwd or bwd[-1] != s.last or bwd[0] <= s.first:
             raise PlanError(f"{where}: backward syncs {bwd} must end at boundary {s.last} and lie in {s.first + 1}-{s.last}")
+        if s.together is not None:
+            if not 1 <= s.together <= self.microbatches or self.microbatches % s.together:
+                raise PlanError(f"{where}: together={s.together} must divide the {self.microbatches} micro-batches")
+            if s.together > 1 and len(self.stages) > 1:
+                raise PlanError(f"{where}: micro-batches run together (together={s.together}) only in a plan "
+                                "with this one stage")
         if desc is None:
             return
         for layer in desc.layers[s.first:s.last]:

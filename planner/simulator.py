@@ -100,6 +100,7 @@ class Timeline:
 def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, validate: bool = True) -> Timeline:
     if validate:
         plan.validate(desc)
+    plan = plan.in_blocks()
     works = stage_works(plan, desc, mem, cluster)
     return _Run(plan, desc, mem, cluster, works).run()
 

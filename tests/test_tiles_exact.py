@@ -101,6 +101,56 @@ def test_middle_stage_produces_exact_input_deltas():
     assert worst[0] <= TOL, worst
 
 
+def _compare_block(net, desc, first, last, grid, grouping, splits, input_delta, seed=0):
+    """Micro-batches of `splits` samples: untiled one after another (autograd), and tiled as
+    one block with per-micro-batch BatchNorm statistics. Worst relative difference."""
+    torch.manual_seed(seed)
+    ref = copy.deepcopy(net)
+    c, h, w = desc.layers[first].in_shape
+    oc, oh, ow = desc.layers[last - 1].out_shape
+    xs = [torch.rand(n, c, h, w, dtype=torch.float64) for n in splits]
+    dys = [torch.randn(n, oc, oh, ow, dtype=torch.float64) for n in splits]
+    leaves = [x.clone().requires_grad_(input_delta) for x in xs]
+    for x, dy in zip(leaves, dys):  # as the local trainer runs micro-batches
+        y = x
+        for layer in ref.layers[first:last]:
+            y = layer(y)
+        (y * dy).sum().backward()
+        ref_y = y.detach()
+        x.ref_y = ref_y
+    stage = InProcessStage.build(net.layers[first:last], desc.layers[first:last], grid, grouping, input_delta)
+    y = stage.forward(0, torch.cat(xs), splits)
+    dx = stage.backward(0, torch.cat(dys))
+    worst = [(rel_diff(y, torch.cat([x.ref_y for x in leaves])), "output")]
+    if input_delta:
+        worst.append((rel_diff(dx, torch.cat([x.grad for x in leaves])), "input delta"))
+    for (name, p), (_, q) in zip(net.layers[first:last].named_parameters(), ref.layers[first:last].named_parameters()):
+        worst.append((rel_diff(p.grad, q.grad), f"grad {name}"))
+    worst.append(worst_state_diff(net.state_dict(), ref.state_dict()))
+    return max(worst)
+
+
+@pytest.mark.parametrize("grid,grouping,splits", [((2, 2), "every", (2, 2, 2)), ((1, 3), "mixed", (2, 1, 2)),
+                                                  ((2, 2), "one", (3,))])
+def test_a_block_of_microbatches_equals_them_one_by_one(grid, grouping, splits):
+    """Several micro-batches through a tiles stage at once (one exchange per sync for all):
+    outputs, gradients and BN running statistics (updated once per micro-batch, in order)
+    are those of the micro-batches run one after another."""
+    net, desc = _yolo16(48)
+    worst = _compare_block(copy.deepcopy(net), desc, 0, 17, grid, GROUPINGS[grouping](), splits, input_delta=False)
+    assert worst[0] <= TOL, worst
+    worst = _compare_block(copy.deepcopy(net), desc, 2, 14, grid, Grouping.parse("2,5,9", 2, 14), splits,
+                           input_delta=True)
+    assert worst[0] <= TOL, worst
+
+
+def test_a_block_must_add_up():
+    net, desc = _yolo16(48)
+    stage = InProcessStage.build(net.layers[0:17], desc.layers[0:17], (2, 2), Grouping.every_layer(0, 17), False)
+    with pytest.raises(TilingError, match="do not make up"):
+        stage.forward(0, torch.rand(4, 3, 48, 48, dtype=torch.float64), (2, 1))
+
+
 # ---- random stacks (hypothesis) ----------------------------------------------------------------
 def _conv(filters, size, stride, pad, bn, act):
     return (f"[convolutional]\nbatch_normalize={int(bn)}\nfilters={filters}\nsize={size}\nstride={stride}\n"

@@ -7,8 +7,9 @@ the result to be sent back in:
     HaloExchange  at a sync boundary: `sends` are (to tile, rect, tensor) of this tile's
                   owned pixels; `receives` are (from tile, rect) it needs. Result: a list of
                   tensors, one per receive, in order, each shaped (B, C, rect rows, rect cols).
-    ChannelSums   a per-channel BatchNorm reduction: `values` (2, C) float64 from this tile's
-                  owned pixels. Result: the element-wise sum of `values` over all tiles.
+    ChannelSums   a per-channel BatchNorm reduction: `values` (G, 2, C) float64 from this
+                  tile's owned pixels, one row per micro-batch of the block the tile runs.
+                  Result: the element-wise sum of `values` over all tiles.
 
 Every tile of a stage yields the same sequence of requests (same kind, phase, boundary or
 layer, micro-batch), so a driver may run them in lockstep, and messages can be matched by
@@ -44,7 +45,7 @@ class ChannelSums:
     microbatch: int
     phase: str  # "forward": [sum x, sum x^2]; "backward": [sum g, sum g * xhat]
     layer: int
-    values: Any  # (2, C) float64
+    values: Any  # (G, 2, C) float64
 
     @property
     def key(self) -> tuple:

@@ -97,8 +97,8 @@ class Saved:
 
     xw: torch.Tensor | None = None  # conv: padded input on the owned outputs' windows (B, Cin, *, *)
     z: torch.Tensor | None = None  # conv: output before BN/activation on bwd_state (B, Cout, *, *)
-    mean: torch.Tensor | None = None  # (C,)
-    invstd: torch.Tensor | None = None  # (C,)
+    mean: torch.Tensor | None = None  # (G, C): one row per micro-batch in the block
+    invstd: torch.Tensor | None = None  # (G, C)
     selection: torch.Tensor | None = None  # maxpool: selected window position on bwd_state (B, C, *, *) uint8
 
     def nbytes(self) -> int:
@@ -109,6 +109,7 @@ class Saved:
 @dataclass
 class MicroBatchState:
     batch: int
+    spread: ops.Spread  # the micro-batches of the block, each with its own BatchNorm statistics
     layers: dict[int, Saved] = field(default_factory=dict)
 
     def nbytes(self) -> int:
@@ -137,9 +138,17 @@ class TileWorker:
         self.on_layer_done = None
 
     # ---- forward --------------------------------------------------------------------------
-    def forward(self, mb: int, x: torch.Tensor) -> Work:
+    def forward(self, mb: int, x: torch.Tensor, splits: tuple[int, ...] | None = None) -> Work:
         """x: (B, C, h, w) stage input on this tile's input rect (uint8 images are scaled to
-        [0, 1] as the untiled net does). Returns the output on the tile's owned rect."""
+        [0, 1] as the untiled net does). Returns the output on the tile's owned rect.
+
+        `splits` runs several micro-batches as one block (samples per micro-batch, summing
+        to B): fewer, larger computations and one exchange per sync for all of them, while
+        each micro-batch keeps its own BatchNorm statistics and running-statistics update,
+        so the result is the one they give run one after another."""
+        splits = tuple(splits) if splits is not None else (x.shape[0],)
+        if sum(splits) != x.shape[0] or min(splits) < 1:
+            raise TilingError(f"micro-batch sizes {splits} do not make up a block of {x.shape[0]} samples")
         lay, t = self.layout, self.regions
         first = self.parts[lay.first]
         dtype = first.conv.weight.dtype if first.conv is not None else torch.get_default_dtype()
@@ -149,7 +158,7 @@ class TileWorker:
             x = x.to(dtype)
         if tuple(x.shape[2:]) != t.input_rect.shape:
             raise TilingError(f"tile {self.tile} needs its input on {t.input_rect.shape}, got {tuple(x.shape[2:])}")
-        state = MicroBatchState(x.shape[0])
+        state = MicroBatchState(x.shape[0], ops.Spread(splits))
         self.saved[mb] = state
         have, have_rect = x, t.input_rect
         for l in range(lay.first, lay.last):
@@ -182,15 +191,19 @@ class TileWorker:
             z = F.conv2d(xp, p.conv.weight, p.conv.bias, stride=g.rows.stride)  # (B, Cout, out_rect)
         saved.xw = _keep(self._window_crop(xp, g, out_rect, t.own[l + 1]), xp)
         if p.bn is not None:
-            count = state.batch * g.rows.size_out * g.cols.size_out
-            total = yield ChannelSums(mb, "forward", l, ops.forward_sums(ops.crop(z, out_rect, t.own[l + 1])))
-            mean, var, invstd = ops.batch_stats(total, count, p.bn.eps, z.dtype)
+            spread = state.spread
+            pixels = g.rows.size_out * g.cols.size_out
+            z_own = ops.crop(z, out_rect, t.own[l + 1])
+            local = torch.stack([ops.forward_sums(part) for part in spread.parts(z_own)])  # (G, 2, C)
+            total = yield ChannelSums(mb, "forward", l, local)
+            mean, var, invstd = ops.batch_stats(total, spread.counts(pixels), p.bn.eps, z.dtype)  # (G, C) each
             if self.keeps_running_stats:
                 with torch.no_grad():
-                    ops.update_running_stats(p.bn, mean, var, count)
+                    for row, size in enumerate(spread.splits):  # in micro-batch order, as run one by one
+                        ops.update_running_stats(p.bn, mean[row], var[row], size * pixels)
             saved.mean, saved.invstd = mean, invstd
             alpha, beta = ops.bn_scale_shift(p.bn, mean, invstd)
-            u = z * alpha + beta
+            u = z * spread(alpha) + spread(beta)
         else:
             u = z
         if g.pointwise_state:
@@ -248,18 +261,21 @@ class TileWorker:
         own = self.regions.own[g.index + 1]
         if p.bn is None:
             return ops.activation_backward(p.act, saved.z, dy)
-        xhat = (saved.z - saved.mean.view(1, -1, 1, 1)).mul_(saved.invstd.view(1, -1, 1, 1))
+        spread = state.spread
+        xhat = (saved.z - spread(saved.mean)).mul_(spread(saved.invstd))
         alpha, beta = ops.bn_scale_shift(p.bn, saved.mean, saved.invstd)
-        du = ops.activation_backward(p.act, torch.addcmul(beta, saved.z, alpha), dy)
+        du = ops.activation_backward(p.act, torch.addcmul(spread(beta), saved.z, spread(alpha)), dy)
         if du is dy:
             du = dy.clone()  # bn_input_grad works in place; dy belongs to the caller
-        local = ops.backward_sums(ops.crop(du, rect, own), ops.crop(xhat, rect, own))
+        du_own, xhat_own = ops.crop(du, rect, own), ops.crop(xhat, rect, own)
+        local = torch.stack([ops.backward_sums(a, b) for a, b in zip(spread.parts(du_own), spread.parts(xhat_own))])
         if p.bn.affine:
-            self._accumulate(p.bn.weight, local[1].to(du.dtype))
-            self._accumulate(p.bn.bias, local[0].to(du.dtype))
-        count = state.batch * g.rows.size_out * g.cols.size_out
+            both = local.sum(dim=0)  # (2, C): the micro-batches' contributions, in order
+            self._accumulate(p.bn.weight, both[1].to(du.dtype))
+            self._accumulate(p.bn.bias, both[0].to(du.dtype))
+        counts = spread.counts(g.rows.size_out * g.cols.size_out)
         total = yield ChannelSums(mb, "backward", g.index, local)
-        return ops.bn_input_grad(du, xhat, total, count, saved.invstd, p.bn.weight if p.bn.affine else None)
+        return ops.bn_input_grad(du, xhat, total, counts, saved.invstd, p.bn.weight if p.bn.affine else None, spread)
 
     def _weight_grads(self, p: LayerParts, saved: Saved, dz: torch.Tensor, rect: Rect) -> None:
         own = self.regions.own[p.geometry.index + 1]

@@ -34,6 +34,32 @@ def assemble(shape_bc: tuple[int, int], rect: Rect, parts: list[tuple[Rect, torc
 
 
 # ---- BatchNorm with statistics over all tiles ---------------------------------------------
+# A tile may run several micro-batches as one block (`splits`: samples per micro-batch, in
+# order); each micro-batch keeps its own statistics, as if it had run alone. Sums are
+# therefore (G, 2, C), one row per micro-batch, and per-micro-batch (G, C) values are spread
+# over the block's samples with `Spread`.
+class Spread:
+    """Per-micro-batch rows (G, C) -> a tensor that broadcasts over a (B, C, h, w) block."""
+
+    def __init__(self, splits: tuple[int, ...]):
+        self.splits = tuple(splits)
+        self.owner = None if len(self.splits) == 1 else \
+            torch.repeat_interleave(torch.arange(len(self.splits)), torch.tensor(self.splits))
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.owner is None:
+            return rows.reshape(1, -1, 1, 1)
+        return rows.index_select(0, self.owner).view(len(self.owner), -1, 1, 1)
+
+    def parts(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """t (B, ...) cut into the micro-batches."""
+        return (t,) if self.owner is None else torch.split(t, self.splits)
+
+    def counts(self, pixels: int) -> torch.Tensor:
+        """(G, 1) float64: values each micro-batch's statistics are taken over."""
+        return torch.tensor([[s * pixels] for s in self.splits], dtype=torch.float64)
+
+
 def forward_sums(z_own: torch.Tensor) -> torch.Tensor:
     """(2, C) float64 [sum z, sum z^2] over owned pixels, from the local mean and variance
     that torch's own BatchNorm kernel computes (Welford: the squares lose no precision)."""
@@ -44,10 +70,11 @@ def forward_sums(z_own: torch.Tensor) -> torch.Tensor:
     return torch.stack([mean * n, var * n + mean * mean * n])  # (2, C)
 
 
-def batch_stats(sums: torch.Tensor, count: int, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean, biased var, 1/sqrt(var + eps)), each (C,) in `dtype`, from global sums."""
-    mean = sums[0] / count
-    var = (sums[1] / count - mean * mean).clamp(min=0.0)
+def batch_stats(sums: torch.Tensor, count, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean, biased var, 1/sqrt(var + eps)) in `dtype` from global sums (..., 2, C) taken
+    over `count` values (a number, or (..., 1) per row); each result is (..., C)."""
+    mean = sums[..., 0, :] / count
+    var = (sums[..., 1, :] / count - mean * mean).clamp(min=0.0)
     invstd = 1.0 / torch.sqrt(var + eps)
     return mean.to(dtype), var.to(dtype), invstd.to(dtype)
 
@@ -64,10 +91,10 @@ def update_running_stats(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tens
 
 
 def bn_scale_shift(bn: nn.BatchNorm2d, mean: torch.Tensor, invstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel (alpha, beta) with bn(z) = z * alpha + beta, each (1, C, 1, 1)."""
+    """(alpha, beta) with bn(z) = z * alpha + beta, shaped like mean and invstd (..., C)."""
     alpha = invstd * bn.weight.detach() if bn.affine else invstd
     beta = (bn.bias.detach() - mean * alpha) if bn.affine else -mean * alpha
-    return alpha.view(1, -1, 1, 1), beta.view(1, -1, 1, 1)
+    return alpha, beta
 
 
 def backward_sums(du_own: torch.Tensor, xhat_own: torch.Tensor) -> torch.Tensor:
@@ -77,15 +104,15 @@ def backward_sums(du_own: torch.Tensor, xhat_own: torch.Tensor) -> torch.Tensor:
     return torch.stack([s1, s2])
 
 
-def bn_input_grad(du: torch.Tensor, xhat: torch.Tensor, sums: torch.Tensor, count: int, invstd: torch.Tensor,
-                  gamma: torch.Tensor | None) -> torch.Tensor:
-    """dL/dz = gamma * invstd * (du - mean(du) - xhat * mean(du * xhat)), means over the whole map.
-    Overwrites du."""
-    mean_du = (sums[0] / count).to(du.dtype).view(1, -1, 1, 1)
-    mean_dux = (sums[1] / count).to(du.dtype).view(1, -1, 1, 1)
+def bn_input_grad(du: torch.Tensor, xhat: torch.Tensor, sums: torch.Tensor, count, invstd: torch.Tensor,
+                  gamma: torch.Tensor | None, spread: Spread) -> torch.Tensor:
+    """dL/dz = gamma * invstd * (du - mean(du) - xhat * mean(du * xhat)), means over each
+    micro-batch's whole map (sums (G, 2, C), count (G, 1), invstd (G, C)). Overwrites du."""
+    mean_du = spread((sums[:, 0] / count).to(du.dtype))
+    mean_dux = spread((sums[:, 1] / count).to(du.dtype))
     scale = invstd if gamma is None else invstd * gamma.detach()
     dz = du.sub_(mean_du).addcmul_(xhat, mean_dux, value=-1)  # in place: du is not needed again
-    return dz.mul_(scale.view(1, -1, 1, 1))
+    return dz.mul_(spread(scale))
 
 
 # ---- activations ------------------------------------------------------------------------------

@@ -33,10 +33,11 @@ class InProcessStage:
         geoms = [LayerGeometry.from_desc(d) for d in layer_descs]
         return cls(build_layout(geoms, grid, grouping, input_delta, row_cuts, col_cuts), list(modules))
 
-    def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, mb: int, x: torch.Tensor, splits: tuple[int, ...] | None = None) -> torch.Tensor:
         lay = self.layout
         whole = Rect.of(0, x.shape[2], 0, x.shape[3])
-        outs = run_lockstep([w.forward(mb, crop(x, whole, lay.input_rect(k))) for k, w in enumerate(self.workers)])
+        outs = run_lockstep([w.forward(mb, crop(x, whole, lay.input_rect(k)), splits)
+                             for k, w in enumerate(self.workers)])
         c, h, w = lay.map_shape(lay.last)
         y = outs[0].new_empty((x.shape[0], c, h, w))  # (B, C', H', W')
         for k, part in enumerate(outs):

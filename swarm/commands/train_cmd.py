@@ -37,6 +37,10 @@ def add_parser(sub) -> None:
     p.add_argument("--grid", metavar="RxC", help="tiles: split each feature map into R rows x C columns of tiles")
     p.add_argument("--sync", metavar="LAYERS", help="tiles: layers where tiles exchange halos going forward, e.g. "
                    "0,4,8 (groups 0-3, 4-7, 8-...); 'all' (default: every layer) or 'none' (one fused group)")
+    p.add_argument("--together", type=positive_int, metavar="N", help="tiles over the whole model: run N "
+                   "micro-batches through the tiles at once (one exchange per layer for all of them; each keeps its "
+                   "own BatchNorm statistics, so the model is the same). Default: as many as fit in the devices' "
+                   "memory")
     p.add_argument("--in-process", action="store_true", help="run the strategy's work in this process (tiles one "
                    "after another; other strategies as if on 4 devices, or --devices N) instead of on other devices")
     p.add_argument("--batch-size", type=positive_int, help="samples per optimizer step (default: 16)")
@@ -110,7 +114,7 @@ def runner_for(args: argparse.Namespace, log):
         return [flag for flag in flags if getattr(args, flag.lstrip("-").replace("-", "_"))]
 
     if args.strategy == "local":
-        extra = given("--grid", "--sync", "--in-process", "--plan", "--devices", "--stages")
+        extra = given("--grid", "--sync", "--together", "--in-process", "--plan", "--devices", "--stages")
         if extra:
             verb = "does" if len(extra) == 1 else "do"
             raise SwarmError(f"{' and '.join(extra)} {verb} not apply to --strategy local (it trains on this "
@@ -118,6 +122,8 @@ def runner_for(args: argparse.Namespace, log):
         return LocalTrainer, run_local_steps
     if args.strategy not in ("tiles", "hybrid") and given("--grid", "--sync"):
         raise SwarmError(f"{' and '.join(given('--grid', '--sync'))} apply to --strategy tiles and hybrid only")
+    if args.together and args.strategy not in ("tiles", "auto"):
+        raise SwarmError("--together applies to --strategy tiles only")
     if args.stages and args.strategy != "pp":
         raise SwarmError("--stages applies to --strategy pp only")
     grid = None
@@ -130,6 +136,8 @@ def runner_for(args: argparse.Namespace, log):
         except TilingError as exc:
             raise SwarmError(str(exc)) from None
     if args.in_process:
+        if args.together:
+            raise SwarmError("--together applies to tiles across devices, not --in-process")
         if args.plan or args.strategy == "auto":
             raise SwarmError("--in-process needs a --strategy (tiles, dp, pp or hybrid)")
         if args.strategy == "tiles":
@@ -144,7 +152,7 @@ def runner_for(args: argparse.Namespace, log):
     from swarm.execution.swarm_train import SwarmOptions, SwarmRunner
 
     options = SwarmOptions(strategy="plan" if args.plan else args.strategy, plan_path=args.plan, grid=grid,
-                           sync=args.sync, stages=args.stages, devices=args.devices,
+                           sync=args.sync, stages=args.stages, devices=args.devices, together=args.together,
                            wait_s=args.wait if args.wait is not None else (60.0 if args.devices else 2.0),
                            schedule=args.schedule, backup_interval=args.backup_every,
                            checkpoint_every=args.save_every if args.save_every else 25,

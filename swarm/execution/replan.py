@@ -87,7 +87,8 @@ def _allocate(devices: list[str], samples: int, speed: dict[str, float]) -> dict
     return alloc
 
 
-def _regrid(s: Stage, survivors: list[str], desc: ModelDesc) -> Stage:
+def _regrid(s: Stage, survivors: list[str], desc: ModelDesc, microbatches: int) -> Stage:
+    s = replace(s, together=_smaller_block(s.together, len(survivors) / len(s.devices), microbatches))
     rows, cols = square_grid(len(survivors))
     fits = all(rows <= desc.layers[i].out_shape[1] and cols <= desc.layers[i].out_shape[2]
                for i in range(s.first, s.last))
@@ -99,6 +100,14 @@ def _regrid(s: Stage, survivors: list[str], desc: ModelDesc) -> Stage:
             tiles.append(d)
         return replace(s, devices=survivors, tile_devices=tiles, warmup=None)
     return replace(s, devices=survivors, grid=(rows, cols), tile_devices=list(survivors), warmup=None)
+
+
+def _smaller_block(together: int | None, share: float, microbatches: int) -> int | None:
+    """Fewer devices hold larger tiles: a block of micro-batches shrinks with them, so each
+    survivor's activations stay about what they were."""
+    if not together or together == 1:
+        return together
+    return max(g for g in range(1, together + 1) if microbatches % g == 0 and g <= max(1.0, together * share))
 
 
 def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, float] | None = None) -> Plan:
@@ -115,7 +124,7 @@ def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, fl
         elif s.mode == "dp":
             stages.append(replace(s, devices=survivors, allocation=_allocate(survivors, mb, speed), warmup=None))
         elif s.mode == "tiles":
-            stages.append(_regrid(s, survivors, desc))
+            stages.append(_regrid(s, survivors, desc, plan.microbatches))
         else:
             stages.append(replace(s, devices=survivors, warmup=None))
     # stages left without devices: their layers go to the neighbours, in proportion to compute

@@ -13,6 +13,14 @@ from tiles.layout import tileable_prefix
 
 STRATEGIES = ("local", "dp", "pp", "tiles", "hybrid")
 
+# What a worker process holds besides the stage's weights and activations: the interpreter,
+# torch and its kernels' scratch, messages in flight (an idle agent with a job's model
+# loaded measures about 350 MiB on x86-64 Linux).
+RUNTIME_BYTES = 400 * 2**20
+# Activations measured against the tiles cost model's count: the allocator's slack and the
+# temporaries of a layer's backward that the model does not count.
+ACTIVATION_SLACK = 1.4
+
 
 def square_grid(n: int) -> tuple[int, int]:
     """The most square rows x cols with rows * cols == n and rows <= cols (8 -> 2x4)."""
@@ -76,10 +84,36 @@ def even_allocation(group: list[str], samples: int) -> dict[str, int]:
     return {d: base + (1 if i < extra else 0) for i, d in enumerate(group)}
 
 
+def blocks_that_fit(desc: ModelDesc, stage: Stage, batch: int, microbatches: int, facts: dict) -> int:
+    """The most micro-batches a one-stage tiles plan can run as one block (a divisor of
+    `microbatches`) with every device's estimated peak within its memory; 1 when a
+    device's memory is unknown."""
+    from planner.memory import MemoryModel
+    from planner.tiles_work import tiles_cost
+
+    memory = [facts.get(d, {}).get("memory") for d in stage.devices]
+    if not all(memory):
+        return 1
+    cost = tiles_cost(desc, stage)
+    weights = MemoryModel.estimated(desc).weights(stage.first, stage.last)
+    per_sample = {d: sum(cost.tiles[k].peak_bytes for k, o in enumerate(stage.tile_devices) if o == d)
+                  for d in stage.devices}
+    mb = -(-batch // microbatches)
+    best = 1
+    for size in range(1, microbatches + 1):
+        if microbatches % size:
+            continue
+        need = {d: RUNTIME_BYTES + weights + ACTIVATION_SLACK * size * mb * per_sample[d] for d in stage.devices}
+        if all(need[d] <= m for d, m in zip(stage.devices, memory)):
+            best = size
+    return best
+
+
 def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, microbatches: int, *,
                 grid: tuple[int, int] | None = None, sync: str | None = None, stages: int | None = None,
-                facts: dict | None = None) -> Plan:
-    """A plan of `strategy` over `devices` (names, in order)."""
+                facts: dict | None = None, together: int | None = None) -> Plan:
+    """A plan of `strategy` over `devices` (names, in order). A tiles plan of one stage runs
+    `together` micro-batches as one block (default: as many as fit in the devices' memory)."""
     if not devices:
         raise PlanError("no devices to plan for")
     n = len(desc.layers)
@@ -111,6 +145,11 @@ def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, 
                              syncs=parse_syncs(sync, 0, end))]
         if end < n:
             plan_stages.append(Stage(end, n, "single", [devices[0]]))
+            if together not in (None, 1):
+                raise PlanError(f"--together needs the whole of {desc.name} in the tiles stage; it has untileable "
+                                f"layers from layer {end}")
+        else:
+            plan_stages[0].together = together or blocks_that_fit(desc, plan_stages[0], batch, microbatches, known)
         return _plan(desc, batch, microbatches, plan_stages, known, "tiles")
     if strategy == "hybrid":
         return _hybrid(desc, devices, batch, microbatches, grid, sync, known)

@@ -30,6 +30,7 @@ class SwarmOptions:
     grid: tuple[int, int] | None = None
     sync: str | None = None
     stages: int | None = None
+    together: int | None = None  # tiles: micro-batches run as one block (default: as many as fit)
     devices: int | None = None  # use this many devices (default: whoever answers in `wait_s`)
     schedule: str = "1f1b"  # or "gpipe": all forwards of a step, then all backwards
     wait_s: float = 2.0
@@ -184,7 +185,7 @@ class SwarmRunner:
             plan = self._auto_plan(trainer, names, facts, measured)
         else:
             plan = simple_plan(o.strategy, desc, names, cfg.batch_size, cfg.microbatches, grid=o.grid, sync=o.sync,
-                               stages=o.stages, facts=facts)
+                               stages=o.stages, facts=facts, together=o.together)
         if o.schedule == "gpipe":  # every stage runs all forwards first (for comparison)
             for stage in plan.stages:
                 stage.warmup = plan.microbatches
@@ -414,6 +415,8 @@ def describe_plan(plan: Plan) -> str:
         how = s.mode
         if s.mode == "tiles":
             how += f" {s.grid[0]}x{s.grid[1]}"
+            if s.block() > 1:
+                how += f", {s.block()} micro-batches at a time"
         elif s.mode == "dp":
             how += " " + ",".join(f"{d}:{n}" for d, n in s.allocation.items())
         lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {', '.join(s.devices)}")

@@ -107,6 +107,7 @@ class DeviceWorker:
         self.layout: Layout | None = None
         self.compute_lock = ComputeLock()
         self.busy_s = 0.0
+        self.compute_cpu_s = 0.0  # CPU time of the compute itself (busy_s is wall time, quota stalls included)
         self.token = None  # trio token, for exchanges from compute threads
 
     # ---- helpers ---------------------------------------------------------------------
@@ -116,11 +117,12 @@ class DeviceWorker:
     async def compute(self, fn, *args):
         def run():
             with self.compute_lock:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     return fn(*args)
                 finally:
                     self.busy_s += time.perf_counter() - t0
+                    self.compute_cpu_s += time.thread_time() - c0
         return await trio.to_thread.run_sync(run)
 
     def group_of(self, p: int) -> list[str]:
@@ -227,7 +229,8 @@ class DeviceWorker:
         return {k: TileWorker(lay, k, modules, keeps_running_stats=k == mine[0], grad_lock=lock) for k in mine}
 
     async def run_step(self, step: int) -> bool:
-        self.busy_s = 0.0
+        self.busy_s = self.compute_cpu_s = 0.0
+        cpu0 = time.process_time()
         self.ep.mailbox.waited.clear()
         losses: list[float] = []
         t0 = trio.current_time()
@@ -242,6 +245,7 @@ class DeviceWorker:
                 await reducer.finish()
         times = {"schedule_s": t1 - t0, "reduce_s": trio.current_time() - t1,
                  "reducing_s": sum(r.seconds for r in self.reducers.values()),
+                 "compute_cpu_s": self.compute_cpu_s, "cpu_s": time.process_time() - cpu0,
                  **{f"wait_{k}_s": v for k, v in self.ep.mailbox.waited.items()}}
         await self.ep.send(COORDINATOR, ("ready", step, self.device),
                            {"loss": float(sum(losses)), "busy_s": self.busy_s, "times": times})
@@ -276,19 +280,24 @@ class DeviceWorker:
         bounds = microbatch_bounds(plan.batch_size, plan.microbatches)
         tiled = copy.stage.mode == "tiles"
         reducer = self.reducers.get(p)
+        if tiled:  # in blocks of `together` micro-batches (one block = one schedule unit)
+            size = copy.stage.block()
+            ops = stage_schedule(plan.microbatches // size, plan.warmups()[p])
+            for i, (kind, j) in enumerate(ops):
+                block = [(m, *bounds[m]) for m in range(j * size, (j + 1) * size)]
+                if kind == "F":
+                    await self.tiles_forward(step, copy, my_parts, block, losses)
+                else:
+                    final = reducer is not None and i == len(ops) - 1  # the step's last backward
+                    for worker in self.tile_workers[p].values():
+                        worker.on_layer_done = (lambda mb, layer: reducer.layer_done_from_thread(layer)) \
+                            if final else None
+                    await self.tiles_backward(step, copy, my_parts, block)
+            return
         ops = stage_schedule(plan.microbatches, plan.warmups()[p])
         for i, (kind, m) in enumerate(ops):
             lo, hi = bounds[m]
             final = reducer is not None and i == len(ops) - 1  # the step's last backward
-            if tiled:
-                if kind == "F":
-                    await self.tiles_forward(step, copy, my_parts, m, lo, hi, losses)
-                else:
-                    for worker in self.tile_workers[p].values():
-                        worker.on_layer_done = (lambda mb, layer: reducer.layer_done_from_thread(layer)) \
-                            if final else None
-                    await self.tiles_backward(step, copy, my_parts, m, hi - lo)
-                continue
             handles = reducer.hooks() if final else []
             try:
                 for part in my_parts:
@@ -381,38 +390,48 @@ class DeviceWorker:
             await self.send_input_grads(step, part, m, mb, in_grads)
 
     # ---- tiles parts -----------------------------------------------------------------
-    async def tiles_forward(self, step: int, copy: StageCopy, parts: list[Part], m: int, lo: int, hi: int,
+    async def tiles_forward(self, step: int, copy: StageCopy, parts: list[Part], block: list[tuple[int, int, int]],
                             losses) -> None:
-        mb = hi - lo
+        """Forward of a block of micro-batches [(m, lo, hi), ...] through this device's tiles."""
         p = copy.p
-        inputs = {part.index: await self.gather_inputs(step, part, m, mb) for part in parts}
         first = copy.stage.first
         key_in = -1 if first == 0 else first - 1
-        gens = {part.index: self.tile_workers[p][part.index].forward(m, inputs[part.index][key_in]) for part in parts}
-        outs = await DeviceTiles(self, step, p, copy.stage.tile_devices).run(gens)
-        if copy.is_last:
-            for part in parts:
-                targets = (await self.get(("tgt", step, part.index, m)))["arrays"][0]
-                window = self._window(p, part.index)
-                losses.append(await self.compute(copy.tile_loss, part.index, m, outs[part.index], targets,
-                                                 plan_batch(self.plan), window))
-            return
+        sizes = [hi - lo for _, lo, hi in block]
+        gens = {}
         for part in parts:
-            await self.send_outputs(step, part, m, mb, {copy.stage.last - 1: outs[part.index]})
+            xs = [(await self.gather_inputs(step, part, m, hi - lo))[key_in] for m, lo, hi in block]
+            x = xs[0] if len(xs) == 1 else torch.cat(xs)
+            gens[part.index] = self.tile_workers[p][part.index].forward(block[0][0], x,
+                                                                        sizes if len(sizes) > 1 else None)
+        outs = await DeviceTiles(self, step, p, copy.stage.tile_devices).run(gens)
+        for part in parts:
+            pieces = torch.split(outs[part.index], sizes)
+            for (m, lo, hi), out in zip(block, pieces):
+                if copy.is_last:
+                    targets = (await self.get(("tgt", step, part.index, m)))["arrays"][0]
+                    losses.append(await self.compute(copy.tile_loss, part.index, m, out, targets,
+                                                     plan_batch(self.plan), self._window(p, part.index)))
+                else:
+                    await self.send_outputs(step, part, m, hi - lo, {copy.stage.last - 1: out})
 
-    async def tiles_backward(self, step: int, copy: StageCopy, parts: list[Part], m: int, mb: int) -> None:
+    async def tiles_backward(self, step: int, copy: StageCopy, parts: list[Part], block: list[tuple[int, int, int]]) -> None:
         p = copy.p
         last_map = copy.stage.last - 1
-        if copy.is_last:
-            dys = {part.index: copy.tile_dy.pop((part.index, m)) for part in parts}
-        else:
-            dys = {part.index: (await self.gather_output_grads(step, part, m, mb))[last_map] for part in parts}
-        gens = {k: self.tile_workers[p][k].backward(m, dy) for k, dy in dys.items()}
+        dys = {}
+        for part in parts:
+            if copy.is_last:
+                pieces = [copy.tile_dy.pop((part.index, m)) for m, _, _ in block]
+            else:
+                pieces = [(await self.gather_output_grads(step, part, m, hi - lo))[last_map] for m, lo, hi in block]
+            dys[part.index] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        gens = {k: self.tile_workers[p][k].backward(block[0][0], dy) for k, dy in dys.items()}
         dxs = await DeviceTiles(self, step, p, copy.stage.tile_devices).run(gens)
         if p > 0:
             key_in = copy.stage.first - 1
+            sizes = [hi - lo for _, lo, hi in block]
             for part in parts:
-                await self.send_input_grads(step, part, m, mb, {key_in: dxs[part.index]})
+                for (m, lo, hi), dx in zip(block, torch.split(dxs[part.index], sizes)):
+                    await self.send_input_grads(step, part, m, hi - lo, {key_in: dx})
 
     def _window(self, p: int, tile: int) -> tuple[int, int, int, int]:
         """(row0, col0, H, W) of a tile's owned output in the stage's output map."""
