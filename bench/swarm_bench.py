@@ -74,6 +74,10 @@ def show(r: dict, one: float | None) -> None:
     if "error" in r:
         print(f"{r['label']:<28} failed: {r['error']}", flush=True)
         return
+    if r["used"] != r["devices"]:
+        print(f"{r['label']:<28} ran on {r['used']} devices instead of {r['devices']}: not a measurement of it",
+              flush=True)
+        return
     speedup = r["samples_per_s"] / one if one else float("nan")
     print(f"{r['label']:<28} {r['samples_per_s']:>10.3f} {speedup:>8.2f} {speedup / r['devices']:>10.2f} "
           f"{r['peak_above_idle_mib']:>20.0f}", flush=True)
@@ -105,7 +109,8 @@ def measure(label: str, args: list[str], used: int, work: Path) -> dict:
     stages = [line.strip() for line in (r.stdout + r.stderr).splitlines() if line.strip().startswith("stage ")]
     return {"label": label, "samples_per_s": statistics.median(rates), "rates": rates, "wall_s": wall,
             "peak_above_idle_mib": max(peaks.values()) / 1024, "devices": used, "plan": stages,
-            "cpu_s": {d: t.get("cpu_s") for d, t in steps[-1].get("device_times", {}).items()}}
+            "cpu_s": {d: t.get("cpu_s") for d, t in steps[-1].get("device_times", {}).items()},
+            "used": max(len(s.get("device_times", {})) for s in steps)}
 
 
 def main() -> None:
@@ -140,7 +145,8 @@ def main() -> None:
 
     def run(label: str, train_args: list, used: int) -> None:
         results.append(measure(label, train_args, used, work))
-        one = max([r.get("samples_per_s", 0.0) for r in results if r.get("devices") == 1] or [0.0]) or None
+        one = max([r.get("samples_per_s", 0.0) for r in results if r.get("devices") == 1 and r.get("used") == 1]
+                  or [0.0]) or None
         show(results[-1], one)  # speedup over the best run on one device so far
 
     try:

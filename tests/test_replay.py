@@ -37,11 +37,11 @@ def local_weights():
     return trainer.net.state_dict()
 
 
-def _run(strategy: str, events, backup_interval: int = 1, devices=None):
+def _run(strategy: str, events, backup_interval: int = 1, devices=None, together=None):
     cfg = _cfg()
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, 64, 3)
-    plan = simple_plan(strategy, trainer.desc, DEVICES, 8, 4)
+    plan = simple_plan(strategy, trainer.desc, DEVICES, 8, 4, together=together)
     plan.backups = backup_holders(plan)
     coordinator = train_plan_in_process(plan, trainer, data, STEPS, events=events, strategy=strategy,
                                         backup_interval=backup_interval, devices=devices, timeout_s=60)
@@ -93,6 +93,13 @@ def test_device_that_comes_back_is_taken_in(local_weights):
     assert kinds[0] in ("lightweight", "heavy") and kinds[-1] == "rejoin"
     assert "d3" in coordinator.plan.used_devices()
     assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_tiles_running_microbatches_together_lose_a_device(local_weights):
+    trainer, coordinator = _run("tiles", [(2, "kill", "d2", 0.0)], together=4)
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+    assert len(coordinator.recoveries) == 1
+    assert coordinator.plan.stages[0].together == 2  # 3 devices of 4 take larger tiles: blocks of 4 -> 2
 
 
 def test_lightweight_shifts_boundaries_by_flops():

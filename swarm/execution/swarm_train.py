@@ -221,7 +221,9 @@ class SwarmRunner:
     async def _run_job(self, cluster, names: dict, plan: Plan, trainer, train_set, total: int, report) -> None:
         o = self.options
         async with trio.open_nursery() as nursery:
-            control = ClusterControl(cluster, f"train-{uuid.uuid4().hex[:8]}", names, nursery, self.log)
+            # --devices N or a given plan: at most that many devices, however many more answer
+            limit = o.devices or (len(plan.used_devices()) if o.plan_path else None)
+            control = ClusterControl(cluster, f"train-{uuid.uuid4().hex[:8]}", names, nursery, self.log, limit)
             job = JobSpec(plan, trainer.cfg, trainer.cfg_text, o.timeout_s, backup_interval=o.backup_interval)
             save_hook = self._save_hook(trainer)
             coordinator = TrainingCoordinator(control, job, trainer, train_set, strategy=self.strategy_for_replan(),
@@ -279,8 +281,10 @@ class ClusterControl:
     plan's devices; deaths and job failures come out of next_loss(), devices that join or
     come back out of next_join()."""
 
-    def __init__(self, cluster, job_id: str, names: dict, nursery: trio.Nursery, log):
+    def __init__(self, cluster, job_id: str, names: dict, nursery: trio.Nursery, log, limit: int | None = None):
         self.cluster = cluster
+        self.limit = limit  # most devices a plan of this run may use (None: every device that answers)
+        self.ever_in_plan: set[str] = set()
         self.job_id = job_id
         self.names = dict(names)  # device name -> swarm.cluster Device
         self.nursery = nursery
@@ -325,12 +329,18 @@ class ClusterControl:
                     name = device.name if device.name not in self.names else f"{device.name}-{device.node_id[:6]}"
                     self.names[name] = device
                     by_node[device.node_id] = name
-                if name not in self.in_plan:
+                if name not in self.in_plan and self.may_take(name):
                     self._join_send.send_nowait({name})
+
+    def may_take(self, name: str) -> bool:
+        """Whether a device that (re)appears may join: one that was in this run's plan may
+        come back; a newcomer only while the run is below its --devices limit."""
+        return name in self.ever_in_plan or self.limit is None or len(self.in_plan) < self.limit
 
     async def start_epoch(self, epoch: int, job: JobSpec):
         used = job.plan.used_devices()
         self.in_plan = set(used)
+        self.ever_in_plan |= self.in_plan
         if self.epoch_scope is not None:
             self.epoch_scope.cancel()
         handle = self.cluster.job(self.job_id, epoch=epoch)
