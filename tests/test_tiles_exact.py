@@ -111,17 +111,17 @@ def _compare_block(net, desc, first, last, grid, grouping, splits, input_delta, 
     xs = [torch.rand(n, c, h, w, dtype=torch.float64) for n in splits]
     dys = [torch.randn(n, oc, oh, ow, dtype=torch.float64) for n in splits]
     leaves = [x.clone().requires_grad_(input_delta) for x in xs]
+    ref_ys = []
     for x, dy in zip(leaves, dys):  # as the local trainer runs micro-batches
         y = x
         for layer in ref.layers[first:last]:
             y = layer(y)
         (y * dy).sum().backward()
-        ref_y = y.detach()
-        x.ref_y = ref_y
+        ref_ys.append(y.detach())
     stage = InProcessStage.build(net.layers[first:last], desc.layers[first:last], grid, grouping, input_delta)
     y = stage.forward(0, torch.cat(xs), splits)
     dx = stage.backward(0, torch.cat(dys))
-    worst = [(rel_diff(y, torch.cat([x.ref_y for x in leaves])), "output")]
+    worst = [(rel_diff(y, torch.cat(ref_ys)), "output")]
     if input_delta:
         worst.append((rel_diff(dx, torch.cat([x.grad for x in leaves])), "input delta"))
     for (name, p), (_, q) in zip(net.layers[first:last].named_parameters(), ref.layers[first:last].named_parameters()):
@@ -185,10 +185,9 @@ def stacks(draw):
 
 
 def _avgpool_then_batchnorm(desc, first, last) -> bool:
-    kinds = [(d.kind, d.batch_normalize) for d in desc.layers[first:last]]
-    return any(k == "avgpool" for k, _ in kinds[:-1]) and any(
-        bn for i, (k, bn) in enumerate(kinds) if i > [k for k, _ in kinds].index("avgpool")) \
-        if any(k == "avgpool" for k, _ in kinds) else False
+    layers = desc.layers[first:last]
+    pools = [i for i, d in enumerate(layers) if d.kind == "avgpool"]
+    return bool(pools) and any(d.batch_normalize for d in layers[pools[0] + 1:])
 
 
 def _check_stack(case, input_delta):

@@ -358,10 +358,7 @@ class TrainingCoordinator:
         alive = self.control.alive()
         joined = sorted(d for d in self.joined if d in alive and d not in self.plan.used_devices())
         self.joined.clear()
-        limit = getattr(self.control, "limit", None)
-        if limit is not None:  # those that were in the plan before come first
-            returning = [d for d in joined if d in getattr(self.control, "ever_in_plan", ())]
-            joined = (returning + [d for d in joined if d not in returning])[:max(0, limit - len(self.plan.used_devices()))]
+        joined = self.control.admit(joined, len(self.plan.used_devices()))
         if not joined:
             return
         devices = [d for d in alive if d in self.plan.used_devices() or d in joined]

@@ -337,6 +337,14 @@ class ClusterControl:
         come back; a newcomer only while the run is below its --devices limit."""
         return name in self.ever_in_plan or self.limit is None or len(self.in_plan) < self.limit
 
+    def admit(self, joined: list[str], in_use: int) -> list[str]:
+        """Which of the devices that joined a re-plan takes in, within the --devices limit
+        (those that were in the plan before come first)."""
+        if self.limit is None:
+            return joined
+        returning = [d for d in joined if d in self.ever_in_plan]
+        return (returning + [d for d in joined if d not in returning])[:max(0, self.limit - in_use)]
+
     async def start_epoch(self, epoch: int, job: JobSpec):
         used = job.plan.used_devices()
         self.in_plan = set(used)
