@@ -2,16 +2,16 @@
 testbed, against the simulator's step time for the same plan.
 
     swarm testbed up --devices 4 --cpu 0.5 --mem 1G --bandwidth 100mbit
-    swarm testbed exec dev0 -- swarm profile --model yolov2-16 --img-size 128 --threads 1 --out prof.json
-    swarm testbed exec dev0 -- python bench/planner_validate_swarm.py --profile prof.json \\
+    swarm testbed exec dev0 -- python bench/planner_validate_swarm.py \\
         --model yolov2-16 --img-size 128 --batch-size 8 --microbatches 2 --strategies local,dp,pp,asteroid,tiles
 
-Run as a device of the swarm (it coordinates from there). It finds the devices, measures
-every link with the agents' bandwidth job (rate, and half the round trip of an empty
-message as the per-message latency), describes them with `--profile` (measured on one
-device under the same quota; every device of the testbed is alike) and their advertised
-memory, plans each strategy, and trains `--steps` steps of each plan. Measured: the median
-time between consecutive steps' ends after the first two (from --metrics).
+Run inside the testbed's network (it coordinates from there, outside the devices' cgroups).
+It does what `swarm plan` does on a live swarm: finds the devices, has each agent profile
+its device under its own limits (cached there), measures every link with the agents'
+bandwidth job (rate, and half the round trip of an empty message as the per-message
+latency), plans each strategy, and trains `--steps` steps of each plan with `swarm train
+--plan`. Measured: the median time between consecutive steps' ends after the first `--skip`
+(from --metrics). `--profile FILE` uses one profile for every device instead.
 """
 from __future__ import annotations
 
@@ -28,25 +28,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-async def survey(wait: float):
-    """(devices as dicts, measured links) of the swarm this process is part of."""
-    import trio
-
+async def survey(spec: dict, wait: float):
+    """What `swarm plan` finds on the live swarm: the devices, each one's profile (measured by
+    its agent under its own limits, cached there), and every link."""
     from swarm.agent import DEFAULT_PORT
-    from swarm.agent.bandwidth_job import measure_bandwidth
-    from swarm.cluster import open_cluster
+    from swarm.commands.plan_cmd import gather_live
     from swarm.net import Credentials, parse_peers, resolve_network
     from swarm.state import default_state_dir, find_token, process_id
 
     state = default_state_dir()
     token, _ = find_token(None, state, create=False)
-    network = resolve_network(None)
     peers = parse_peers(os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
-    async with open_cluster(Credentials(process_id(state), token), network, peers=peers) as cluster:
-        await trio.sleep(wait)
-        devices = cluster.alive()
-        links = await measure_bandwidth(cluster, [d.node_id for d in devices])
-        return [d.as_dict() for d in devices], links
+    return await gather_live(Credentials(process_id(state), token), resolve_network(None), peers, spec, wait)
 
 
 def measured_step(metrics: Path, skip: int) -> float:
@@ -60,7 +53,7 @@ def measured_step(metrics: Path, skip: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--profile", required=True, help="a device's profile (swarm profile --out) under the testbed quota")
+    p.add_argument("--profile", help="one profile (swarm profile --out) for every device, instead of the agents' own")
     p.add_argument("--model", default="yolov2-16")
     p.add_argument("--img-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
@@ -83,10 +76,16 @@ def main() -> None:
     from swarm.profiler import read_profile
     from swarm.zoo import describe_model
 
-    profile = read_profile(Path(args.profile))
+    desc = describe_model(args.model, args.img_size)
+    spec = {"model": args.model, "img_size": desc.img_size, "classes": None, "cfg": None, "threads": args.threads}
+    live = run_trio(survey, spec, args.wait)
+    if live is None:
+        raise SystemExit("no device of the swarm answered")
+    if args.profile:
+        profile = read_profile(Path(args.profile))
+        live["profiles"] = {d["node_id"]: profile for d in live["devices"]}
+    profile = next(iter(live["profiles"].values()))
     desc = describe_model(args.model, args.img_size, profile.classes)
-    devices, links = run_trio(survey, args.wait)
-    live = {"devices": devices, "profiles": {d["node_id"]: profile for d in devices}, "links": links}
     cluster = cluster_from_live(live, desc)
     cluster.data_source = args.data_source if args.data_source in cluster.names else None
     inputs = PlanInputs(desc, MemoryModel(desc, profile.act_bytes, measured=True), cluster, args.batch_size,
@@ -94,7 +93,8 @@ def main() -> None:
     work = Path(args.keep or tempfile.mkdtemp(prefix="swarm-validate-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"devices: {', '.join(cluster.names)}; latency {cluster.latency * 1e3:.2f} ms; rates (Mbit/s): "
-          + ", ".join(f"{a}->{b} {r['bytes_per_second'] * 8 / 1e6:.0f}" for (a, b), r in list(links.items())[:6]),
+          + ", ".join(f"{r['bytes_per_second'] * 8 / 1e6:.0f}" for r in live["links"].values())
+          + "; time per byte moved (ns): " + ", ".join(f"{d.name} {d.comm_s_per_byte * 1e9:.0f}" for d in cluster.devices),
           file=sys.stderr)
     rows = []
     for strategy in args.strategies.split(","):

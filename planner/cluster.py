@@ -30,6 +30,10 @@ class Device:
     power_w: float | None = None  # compute power, for JointDNN's energy objective
     radio: dict | None = None  # JointDNN eq. 21: {"up_mw_per_mbps", "down_mw_per_mbps", "base_mw"}
     facts: dict = field(default_factory=dict)  # cores, cpu, ... as shown in plans
+    # seconds of this device's time per byte it sends or receives: the CPU that moving data
+    # costs (sockets, framing, copies), at the device's own speed and CPU quota. A link runs
+    # at the slower of its bandwidth and its two ends' CPU.
+    comm_s_per_byte: float = 0.0
 
     def summary(self) -> dict:
         d = dict(self.facts)
@@ -90,7 +94,12 @@ class Cluster:
         """Seconds to move `nbytes` from a to b (nothing when they are the same device)."""
         if a == b or nbytes <= 0:
             return 0.0
-        return self.latency + nbytes / self.bw(a, b)
+        cpu = max(self.device(a).comm_s_per_byte, self.device(b).comm_s_per_byte)
+        return self.latency + nbytes * max(1 / self.bw(a, b), cpu)
+
+    def comm_cpu(self, names: list[str]) -> float:
+        """The largest seconds per byte moved among a group's devices (0: not measured)."""
+        return max((self.device(n).comm_s_per_byte for n in names), default=0.0)
 
     def min_bw(self, names: list[str]) -> float:
         """The slowest link among a group: what a ring all-reduce runs at (Asteroid eq. 5)."""
@@ -121,7 +130,7 @@ class Cluster:
 # ---- the JSON description -------------------------------------------------------------
 
 DEVICE_KEYS = {"name", "memory", "speed", "gflops", "mem_gbps", "profile", "tier", "power_w", "radio", "link_mbps",
-               "cores", "note"}
+               "cores", "note", "comm_ns_per_byte"}
 CLUSTER_KEYS = {"name", "description", "reference", "data_source", "bandwidth_mbps", "latency_ms", "links", "devices",
                 "note"}
 
@@ -207,7 +216,11 @@ def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
             raise
         raise ClusterError(f"{where}: {exc}") from None
     facts = {k: spec[k] for k in ("cores", "note") if k in spec}
-    return Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts)
+    comm = spec.get("comm_ns_per_byte", 0)
+    if not isinstance(comm, (int, float)) or isinstance(comm, bool) or comm < 0:
+        raise ClusterError(f"{where}: comm_ns_per_byte must be a number of nanoseconds, 0 or more; got {comm!r}")
+    return Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts,
+                  comm_s_per_byte=float(comm) * 1e-9)
 
 
 def _apply_link(k: int, link, names: list[str], bw: np.ndarray) -> None:

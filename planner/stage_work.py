@@ -32,11 +32,14 @@ def microbatch_sizes(batch: int, microbatches: int) -> list[int]:
 
 
 def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
-    """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus 2(g-1) message latencies."""
+    """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus 2(g-1) message latencies.
+    Each device sends and receives that much at once: the ring runs no faster than a device's
+    CPU moves twice the bytes."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0
-    return 2 * (g - 1) * cluster.latency + 2 * (g - 1) / g * nbytes / cluster.min_bw(group)
+    per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
+    return 2 * (g - 1) * cluster.latency + 2 * (g - 1) / g * nbytes * per_byte
 
 
 def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
@@ -44,7 +47,8 @@ def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
     g = len(group)
     if g < 2:
         return 0.0
-    return cluster.latency + (g - 1) * nbytes / cluster.min_bw(group)
+    per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
+    return cluster.latency + (g - 1) * nbytes * per_byte
 
 
 def bn_sync_time(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:

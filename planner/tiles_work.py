@@ -87,6 +87,7 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
         untiled_bwd[layer.index] = layer.flops * ((1 if needs_dx else 0) + (1 if layer.params else 0))
     g = len(devices)
     minbw = cluster.min_bw(devices) if g > 1 else float("inf")
+    cpu = cluster.comm_cpu(devices)
 
     def sync_time(table: dict, samples: int) -> float:
         total = 0.0
@@ -101,8 +102,9 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
                     sent[a] += nbytes
                     recv[z] += nbytes
             worst = max(max(sent.values()), max(recv.values()))
+            moved = max(sent[d] + recv[d] for d in devices)
             if worst > 0:
-                total += cluster.latency + worst / minbw
+                total += cluster.latency + max(worst / minbw, moved * cpu)
         return total
 
     bn = sum(2 * allgather_time(8 + 16 * c, devices, cluster) for c in cost.bn_channels) if g > 1 else 0.0

@@ -57,6 +57,8 @@ def device_facts(threads: int) -> dict:
     fingerprint: other CPU, quota, thread count or torch means profiling again)."""
     facts = {"cpu": _cpu_name(), "machine": platform.machine(), "cores": usable_cores(), "cpu_quota": cpu_quota(),
              "threads": threads, "torch": _torch_version()}
+    if facts["cpu_quota"] is not None:
+        facts["timing"] = "quota"  # measured with QuotaClock
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
     facts.update(fingerprint=digest, memory=usable_memory(), name=platform.node())
     return facts
@@ -101,6 +103,26 @@ CLOCKS = {
     # (one compute thread only; for measuring on a busy machine)
     "cpu": time.thread_time,
 }
+
+
+class QuotaClock:
+    """Wall time as a cgroup CPU quota makes it. Under a quota of q cores a computation runs at
+    full speed until the period's share is spent, then waits for the next period; a short
+    timing (one layer) mostly misses the waits, so medians of them tell the speed of the
+    host's core, not the device's. This clock advances by the larger of the wall time and the
+    process's CPU time / q since it was last read: a layer costs what it costs once the quota
+    is spread over a long run, as in training."""
+
+    def __init__(self, quota: float):
+        self.quota = quota
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        self.value = 0.0
+
+    def __call__(self) -> float:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.value += max(wall - self.wall, (cpu - self.cpu) / self.quota)
+        self.wall, self.cpu = wall, cpu
+        return self.value
 
 
 def _median_time(fn, repeats: int, now=time.perf_counter) -> float:
@@ -274,6 +296,9 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     if clock == "cpu" and threads != 1:
         raise SwarmError("the cpu clock measures one compute thread: use --threads 1")
     now = CLOCKS[clock]
+    quota = cpu_quota()
+    if clock == "wall" and quota is not None and quota < threads:
+        now = QuotaClock(quota)
     torch.set_num_threads(threads)
     desc0 = describe_model(model, img_size, None, cfg_text)
     data, _ = open_datasets(None, desc0.img_size, desc0.in_channels)
@@ -327,7 +352,8 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     facts = device_facts(threads)
     costs = CostTable(batch_sizes, np.array(fwd).T, np.array(bwd).T, update, loss_f, loss_b,
                       f"measured on {facts['name']} ({threads} thread{'s' if threads > 1 else ''}"
-                      + (", CPU time" if clock == "cpu" else "") + ")")
+                      + (", CPU time" if clock == "cpu" else "")
+                      + (f", at a quota of {quota:g} cores" if isinstance(now, QuotaClock) else "") + ")")
     return DeviceProfile(model=desc.name, img_size=desc.img_size, costs=costs, act_bytes=saved, device=facts,
                          classes=classes, step_time=step_time, peak_bytes=peak, runtime_bytes=float(runtime),
                          repeats=repeats, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -131,3 +131,42 @@ def test_losing_every_device_stops_with_a_message():
 
     with pytest.raises(SwarmError, match="lost every device of the plan"):
         _run("pp", [(1, "kill", d, 0.0) for d in DEVICES])
+
+
+def test_backups_by_time_roll_back_to_the_last_one_complete(local_weights, monkeypatch):
+    """backup_interval 0: a backup starts only once the last one is complete and its quiet
+    period is over. With a share so small that the quiet period outlasts the run, the only
+    backup is the one at the start, and a kill rolls the run back there."""
+    import swarm.execution.coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "BACKUP_SHARE", 1e-9)
+    trainer, coordinator = _run("pp", [(3, "kill", "d2", 0.0)], backup_interval=0)
+    (recovery,) = coordinator.recoveries
+    assert recovery.rolled_back_to == 0
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_backups_by_time_recover_exactly(local_weights):
+    trainer, coordinator = _run("pp", [(2, "kill", "d1", 0.0)], backup_interval=0)
+    assert len(coordinator.recoveries) == 1
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+@pytest.mark.parametrize("limit", [1, 7, 64, 1 << 20])
+def test_states_cut_into_pieces_come_back_whole(limit):
+    from swarm.execution.store import cut_states, join_states
+
+    torch.manual_seed(0)
+    states = {"layers.0.conv.weight": torch.randn(16, 3, 3, 3, dtype=torch.float64),
+              "layers.0.bn.num_batches_tracked": torch.tensor(5),
+              "layers.1.conv.weight|momentum_buffer": torch.randn(40, 16),
+              "layers.2.empty": torch.zeros(0)}
+    pieces = cut_states(states, limit)
+    sizes = [sum(c[3].numel() * c[3].element_size() for c in p) for p in pieces]
+    assert max(sizes) <= max(limit, 8) + 8  # a piece overshoots by less than one element
+    if limit < 100:
+        assert len(pieces) > 1
+    back = join_states(list(reversed(pieces)))
+    assert back.keys() == states.keys()
+    for k, v in states.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k

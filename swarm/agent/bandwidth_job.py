@@ -4,14 +4,18 @@ Agent side (run_bandwidth_job): waits for commands from the coordinator on chann
 "probe" — {"to": node, "address": "host:port", "nbytes": N, "rounds": 3} — sends an empty
 then an N-byte probe straight to that peer, `rounds` times, each acknowledged; reports the
 fastest of each as {"to", "nbytes", "latency", "seconds"} on channel "probe-result".
-{"done": true} ends it.
+{"done": true} ends it, and the job's result says how much of this device's time moving the
+probes cost: {"comm_s_per_byte"}, the process's CPU time while the job ran over the probe
+bytes it sent and received, divided by its CPU quota where that is below one core (that CPU
+then comes out of the quota the computation also runs on).
 
 Coordinator side (measure_bandwidth): runs every ordered pair, one at a time so that
-no two probes share a link, and returns the measurements.
+no two probes share a link, and returns the measurements (each with both ends' time per byte).
 """
 from __future__ import annotations
 
 import secrets
+import time
 
 import numpy as np
 import trio
@@ -23,16 +27,22 @@ DEFAULT_PROBE_BYTES = 4 * 1024 * 1024
 
 
 async def run_bandwidth_job(ctx: JobContext) -> dict:
+    from swarm.device import cpu_quota
+
     measured = 0
+    moved = [0]  # probe bytes sent and received
+    cpu0 = time.process_time()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_answer_probes, ctx)
+        nursery.start_soon(_answer_probes, ctx, moved)
         seq = 0
         while True:
             _, command = await ctx.receive("probe")
             body = command.body
             if body.get("done"):
                 nursery.cancel_scope.cancel()
-                return {"probes": measured}
+                share = min(1.0, cpu_quota() or 1.0)
+                cpu = time.process_time() - cpu0
+                return {"probes": measured, "comm_s_per_byte": cpu / share / moved[0] if moved[0] else 0.0}
             peer, nbytes, rounds = body["to"], int(body["nbytes"]), int(body.get("rounds", 3))
             await ctx.connect(body["address"], peer)
             empty, full = [], []
@@ -41,6 +51,7 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
                     seq += 1
                     start = trio.current_time()
                     await ctx.send(peer, ctx.data("probe-data", {"seq": seq, "payload": payload}))
+                    moved[0] += payload.nbytes
                     while True:
                         sender, ack = await ctx.receive("probe-ack")
                         if sender == peer and ack.body["seq"] == seq:
@@ -51,16 +62,18 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
                                                                     "latency": min(empty), "seconds": min(full)}))
 
 
-async def _answer_probes(ctx: JobContext) -> None:
+async def _answer_probes(ctx: JobContext, moved: list[int]) -> None:
     while True:
         sender, probe = await ctx.receive("probe-data")
+        moved[0] += probe.body["payload"].nbytes
         await ctx.send(sender, ctx.data("probe-ack", {"seq": probe.body["seq"]}))
 
 
 async def measure_bandwidth(cluster, node_ids: list[str], *, nbytes: int = DEFAULT_PROBE_BYTES,
                             timeout: float = 60.0) -> dict[tuple[str, str], dict]:
-    """{(sender, receiver): {"bytes_per_second", "latency", "seconds", "nbytes"}} for every
-    ordered pair of `node_ids` (devices of `cluster`, alive)."""
+    """{(sender, receiver): {"bytes_per_second", "latency", "seconds", "nbytes",
+    "comm_s_per_byte": {"from", "to"}}} for every ordered pair of `node_ids` (devices of
+    `cluster`, alive)."""
     job = cluster.job(f"bandwidth-{secrets.token_hex(4)}", 0)
     results: dict[tuple[str, str], dict] = {}
     try:
@@ -83,9 +96,13 @@ async def measure_bandwidth(cluster, node_ids: list[str], *, nbytes: int = DEFAU
                                        "bytes_per_second": r["nbytes"] / transfer}
         for node in node_ids:
             await job.send(node, job.data("probe", {"done": True}))
+        comm = {}
         for node in node_ids:
             with trio.fail_after(timeout):
-                await job.wait_done(node)
+                done = await job.wait_done(node)
+            comm[node] = float((done or {}).get("comm_s_per_byte", 0.0))
+        for (src, dst), r in results.items():
+            r["comm_s_per_byte"] = {"from": comm[src], "to": comm[dst]}
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await job.release_all()

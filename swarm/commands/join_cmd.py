@@ -52,9 +52,12 @@ def agent_config(args):
 
 
 def run(args) -> int:
+    from swarm.state import STATE_DIR_ENV
+
     config, state_dir, token_from = agent_config(args)
     setup_logging(f"swarm[{config.name}]", args.verbose)
     log.info("state in %s; cluster token from %s", state_dir, token_from)
+    os.environ[STATE_DIR_ENV] = str(state_dir)  # the jobs' too (profiles are cached there)
     run_trio(_serve_until_signalled, config)
     return 0
 

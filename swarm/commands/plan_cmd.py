@@ -204,6 +204,15 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, disc
         return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
 
 
+def _comm_time(node: str, links: dict) -> float:
+    """A device's seconds per byte moved, as its end of the link measurements found it."""
+    for (a, b), r in links.items():
+        ends = r.get("comm_s_per_byte") or {}
+        if node in (a, b) and ends:
+            return float(ends["from"] if node == a else ends["to"])
+    return 0.0
+
+
 def cluster_from_live(live: dict, desc):
     """A planner Cluster from what gather_live found: each device's measured costs, its memory
     less the runtime's, the measured pairwise rates, and half the median round trip."""
@@ -222,7 +231,8 @@ def cluster_from_live(live: dict, desc):
         name = d["name"] if d["name"] not in names.values() else f"{d['name']}@{d['address']}"
         names[d["node_id"]] = name
         budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes)
-        devices.append(Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]}))
+        devices.append(Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]},
+                              comm_s_per_byte=_comm_time(d["node_id"], live["links"])))
     rates = {(names[a], names[b]): r["bytes_per_second"] for (a, b), r in live["links"].items()}
     order = [dev.name for dev in devices]
     bw = bandwidth_matrix(order, rates) if len(order) > 1 else [[float("inf")]]

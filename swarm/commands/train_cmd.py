@@ -13,6 +13,16 @@ from swarm.progress import format_seconds
 STRATEGIES = ("auto", "local", "dp", "pp", "tiles", "hybrid")
 
 
+def steps_or_auto(text: str) -> int:
+    """--backup-every: a number of steps, or "auto" (0)."""
+    if text == "auto":
+        return 0
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; give a number of steps (1 or more) or auto") from None
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model", description=(
         "Train a model. With no other device on the network (or --strategy local) it trains on "
@@ -63,9 +73,10 @@ def add_parser(sub) -> None:
     p.add_argument("--recovery", choices=("auto", "light", "heavy"), default="auto",
                    help="after a lost device: shift the plan over the survivors and replay from the last backup "
                    "(light), plan again and reload the last checkpoint (heavy), or whichever suits (auto, default)")
-    p.add_argument("--backup-every", type=positive_int, default=1, metavar="N",
-                   help="across devices: snapshot and back up every stage every N steps (default: 1; a device "
-                   "lost later rolls the run back to the last backup and replays)")
+    p.add_argument("--backup-every", type=steps_or_auto, default=0, metavar="N|auto",
+                   help="across devices: snapshot and back up every stage every N steps, or (auto, default) as "
+                   "often as keeps backups to about a tenth of the time; a device lost later rolls the run back to "
+                   "the last backup and replays")
     p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; flags not given are taken from it")
     p.add_argument("--metrics", metavar="FILE", help="append one JSON object per step to FILE")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")

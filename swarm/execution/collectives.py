@@ -29,23 +29,28 @@ async def allgather(ep: Endpoint, group: list[str], key: tuple, arrays: list[tor
 async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor,
                         timeout: float = math.inf) -> torch.Tensor:
     """Sum of `flat` (1-D) over the group, by a ring: reduce-scatter then all-gather. Each
-    chunk is summed once, in ring order, and copied to everyone: identical results."""
+    chunk is summed once, in ring order, and copied to everyone: identical results. The sum
+    is made in `flat` itself (no copies), which is returned."""
     n = len(group)
     if n == 1:
         return flat
     me = group.index(ep.name)
     nxt = group[(me + 1) % n]
-    bounds = [round(i * flat.numel() / n) for i in range(n + 1)]
-    chunks = [flat[bounds[i]:bounds[i + 1]].clone() for i in range(n)]
+    total = flat  # summed in place, chunk by chunk (a send completes before its chunk changes)
+    bounds = [round(i * total.numel() / n) for i in range(n + 1)]
+    chunks = [total[bounds[i]:bounds[i + 1]] for i in range(n)]
 
     async def exchange(phase: str, k: int, send_idx: int, recv_idx: int, add: bool) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ep.send, nxt, ("ring", *key, phase, k, me), {"arrays": [chunks[send_idx]]})
             got = (await ep.mailbox.get(("ring", *key, phase, k, (me - 1) % n), timeout))["arrays"][0]
-        chunks[recv_idx] = chunks[recv_idx] + got if add else got
+        if add:
+            chunks[recv_idx].add_(got)
+        else:
+            chunks[recv_idx].copy_(got)
 
     for k in range(n - 1):  # after this, member i holds the full sum of chunk (i + 1) % n
         await exchange("rs", k, (me - k) % n, (me - k - 1) % n, add=True)
     for k in range(n - 1):
         await exchange("ag", k, (me + 1 - k) % n, (me - k) % n, add=False)
-    return torch.cat(chunks)
+    return total

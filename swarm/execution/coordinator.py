@@ -32,6 +32,12 @@ from swarm.execution.tiling import TileGeometry
 from swarm.execution.worker import COORDINATOR, JobSpec
 from swarm.trainer import LocalTrainer, set_lr
 
+# With backups by time (JobSpec.backup_interval 0), the share of the time backups may keep the
+# links busy: after a backup that took t seconds to complete, the next one starts at the first
+# step that ends t * (1 / BACKUP_SHARE - 1) seconds later or more. A lost device then costs at
+# most about t / BACKUP_SHARE seconds of steps to replay.
+BACKUP_SHARE = 0.1
+
 
 @dataclass
 class StepReport:
@@ -128,6 +134,8 @@ class TrainingCoordinator:
         self.backup_step: int | None = None
         self.backup_holdings: dict[str, set[int]] = {}
         self.pending_backups: dict[int, set[str]] = {}  # step -> devices not ready yet
+        self.backup_started: dict[int, float] = {}  # step -> when its backup began
+        self.next_backup_at = -float("inf")  # with backups by time: not before then
         self.recoveries: list[Recovery] = []
         self.replay_until = 0  # steps below this are being run again
         self.joined: set[str] = set()  # devices that (re)appeared and may be taken in
@@ -140,6 +148,7 @@ class TrainingCoordinator:
         self.job = replace(self.job, plan=plan, epoch=self.epoch, start_step=start, moves=moves)
         self.layout = Layout(plan, self.trainer.desc, TileGeometry(plan, self.trainer.desc))
         self.pending_backups = {start: set(plan.used_devices())}
+        self.backup_started = {start: trio.current_time()}
         self.ep = await self.control.start_epoch(self.epoch, self.job)
         own = [m for m in moves if m.src == COORDINATOR]
         if own:
@@ -235,12 +244,14 @@ class TrainingCoordinator:
             stop_here = step + 1 < total_steps and self.should_stop()
             is_last = step + 1 == total_steps or stop_here
             checkpoint = is_last or bool(self.checkpoint_every and (step + 1) % self.checkpoint_every == 0)
+            backup = not is_last and self._backup_due(step + 1)
             for device in self.plan.used_devices():
                 await self.ep.send(device, ("decide", step), {"commit": True, "last": is_last,
-                                                              "checkpoint": checkpoint})
+                                                              "checkpoint": checkpoint, "backup": backup})
             self.committed = step + 1
-            if self.committed % self.job.backup_interval == 0 and not is_last:
+            if backup:
                 self.pending_backups[self.committed] = set(self.plan.used_devices())
+                self.backup_started[self.committed] = trio.current_time()
             for r in self.recoveries:
                 if r.resumed_at is None:
                     r.resumed_at = trio.current_time()
@@ -256,11 +267,18 @@ class TrainingCoordinator:
             step += 1
             if pending is not None:
                 next_batch = await trio.to_thread.run_sync(pending.result)
-            if self.joined and self.committed % self.job.backup_interval == 0:
+            if self.joined and backup:
                 await self.take_in_joined()
         if step >= total_steps or self.stopped_early:
             for device in self.plan.used_devices():
                 await self.ep.send(device, ("stop",), {})
+
+    def _backup_due(self, committed: int) -> bool:
+        """Back up after this commit? Every `backup_interval` steps, or (0) by time: when no
+        backup is under way and the last one's quiet period is over."""
+        if self.job.backup_interval:
+            return committed % self.job.backup_interval == 0
+        return not self.pending_backups and trio.current_time() >= self.next_backup_at
 
     async def _take_backup_acks(self) -> None:
         """Note the backup steps every device has confirmed (without waiting for more)."""
@@ -274,6 +292,8 @@ class TrainingCoordinator:
                     pass
             if not waiting:
                 del self.pending_backups[step]
+                took = trio.current_time() - self.backup_started.pop(step, trio.current_time())
+                self.next_backup_at = trio.current_time() + took * (1 / BACKUP_SHARE - 1)
                 if self.backup_step is None or step >= self.backup_step:
                     same = self.backup_step == step
                     self.backup_step = step

@@ -138,8 +138,7 @@ async def run_train_job(ctx) -> dict:
     endpoint = WireEndpoint(me, node_of, send_to, connect)
     job = JobSpec(plan, cfg, spec.get("cfg_text"), timeout_s=float(spec.get("timeout_s", 120.0)),
                   threads=usable_cores(), epoch=int(spec.get("epoch", 0)), start_step=int(spec.get("start_step", 0)),
-                  moves=[Move.from_dict(m) for m in spec.get("moves", [])],
-                  backup_interval=int(spec.get("backup_interval", 1)))
+                  moves=[Move.from_dict(m) for m in spec.get("moves", [])])
     worker = DeviceWorker(endpoint, job, store_for(ctx.job_id))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(endpoint.pump, lambda: ctx.receive(CHANNEL))

@@ -64,9 +64,9 @@ class GradReducer:
         flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params])
         total = await allreduce_sum(self.ep, self.group, (*self.key, layer), flat, self.timeout)
         offset = 0
-        for q in params:
+        for q in params:  # the sum's own storage, a slice per parameter (the step sets grads to None)
             n = q.numel()
-            q.grad = total[offset:offset + n].view_as(q).clone()
+            q.grad = total[offset:offset + n].view_as(q)
             offset += n
         self.seconds += trio.current_time() - t0
         self.started[layer].set()

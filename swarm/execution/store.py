@@ -34,6 +34,43 @@ def clone(states: LayerStates) -> LayerStates:
     return {k: v.detach().clone() for k, v in states.items()}
 
 
+PIECE_BYTES = 1 << 20
+
+
+def cut_states(states: LayerStates, limit: int = PIECE_BYTES) -> list[list]:
+    """States cut into pieces of about `limit` bytes (a big tensor spans several), to travel
+    as separate messages: [[key, shape, offset, flat slice], ...] per piece; at least one."""
+    pieces, piece, room = [], [], limit
+    for key, value in states.items():
+        flat, offset = value.detach().reshape(-1), 0
+        per = max(1, limit // max(1, value.element_size()))
+        while True:
+            take = min(flat.numel() - offset, max(1, room // value.element_size()), per)
+            piece.append([key, list(value.shape), offset, flat[offset:offset + take].clone()])
+            offset += take
+            room -= take * value.element_size()
+            if room <= 0:
+                pieces.append(piece)
+                piece, room = [], limit
+            if offset >= flat.numel():
+                break
+    return pieces + [piece] if piece or not pieces else pieces
+
+
+def join_states(pieces: list[list]) -> LayerStates:
+    """The states `cut_states` cut, from all its pieces (in any order)."""
+    parts: dict[str, list] = {}
+    for piece in pieces:
+        for key, shape, offset, chunk in piece:
+            parts.setdefault(key, []).append((int(offset), shape, chunk))
+    states = {}
+    for key, chunks in parts.items():
+        chunks.sort(key=lambda c: c[0])
+        flat = torch.cat([c[2].reshape(-1) for c in chunks])
+        states[key] = flat.reshape([int(n) for n in chunks[0][1]])
+    return states
+
+
 @dataclass
 class Snapshot:
     step: int  # committed steps when it was taken

@@ -42,7 +42,7 @@ class SwarmOptions:
     heartbeat_s: float = 0.25  # heartbeat interval asked of the agents
     suspect_after_s: float = 2.0  # silence that makes a device suspect (a killed agent's link breaks at once)
     probe_timeout_s: float = 2.0  # how long a suspect device has to answer a probe
-    backup_interval: int = 1  # devices snapshot and back up their stages every this many steps
+    backup_interval: int = 0  # devices back up their stages every this many steps; 0: by time
     checkpoint_every: int = 25  # the coordinator collects the weights and saves every this many steps
     save_path: str | None = None
     local_save_every: int = 0  # --save-every when the run stays on this machine

@@ -4,20 +4,20 @@ the coordinator commits it.
 
 A worker runs for one epoch of a job (one plan). It starts by gathering its stages' state at
 the epoch's start step, as the spec's moves say: layers it kept itself, layers another
-device sends it, or (at the very start) layers from the coordinator. Every `backup_interval`
-committed steps it snapshots its own layers and sends the layers of its single-device stages
-to their backup holders (DeviceStore), so that after a death the survivors can roll back to
-that step and replay.
+device sends it, or (at the very start) layers from the coordinator. At the backup steps the
+coordinator names in its decisions it snapshots its own layers and sends the layers of its
+single-device stages to their backup holders (DeviceStore), so that after a death the
+survivors can roll back to that step and replay.
 
 Messages a worker receives (keys; see also coordinator.py):
     ("layers", stage, src)                   layer states for a stage, from device src (a move)
-    ("backup", step, stage)                  another device's stage at a backup step, to hold
+    ("backup", step, stage, i)               piece i of another device's stage at a backup step, to hold
     ("forget", step)                         the backup at `step` is complete: drop older ones
     ("feed", step, part, m)                  uint8 image block for a first-stage part
     ("tgt", step, part, m)                   targets for a last-stage part
     ("act", step, stage, part, m, t, src)    activation block of tensor t from part src of stage-1
     ("grad", step, stage, part, m, t, src)   gradient block of tensor t from part src of stage+1
-    ("decide", step)                         {"commit", "last", "checkpoint": bool}
+    ("decide", step)                         {"commit", "last", "checkpoint", "backup": bool}
     ("stop",)
 and sends ("ready", step, device) {"loss", "busy_s", "times"} when its share of a step is
 done and its gradients are reduced, ("backup_ready", step, device) when its snapshot and the
@@ -42,7 +42,7 @@ from swarm.execution.collectives import allgather
 from swarm.execution.reduce import GradReducer
 from swarm.execution.endpoint import Endpoint
 from swarm.execution.routing import Layout, Part, parts_on, stage_parts
-from swarm.execution.store import DeviceStore
+from swarm.execution.store import DeviceStore, cut_states, join_states
 from swarm.execution.stage import StageCopy
 from swarm.execution.tiling import DeviceTiles, TileGeometry
 from swarm.trainer import TrainConfig
@@ -60,11 +60,10 @@ class JobSpec:
     epoch: int = 0
     start_step: int = 0  # committed steps the epoch starts from
     moves: list = field(default_factory=list)  # replan.Move: where each stage's layers come from
-    backup_interval: int = 1  # snapshot and back up every this many committed steps
+    backup_interval: int = 0  # back up every this many committed steps; 0: by time (coordinator.BACKUP_SHARE)
 
     def spec_fields(self) -> dict:
-        return {"epoch": self.epoch, "start_step": self.start_step, "moves": [m.to_dict() for m in self.moves],
-                "backup_interval": self.backup_interval}
+        return {"epoch": self.epoch, "start_step": self.start_step, "moves": [m.to_dict() for m in self.moves]}
 
 
 class ComputeLock:
@@ -194,24 +193,30 @@ class DeviceWorker:
             self.tile_workers[p] = self.make_tile_workers(copy)
 
     async def back_up(self, step: int) -> None:
-        """At a backup step: snapshot our layers, send our single-device stages to their
-        holders, and (in the background) take in what we hold for others, then tell the
-        coordinator."""
-        states = {}
-        for copy in self.copies.values():
-            states.update(await trio.to_thread.run_sync(copy.states))
-        await trio.to_thread.run_sync(self.store.snapshot, step, states)
+        """At a backup step: snapshot our layers, and in the background send our single-device
+        stages to their holders (in pieces, so that the next step's messages to the same
+        device pass between them) and take in what we hold for others, then tell the
+        coordinator. The next step starts at once: a backup counts once its holders have it."""
+        states = {p: await trio.to_thread.run_sync(copy.states) for p, copy in self.copies.items()}
+        await trio.to_thread.run_sync(self.store.snapshot, step, {k: v for s in states.values() for k, v in s.items()})
         for p, holder in self.plan.backups.items():
             if self.plan.stages[p].devices == [self.device] and holder != self.device:
-                await self.ep.send(holder, ("backup", step, p), {"states": self.copies[p].states()})
+                self.nursery.start_soon(self._send_backup, holder, step, p, states[p])
         held = [p for p, holder in self.plan.backups.items() if holder == self.device
                 and self.plan.stages[p].devices != [self.device]]
         self.nursery.start_soon(self._hold_backups, step, held)
 
+    async def _send_backup(self, holder: str, step: int, p: int, states: dict) -> None:
+        pieces = cut_states(states)
+        for i, piece in enumerate(pieces):
+            await self.ep.send(holder, ("backup", step, p, i), {"piece": piece, "pieces": len(pieces)})
+
     async def _hold_backups(self, step: int, stages: list[int]) -> None:
         for p in stages:
-            msg = await self.get(("backup", step, p))
-            await trio.to_thread.run_sync(self.store.hold, step, msg["states"])
+            first = await self.get(("backup", step, p, 0))
+            pieces = [first["piece"]] + [(await self.get(("backup", step, p, i)))["piece"]
+                                         for i in range(1, first["pieces"])]
+            await trio.to_thread.run_sync(self.store.hold, step, join_states(pieces))
         await self.ep.send(COORDINATOR, ("backup_ready", step, self.device), {})
         forget = await self.ep.mailbox.get(("forget", step), math.inf)
         del forget
@@ -261,7 +266,7 @@ class DeviceWorker:
                 if stage_parts(self.plan, p)[0].device == self.device:
                     states = await trio.to_thread.run_sync(copy.states)
                     await self.ep.send(COORDINATOR, ("state", committed, p, self.device), {"states": states})
-        if decision["commit"] and committed % self.job.backup_interval == 0 and not decision.get("last"):
+        if decision["commit"] and decision.get("backup"):
             await self.back_up(committed)
         return bool(decision.get("last"))
 
