@@ -83,6 +83,8 @@ def test_every_example_cluster_loads(desc):
     ({"bandwidth_mbps": 10, "links": [{"between": ["a", "q"], "mbps": 1}],
       "devices": [{"name": "a", "memory": "1 GiB", "gflops": 1}]}, "unknown device"),
     ({"wibble": 1, "devices": [{"name": "a", "memory": "1 GiB", "gflops": 1}]}, "unknown cluster field"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "comm_ns_per_byte": "fast"}]}, "comm_ns_per_byte"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "comm_ns_per_byte": -1}]}, "comm_ns_per_byte"),
 ])
 def test_cluster_errors_say_what_is_wrong(desc, change, message):
     with pytest.raises(ClusterError, match=message):
@@ -97,6 +99,14 @@ def test_links_and_link_caps(desc):
         "links": [{"from": "b", "to": "c", "mbps": 10}]}, desc, no_profiles)
     assert cl.bw("a", "b") == cl.bw("b", "a") == 100e6 / 8  # a's own link caps both directions
     assert cl.bw("b", "c") == 10e6 / 8 and cl.bw("c", "b") == 1000e6 / 8
+
+
+def test_time_per_byte_moved_from_the_file(desc):
+    cl = cluster_from_dict({"bandwidth_mbps": 80, "devices": [
+        {"name": "a", "memory": "1 GiB", "gflops": 1, "comm_ns_per_byte": 200},
+        {"name": "b", "memory": "1 GiB", "gflops": 1}]}, desc, no_profiles)
+    assert cl.device("a").comm_s_per_byte == pytest.approx(200e-9) and cl.device("b").comm_s_per_byte == 0
+    assert cl.transfer_time("b", "a", 1e6) == pytest.approx(0.2)  # 10 MB/s link, 5 MB/s through a
 
 
 def test_measured_bandwidth_matrix_seam():

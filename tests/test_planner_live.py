@@ -39,6 +39,7 @@ async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
     cluster = cluster_from_live(live, desc)
     assert sorted(cluster.names) == ["dev0", "dev1"]
     assert cluster.bw("dev0", "dev1") > 0 and cluster.latency > 0
+    assert all(0 < d.comm_s_per_byte < 1e-6 for d in cluster.devices)  # each end's CPU per byte moved
     profile = live["profiles"]["node0"]
     assert cluster.device("dev0").memory == pytest.approx(2**31 - profile.runtime_bytes)
     plan = make_plan("dp", PlanInputs(desc, MemoryModel(desc, profile.act_bytes), cluster, 8, 2))

@@ -154,3 +154,27 @@ def test_unknown_device_is_refused(lenet):
         simulate(plan_of([Stage(0, 7, "single", ["zz"])], devices=("zz",)), desc, mem, cl)
     with pytest.raises(PlanError):
         simulate(plan_of([Stage(0, 6, "single", ["a"])], devices=("a",)), desc, mem, cl)
+
+
+def test_a_link_runs_no_faster_than_its_ends_move_bytes(lenet):
+    """A device that spends more time per byte than the link takes (a CPU-starved end) sets
+    the pace of its transfers; a ring moves every byte in and out of each device at once."""
+    from planner.stage_work import ring_allreduce_time
+
+    desc, mem = lenet
+    bw, lat = 1e6, 0.002
+    table = uniform_table(7, 0.01, 0.02)
+    plan = plan_of([Stage(0, 3, "single", ["a"]), Stage(3, 7, "single", ["b"])], batch=1, micro=1, devices=("a", "b"))
+    cl = cluster_of({"a": table, "b": table}, bw=bw, latency=lat)
+    fast = simulate(plan, desc, mem, cl).step_time
+    cl.device("b").comm_s_per_byte = 0.5 / bw  # half the link's time: the link still sets the pace
+    assert simulate(plan, desc, mem, cl).step_time == pytest.approx(fast)
+    cl.device("b").comm_s_per_byte = 3 / bw  # three times slower than the link
+    x_slow, x_fast = lat + 3 * mem.boundary(3) / bw, lat + mem.boundary(3) / bw
+    assert simulate(plan, desc, mem, cl).step_time == pytest.approx(fast + 2 * (x_slow - x_fast))
+
+    group, nbytes = ["a", "b"], 1e6
+    cl.device("b").comm_s_per_byte = 0.4 / bw
+    assert ring_allreduce_time(nbytes, group, cl) == pytest.approx(2 * lat + nbytes / bw)
+    cl.device("b").comm_s_per_byte = 2 / bw
+    assert ring_allreduce_time(nbytes, group, cl) == pytest.approx(2 * lat + nbytes * 4 / bw)

@@ -55,3 +55,22 @@ def test_broken_cache_entry_is_measured_again(tmp_path):
     path.write_text("{not json")
     profile, cached, _ = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1,), repeats=1, threads=1)
     assert not cached and profile.costs.num_layers == 7
+
+
+def test_quota_clock_counts_cpu_time_spread_over_the_quota(monkeypatch):
+    """Under a quota of q cores a layer that ran at full speed still costs its CPU time / q;
+    one that waited out the quota costs its wall time."""
+    import swarm.profiler as profiler
+
+    wall, cpu = [0.0], [0.0]
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: wall[0])
+    monkeypatch.setattr(profiler.time, "process_time", lambda: cpu[0])
+    clock = profiler.QuotaClock(0.25)
+    t0 = clock()
+    wall[0] += 0.010  # ran unthrottled
+    cpu[0] += 0.010
+    t1 = clock()
+    assert t1 - t0 == pytest.approx(0.040)
+    wall[0] += 0.100  # throttled, and then some
+    cpu[0] += 0.010
+    assert clock() - t1 == pytest.approx(0.100)
