@@ -1,9 +1,9 @@
 """Predicted vs measured across a swarm: plans run by `swarm train --plan` on the devices of a
 testbed, against the simulator's step time for the same plan.
 
-    swarm testbed up --devices 4 --cpu 0.5 --mem 1G --bandwidth 100mbit
-    swarm testbed exec dev0 -- python bench/planner_validate_swarm.py \\
-        --model yolov2-16 --img-size 128 --batch-size 8 --microbatches 2 --strategies local,dp,pp,asteroid,tiles
+    swarm testbed up --devices 4 --cpu 0.25 --mem 1G --bandwidth 100mbit
+    swarm testbed exec dev0 -- python bench/planner_validate_swarm.py --model yolov2-16 --img-size 128 \\
+        --batch-size 8 --microbatches 2 --steps 10 --strategies local,dp,pp,asteroid,tiles,hiertrain
 
 Run inside the testbed's network (it coordinates from there, outside the devices' cgroups).
 It does what `swarm plan` does on a live swarm: finds the devices, has each agent profile
