@@ -8,8 +8,8 @@ testbed, against the simulator's step time for the same plan.
 Run inside the testbed's network (it coordinates from there, outside the devices' cgroups).
 It does what `swarm plan` does on a live swarm: finds the devices, has each agent profile
 its device under its own limits (cached there), measures every link with the agents'
-bandwidth job (rate, and half the round trip of an empty message as the per-message
-latency), plans each strategy, and trains `--steps` steps of each plan with `swarm train
+bandwidth job (rate; each device's time per byte and per message moved; the wire's
+latency: half the round trip of an empty message less both ends' handling), plans each strategy, and trains `--steps` steps of each plan with `swarm train
 --plan`. Measured: the median time between consecutive steps' ends after the first `--skip`
 (from --metrics). `--profile FILE` uses one profile for every device instead.
 """
@@ -94,7 +94,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"devices: {', '.join(cluster.names)}; latency {cluster.latency * 1e3:.2f} ms; rates (Mbit/s): "
           + ", ".join(f"{r['bytes_per_second'] * 8 / 1e6:.0f}" for r in live["links"].values())
-          + "; time per byte moved (ns): " + ", ".join(f"{d.name} {d.comm_s_per_byte * 1e9:.0f}" for d in cluster.devices),
+          + "; time per byte moved (ns): " + ", ".join(f"{d.name} {d.comm_s_per_byte * 1e9:.0f}" for d in cluster.devices)
+          + "; per message (us): " + ", ".join(f"{d.name} {d.msg_s * 1e6:.0f}" for d in cluster.devices),
           file=sys.stderr)
     rows = []
     for strategy in args.strategies.split(","):

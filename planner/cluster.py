@@ -34,6 +34,12 @@ class Device:
     # costs (sockets, framing, copies), at the device's own speed and CPU quota. A link runs
     # at the slower of its bandwidth and its two ends' CPU.
     comm_s_per_byte: float = 0.0
+    # seconds of this device's time per message it sends or receives, whatever its size
+    # (framing, scheduling, waking threads), beyond what the cluster's latency (measured
+    # between idle devices) includes: under a CPU quota a message's CPU is spread over
+    # the quota like everything else. A message's one-way time is the latency plus both
+    # ends' msg_s.
+    msg_s: float = 0.0
 
     def summary(self) -> dict:
         d = dict(self.facts)
@@ -95,11 +101,19 @@ class Cluster:
         if a == b or nbytes <= 0:
             return 0.0
         cpu = max(self.device(a).comm_s_per_byte, self.device(b).comm_s_per_byte)
-        return self.latency + nbytes * max(1 / self.bw(a, b), cpu)
+        return self.message_time(a, b) + nbytes * max(1 / self.bw(a, b), cpu)
+
+    def message_time(self, a: str, b: str) -> float:
+        """One-way time of an empty message from a to b: the latency and both ends' extra handling."""
+        return self.latency + self.device(a).msg_s + self.device(b).msg_s
 
     def comm_cpu(self, names: list[str]) -> float:
         """The largest seconds per byte moved among a group's devices (0: not measured)."""
         return max((self.device(n).comm_s_per_byte for n in names), default=0.0)
+
+    def msg_cpu(self, names: list[str]) -> float:
+        """The largest seconds per message handled among a group's devices (0: not measured)."""
+        return max((self.device(n).msg_s for n in names), default=0.0)
 
     def min_bw(self, names: list[str]) -> float:
         """The slowest link among a group: what a ring all-reduce runs at (Asteroid eq. 5)."""
@@ -130,7 +144,7 @@ class Cluster:
 # ---- the JSON description -------------------------------------------------------------
 
 DEVICE_KEYS = {"name", "memory", "speed", "gflops", "mem_gbps", "profile", "tier", "power_w", "radio", "link_mbps",
-               "cores", "note", "comm_ns_per_byte"}
+               "cores", "note", "comm_ns_per_byte", "msg_us"}
 CLUSTER_KEYS = {"name", "description", "reference", "data_source", "bandwidth_mbps", "latency_ms", "links", "devices",
                 "note"}
 
@@ -216,11 +230,17 @@ def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
             raise
         raise ClusterError(f"{where}: {exc}") from None
     facts = {k: spec[k] for k in ("cores", "note") if k in spec}
-    comm = spec.get("comm_ns_per_byte", 0)
-    if not isinstance(comm, (int, float)) or isinstance(comm, bool) or comm < 0:
-        raise ClusterError(f"{where}: comm_ns_per_byte must be a number of nanoseconds, 0 or more; got {comm!r}")
+    comm = _non_negative(spec, "comm_ns_per_byte", "nanoseconds", where)
+    msg = _non_negative(spec, "msg_us", "microseconds", where)
     return Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts,
-                  comm_s_per_byte=float(comm) * 1e-9)
+                  comm_s_per_byte=comm * 1e-9, msg_s=msg * 1e-6)
+
+
+def _non_negative(spec: dict, key: str, unit: str, where: str) -> float:
+    value = spec.get(key, 0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ClusterError(f"{where}: {key} must be a number of {unit}, 0 or more; got {value!r}")
+    return float(value)
 
 
 def _apply_link(k: int, link, names: list[str], bw: np.ndarray) -> None:

@@ -10,7 +10,11 @@ free and ready.
 Transfers: forward activations and backward gradients between the devices holding the
 same samples in consecutive stages, input images from the data source. Every device has
 one uplink and one downlink; a transfer occupies both ends' links for latency + bytes /
-bandwidth, first come first served, and overlaps with computation. After its last
+bandwidth, first come first served, and overlaps with computation — except for the CPU
+it costs its ends (bytes x time per byte moved, plus the time per message): each device
+pays what its idle time since its last computation did not cover before its next one (or
+at the end of the step), since on a small device the sockets and the layers share one
+CPU. After its last
 backward a group all-reduces its gradients; when every group is done, the step commits
 (a round trip to the data source's coordinator: two message latencies) and each device
 runs the optimizer step on its stages.
@@ -128,6 +132,8 @@ class _Run:
         self.reduced_left = 0
         self.to_dispatch: set[str] = set()
         self.t_end = 0.0
+        self.debt: dict[str, float] = defaultdict(float)  # CPU seconds transfers took, not yet paid
+        self.free_at: dict[str, float] = defaultdict(float)  # when each device's last computation ended
 
     # ---- set-up ----------------------------------------------------------------------
     def op_devices(self, op) -> list[str]:
@@ -207,6 +213,9 @@ class _Run:
             return
         start = max(t, self.up_free[a], self.down_free[b])
         end = start + self.cluster.transfer_time(a, b, nbytes)
+        for d in (a, b):
+            dev = self.cluster.device(d)
+            self.debt[d] += nbytes * dev.comm_s_per_byte + dev.msg_s
         self.up_free[a] = self.down_free[b] = end
         self.events.append(Event(a, kind, stage, micro, start, end, peer=b, nbytes=nbytes))
         self.push(end, "arrive", op)
@@ -314,14 +323,18 @@ class _Run:
     def start(self, op, t: float) -> None:
         kind, p, m, dev = op
         w = self.works[p]
+        end = t
         for d in self.op_devices(op):
             self.busy[d] = True
             if kind == "U":
                 dur = w.update[d]
             else:
                 dur = (w.fwd if kind == "F" else w.bwd)[m].get(d, 0.0)
+            # the CPU its transfers took since its last computation, less what fitted while it was idle
+            dur += max(0.0, self.debt.pop(d, 0.0) - max(0.0, t - self.free_at[d]))
             self.events.append(Event(d, kind if kind != "U" else "update", p, m, t, t + dur))
-            end = t + dur
+            self.free_at[d] = t + dur
+            end = max(end, t + dur)
         self.push(end, "done", op)
 
     def check_finished(self) -> None:
@@ -339,7 +352,8 @@ class _Run:
         for e in self.events:
             if e.kind in ("F", "B", "update"):
                 busy[e.device] += e.end - e.start
-        step = max([self.t_end] + [e.end for e in self.events])
+        step = max([self.t_end] + [e.end for e in self.events]
+                   + [self.free_at[d] + debt for d, debt in self.debt.items()])
         budgets = {d: self.cluster.device(d).memory for d in peak}
         self.events.sort(key=lambda e: (e.start, e.device))
         return Timeline(self.events, step, self.plan.batch_size, peak, eq3, budgets, dict(busy), self.works)

@@ -31,24 +31,33 @@ def microbatch_sizes(batch: int, microbatches: int) -> list[int]:
     return [base + (1 if m < extra else 0) for m in range(microbatches)]
 
 
-def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
+def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1) -> float:
     """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus 2(g-1) message latencies.
     Each device sends and receives that much at once: the ring runs no faster than a device's
-    CPU moves twice the bytes."""
+    CPU moves twice the bytes. The data goes in `buckets` rings (one per layer, started as
+    the backward finishes each): their latencies overlap, but every member handles a message
+    out and one in at each of a ring's 2(g-1) steps."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
-    return 2 * (g - 1) * cluster.latency + 2 * (g - 1) / g * nbytes * per_byte
+    messages = max(1, buckets) * 2 * (g - 1) * 2 * cluster.msg_cpu(group)
+    return 2 * (g - 1) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte
 
 
 def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
-    """Every member sends its `nbytes` straight to every other one."""
+    """Every member sends its `nbytes` straight to every other one (and handles g-1 messages
+    out and g-1 in)."""
     g = len(group)
     if g < 2:
         return 0.0
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
-    return cluster.latency + (g - 1) * nbytes * per_byte
+    return cluster.latency + 2 * (g - 1) * cluster.msg_cpu(group) + (g - 1) * nbytes * per_byte
+
+
+def param_layers(mem: MemoryModel, first: int, last: int) -> int:
+    """Layers with parameters in [first, last): the rings a group's gradients take."""
+    return int((mem.param_bytes[first:last] > 0).sum())
 
 
 def bn_sync_time(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:
@@ -156,7 +165,8 @@ def _split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
         trans.append({s.device: mem.transient(first, last, s.samples) for s in sh})
     weights = {d: mem.weights(first, last) for d in group}
     reduce_bytes = float(mem.param_bytes[first:last].sum())
-    allreduce = ring_allreduce_time(reduce_bytes, group, cluster) if len(group) > 1 else 0.0
+    allreduce = (ring_allreduce_time(reduce_bytes, group, cluster, param_layers(mem, first, last))
+                 if len(group) > 1 else 0.0)
     update = {d: cluster.device(d).costs.update_range(first, last) for d in group}
     return StageWork(p, stage, gang, shares, fwd, bwd, act, trans, weights, allreduce, update,
                      sync if gang else 0.0, sync if gang else 0.0)

@@ -5,9 +5,10 @@ Tile k of the grid runs on tile_devices[k]; a device may hold several tiles. A t
 on a layer is the device's time for the whole layer at the same number of samples, scaled
 by the tile's share of that layer's FLOPs (halo recomputation included). Tiles move in
 lockstep layer by layer (BatchNorm sums make each conv+BN a barrier), so a micro-batch
-takes, per layer, the slowest device's time for its tiles, plus at every sync the latency
-and the largest halo any device sends or receives (tiles on one device swap nothing), plus
-two BatchNorm gathers per BN layer. Every device keeps all the stage's weights; their
+takes, per layer, the slowest device's time for its tiles, plus at every sync the latency,
+the time per message for the most halo regions a device sends and receives, and the
+largest halo any device sends or receives (tiles on one device swap nothing), plus two
+BatchNorm gathers per BN layer. Every device keeps all the stage's weights; their
 per-tile partial gradients are all-reduced once per mini-batch.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError, Stage
-from planner.stage_work import Share, StageWork, allgather_time, ring_allreduce_time
+from planner.stage_work import Share, StageWork, allgather_time, param_layers, ring_allreduce_time
 
 
 _COSTS: dict = {}  # (id(desc), first, last, grid, syncs, back_syncs) -> (desc, StageCost)
@@ -88,6 +89,7 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
     g = len(devices)
     minbw = cluster.min_bw(devices) if g > 1 else float("inf")
     cpu = cluster.comm_cpu(devices)
+    msg = cluster.msg_cpu(devices)
 
     def sync_time(table: dict, samples: int) -> float:
         total = 0.0
@@ -95,16 +97,20 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
             ch = lay.map_shape(b)[0]
             sent = {d: 0.0 for d in devices}
             recv = {d: 0.0 for d in devices}
+            count = {d: 0 for d in devices}
             for tr in transfers:
                 a, z = owner[tr.src], owner[tr.dst]
                 if a != z:
                     nbytes = tr.rect.area * ch * 4 * samples
                     sent[a] += nbytes
                     recv[z] += nbytes
+                    count[a] += 1
+                    count[z] += 1
             worst = max(max(sent.values()), max(recv.values()))
             moved = max(sent[d] + recv[d] for d in devices)
+            messages = max(count.values())  # a message per halo region, handled at both ends
             if worst > 0:
-                total += cluster.latency + max(worst / minbw, moved * cpu)
+                total += cluster.latency + messages * msg + max(worst / minbw, moved * cpu)
         return total
 
     bn = sum(2 * allgather_time(8 + 16 * c, devices, cluster) for c in cost.bn_channels) if g > 1 else 0.0
@@ -136,7 +142,8 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
         trans.append({d: size * max(cost.tiles[k].peak_bytes - cost.tiles[k].saved_bytes for k in tiles_of[d])
                       for d in devices})
     weights = {d: mem.weights(first, last) for d in devices}
-    allreduce = ring_allreduce_time(float(mem.param_bytes[first:last].sum()), devices, cluster) if g > 1 else 0.0
+    allreduce = (ring_allreduce_time(float(mem.param_bytes[first:last].sum()), devices, cluster,
+                                     param_layers(mem, first, last)) if g > 1 else 0.0)
     update = {d: cluster.device(d).costs.update_range(first, last) for d in devices}
     halo_f = sync_time(lay.forward_transfers, sizes[0])
     halo_b = sync_time(lay.backward_transfers, sizes[0])

@@ -32,6 +32,8 @@ from swarm.errors import SwarmError
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_REPEATS = 5
 OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats per parameter
+PROFILE_METHOD = 2  # 2: layer times fitted to whole steps (profiles measured otherwise are measured again)
+FIT_LIMITS = (0.5, 2.0)  # a fit beyond these says the measurements disagree: keep the layers' own sum
 
 
 def default_state_dir() -> Path:
@@ -59,6 +61,7 @@ def device_facts(threads: int) -> dict:
              "threads": threads, "torch": _torch_version()}
     if facts["cpu_quota"] is not None:
         facts["timing"] = "quota"  # measured with QuotaClock
+    facts["method"] = PROFILE_METHOD
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
     facts.update(fingerprint=digest, memory=usable_memory(), name=platform.node())
     return facts
@@ -349,14 +352,36 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         del outs
     say("optimizer updates")
     update = _time_updates(net, desc, repeats, optimizer, now)
+    fit = _fit_to_steps(fwd, bwd, loss_f, loss_b, sum(update), [step_time[b] for b in batch_sizes])
     facts = device_facts(threads)
     costs = CostTable(batch_sizes, np.array(fwd).T, np.array(bwd).T, update, loss_f, loss_b,
                       f"measured on {facts['name']} ({threads} thread{'s' if threads > 1 else ''}"
                       + (", CPU time" if clock == "cpu" else "")
-                      + (f", at a quota of {quota:g} cores" if isinstance(now, QuotaClock) else "") + ")")
+                      + (f", at a quota of {quota:g} cores" if isinstance(now, QuotaClock) else "")
+                      + f"; layers fitted to whole steps x{min(fit):.2f}-{max(fit):.2f})")
     return DeviceProfile(model=desc.name, img_size=desc.img_size, costs=costs, act_bytes=saved, device=facts,
                          classes=classes, step_time=step_time, peak_bytes=peak, runtime_bytes=float(runtime),
                          repeats=repeats, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def _fit_to_steps(fwd, bwd, loss_f, loss_b, update: float, steps: list[float]) -> list[float]:
+    """Scale each batch size's layer and loss times (in place) so that with the updates they add
+    up to the whole step measured at that size. Timing layer by layer adds the clock's own
+    reads and hooks, and under a quota each short timing rounds up to the throttling it meets;
+    a whole step is one long measurement of the same work. The layer timings give the split,
+    the steps the total. Returns the factor per batch size."""
+    factors = []
+    for k, step in enumerate(steps):
+        layers = sum(fwd[k]) + sum(bwd[k]) + loss_f[k] + loss_b[k]
+        factor = (step - update) / layers if layers > 0 and step > update else 1.0
+        if not FIT_LIMITS[0] <= factor <= FIT_LIMITS[1]:
+            factor = 1.0
+        fwd[k] = [t * factor for t in fwd[k]]
+        bwd[k] = [t * factor for t in bwd[k]]
+        loss_f[k] *= factor
+        loss_b[k] *= factor
+        factors.append(factor)
+    return factors
 
 
 # ---- the cache ---------------------------------------------------------------------------

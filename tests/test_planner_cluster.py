@@ -85,6 +85,8 @@ def test_every_example_cluster_loads(desc):
     ({"wibble": 1, "devices": [{"name": "a", "memory": "1 GiB", "gflops": 1}]}, "unknown cluster field"),
     ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "comm_ns_per_byte": "fast"}]}, "comm_ns_per_byte"),
     ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "comm_ns_per_byte": -1}]}, "comm_ns_per_byte"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "msg_us": True}]}, "msg_us must be a number"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "msg_us": -5}]}, "msg_us must be a number"),
 ])
 def test_cluster_errors_say_what_is_wrong(desc, change, message):
     with pytest.raises(ClusterError, match=message):
@@ -107,6 +109,15 @@ def test_time_per_byte_moved_from_the_file(desc):
         {"name": "b", "memory": "1 GiB", "gflops": 1}]}, desc, no_profiles)
     assert cl.device("a").comm_s_per_byte == pytest.approx(200e-9) and cl.device("b").comm_s_per_byte == 0
     assert cl.transfer_time("b", "a", 1e6) == pytest.approx(0.2)  # 10 MB/s link, 5 MB/s through a
+
+
+def test_time_per_message_from_the_file(desc):
+    cl = cluster_from_dict({"bandwidth_mbps": 80, "latency_ms": 1, "devices": [
+        {"name": "a", "memory": "1 GiB", "gflops": 1, "msg_us": 300},
+        {"name": "b", "memory": "1 GiB", "gflops": 1, "msg_us": 200}]}, desc, no_profiles)
+    assert cl.device("a").msg_s == pytest.approx(300e-6) and cl.msg_cpu(["a", "b"]) == pytest.approx(300e-6)
+    assert cl.message_time("a", "b") == pytest.approx(1.5e-3)
+    assert cl.transfer_time("a", "b", 1e6) == pytest.approx(1.5e-3 + 0.1)
 
 
 def test_measured_bandwidth_matrix_seam():

@@ -10,6 +10,7 @@ from planner.memory import MemoryModel
 from planner.planners import make_plan
 from swarm.agent import Agent, AgentConfig, register_job_kind
 from swarm.commands.plan_cmd import cluster_from_live, gather_live
+from swarm.device import cpu_quota
 from swarm.net import Credentials, resolve_network
 from swarm.profiler import PROFILE_JOB, run_profile_job
 from swarm.zoo import describe_model
@@ -40,6 +41,10 @@ async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
     assert sorted(cluster.names) == ["dev0", "dev1"]
     assert cluster.bw("dev0", "dev1") > 0 and cluster.latency > 0
     assert all(0 < d.comm_s_per_byte < 1e-6 for d in cluster.devices)  # each end's CPU per byte moved
+    quota = min(1.0, cpu_quota() or 1.0)
+    for r in live["links"].values():  # CPU per message; what it adds to the latency under a quota
+        assert 0 < r["msg_cpu_s"]["from"] < 0.01
+        assert r["msg_s"]["from"] == pytest.approx(r["msg_cpu_s"]["from"] * (1 / quota - 1))
     profile = live["profiles"]["node0"]
     assert cluster.device("dev0").memory == pytest.approx(2**31 - profile.runtime_bytes)
     plan = make_plan("dp", PlanInputs(desc, MemoryModel(desc, profile.act_bytes), cluster, 8, 2))

@@ -178,3 +178,24 @@ def test_a_link_runs_no_faster_than_its_ends_move_bytes(lenet):
     assert ring_allreduce_time(nbytes, group, cl) == pytest.approx(2 * lat + nbytes / bw)
     cl.device("b").comm_s_per_byte = 2 / bw
     assert ring_allreduce_time(nbytes, group, cl) == pytest.approx(2 * lat + nbytes * 4 / bw)
+
+
+def test_every_message_costs_its_ends_their_time_per_message(lenet):
+    """A device's time per message (what a message costs a CPU-rationed device beyond the
+    latency) adds to every transfer once per end, to each step of a ring once per message in
+    and out, and to an all-gather once per message to and from each other member."""
+    from planner.stage_work import allgather_time, ring_allreduce_time
+
+    desc, mem = lenet
+    bw, lat, m = 1e6, 0.002, 0.003
+    table = uniform_table(7, 0.01, 0.02)
+    plan = plan_of([Stage(0, 3, "single", ["a"]), Stage(3, 7, "single", ["b"])], batch=1, micro=1, devices=("a", "b"))
+    cl = cluster_of({"a": table, "b": table, "c": table}, bw=bw, latency=lat)
+    free = simulate(plan, desc, mem, cl).step_time
+    ring, gather = ring_allreduce_time(1e6, ["a", "b", "c"], cl, 4), allgather_time(1e3, ["a", "b", "c"], cl)
+    cl.device("b").msg_s = m
+    # one activation forward and its gradient back, each handled once at b
+    assert simulate(plan, desc, mem, cl).step_time == pytest.approx(free + 2 * m)
+    # 4 rings of 2(g-1) = 4 steps, a message out and one in at each, paced by the slowest member
+    assert ring_allreduce_time(1e6, ["a", "b", "c"], cl, 4) == pytest.approx(ring + 4 * 4 * 2 * m)
+    assert allgather_time(1e3, ["a", "b", "c"], cl) == pytest.approx(gather + 2 * 2 * m)

@@ -74,3 +74,21 @@ def test_quota_clock_counts_cpu_time_spread_over_the_quota(monkeypatch):
     wall[0] += 0.100  # throttled, and then some
     cpu[0] += 0.010
     assert clock() - t1 == pytest.approx(0.100)
+
+
+def test_layer_times_are_fitted_to_whole_steps():
+    """Each batch size's layer and loss times are scaled so that, with the updates, they add
+    up to the whole step measured at that size; a fit out of bounds leaves them alone."""
+    from swarm.profiler import _fit_to_steps
+
+    fwd, bwd = [[0.1, 0.2], [0.2, 0.4]], [[0.2, 0.4], [0.4, 0.8]]
+    loss_f, loss_b = [0.05, 0.1], [0.05, 0.1]
+    factors = _fit_to_steps(fwd, bwd, loss_f, loss_b, 0.1, [0.1 + 0.8, 10.0])
+    assert factors == pytest.approx([0.8, 1.0])
+    assert sum(fwd[0]) + sum(bwd[0]) + loss_f[0] + loss_b[0] + 0.1 == pytest.approx(0.9)
+    assert fwd[0] == pytest.approx([0.08, 0.16]) and loss_b[0] == pytest.approx(0.04)
+    assert fwd[1] == [0.2, 0.4] and loss_f[1] == 0.1  # x5.3: the measurements disagree
+
+
+def test_profile_says_its_layers_are_fitted(profile):
+    assert "layers fitted to whole steps" in profile.costs.source

@@ -5,9 +5,16 @@ Agent side (run_bandwidth_job): waits for commands from the coordinator on chann
 then an N-byte probe straight to that peer, `rounds` times, each acknowledged; reports the
 fastest of each as {"to", "nbytes", "latency", "seconds"} on channel "probe-result".
 {"done": true} ends it, and the job's result says how much of this device's time moving the
-probes cost: {"comm_s_per_byte"}, the process's CPU time while the job ran over the probe
-bytes it sent and received, divided by its CPU quota where that is below one core (that CPU
-then comes out of the quota the computation also runs on).
+probes cost: {"comm_s_per_byte"}, the larger of the process's CPU time while the job ran
+over the probe bytes it sent and received and the CPU per byte of a burst of messages of
+an activation's size (256 KiB, echoed back: smaller messages take the event loop's path,
+which costs more per byte than the worker thread that moves big ones), divided by its CPU
+quota where that is below one core (that CPU then comes out of the quota the computation
+also runs on); and {"msg_s"}, what a
+message costs beyond the latency the round trips measure. {"msg_cpu_s"}, the CPU time per
+message handled (sent or received) in a burst of empty round trips, is in that latency
+once, at full speed; under a quota of q cores it takes msg_cpu_s / q, so msg_s is
+msg_cpu_s * (1/q - 1), and 0 without a quota.
 
 Coordinator side (measure_bandwidth): runs every ordered pair, one at a time so that
 no two probes share a link, and returns the measurements (each with both ends' time per byte).
@@ -24,6 +31,8 @@ from swarm.agent.jobs import JobContext
 
 KIND = "bandwidth"
 DEFAULT_PROBE_BYTES = 4 * 1024 * 1024
+MESSAGE_BURST = 40  # empty round trips per peer, timed together for the CPU a message costs
+ECHO_BURST, ECHO_BYTES = 8, 256 * 1024  # echoed messages of an activation's size, for the CPU per byte
 
 
 async def run_bandwidth_job(ctx: JobContext) -> dict:
@@ -31,6 +40,8 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
 
     measured = 0
     moved = [0]  # probe bytes sent and received
+    per_message = []  # CPU seconds per message handled, one burst per peer
+    per_byte = []  # CPU seconds per byte sent and received in messages of ECHO_BYTES, one burst per peer
     cpu0 = time.process_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_answer_probes, ctx, moved)
@@ -42,7 +53,11 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
                 nursery.cancel_scope.cancel()
                 share = min(1.0, cpu_quota() or 1.0)
                 cpu = time.process_time() - cpu0
-                return {"probes": measured, "comm_s_per_byte": cpu / share / moved[0] if moved[0] else 0.0}
+                msg = float(np.median(per_message)) if per_message else 0.0
+                overall = cpu / moved[0] if moved[0] else 0.0
+                byte = max(overall, float(np.median(per_byte)) if per_byte else 0.0)
+                return {"probes": measured, "comm_s_per_byte": byte / share, "msg_s": msg * (1 / share - 1),
+                        "msg_cpu_s": msg}
             peer, nbytes, rounds = body["to"], int(body["nbytes"]), int(body.get("rounds", 3))
             await ctx.connect(body["address"], peer)
             empty, full = [], []
@@ -52,28 +67,48 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
                     start = trio.current_time()
                     await ctx.send(peer, ctx.data("probe-data", {"seq": seq, "payload": payload}))
                     moved[0] += payload.nbytes
-                    while True:
-                        sender, ack = await ctx.receive("probe-ack")
-                        if sender == peer and ack.body["seq"] == seq:
-                            break
+                    await _ack(ctx, peer, seq)
                     timings.append(trio.current_time() - start)
+            burst0 = time.process_time()
+            for _ in range(MESSAGE_BURST):  # each: this process sends one message and receives one
+                seq += 1
+                await ctx.send(peer, ctx.data("probe-data", {"seq": seq, "payload": np.zeros(0, np.uint8)}))
+                await _ack(ctx, peer, seq)
+            per_message.append((time.process_time() - burst0) / (2 * MESSAGE_BURST))
+            echo0 = time.process_time()
+            for _ in range(ECHO_BURST):  # each: ECHO_BYTES out and back, in two messages
+                seq += 1
+                await ctx.send(peer, ctx.data("probe-data", {"seq": seq, "payload": np.zeros(ECHO_BYTES, np.uint8),
+                                                             "echo": True}))
+                moved[0] += 2 * ECHO_BYTES
+                await _ack(ctx, peer, seq)
+            echo_cpu = time.process_time() - echo0 - 2 * ECHO_BURST * per_message[-1]
+            per_byte.append(max(0.0, echo_cpu) / (2 * ECHO_BURST * ECHO_BYTES))
             measured += 1
             await ctx.send_to_coordinator(ctx.data("probe-result", {"to": peer, "nbytes": nbytes,
                                                                     "latency": min(empty), "seconds": min(full)}))
+
+
+async def _ack(ctx: JobContext, peer: str, seq: int) -> None:
+    while True:
+        sender, ack = await ctx.receive("probe-ack")
+        if sender == peer and ack.body["seq"] == seq:
+            return
 
 
 async def _answer_probes(ctx: JobContext, moved: list[int]) -> None:
     while True:
         sender, probe = await ctx.receive("probe-data")
         moved[0] += probe.body["payload"].nbytes
-        await ctx.send(sender, ctx.data("probe-ack", {"seq": probe.body["seq"]}))
+        echo = {"payload": probe.body["payload"]} if probe.body.get("echo") else {}
+        await ctx.send(sender, ctx.data("probe-ack", {"seq": probe.body["seq"], **echo}))
 
 
 async def measure_bandwidth(cluster, node_ids: list[str], *, nbytes: int = DEFAULT_PROBE_BYTES,
                             timeout: float = 60.0) -> dict[tuple[str, str], dict]:
     """{(sender, receiver): {"bytes_per_second", "latency", "seconds", "nbytes",
-    "comm_s_per_byte": {"from", "to"}}} for every ordered pair of `node_ids` (devices of
-    `cluster`, alive)."""
+    "comm_s_per_byte": {"from", "to"}, "msg_s": {"from", "to"}, "msg_cpu_s": {"from", "to"}}}
+    for every ordered pair of `node_ids` (devices of `cluster`, alive)."""
     job = cluster.job(f"bandwidth-{secrets.token_hex(4)}", 0)
     results: dict[tuple[str, str], dict] = {}
     try:
@@ -96,13 +131,14 @@ async def measure_bandwidth(cluster, node_ids: list[str], *, nbytes: int = DEFAU
                                        "bytes_per_second": r["nbytes"] / transfer}
         for node in node_ids:
             await job.send(node, job.data("probe", {"done": True}))
-        comm = {}
+        ends = {}
         for node in node_ids:
             with trio.fail_after(timeout):
-                done = await job.wait_done(node)
-            comm[node] = float((done or {}).get("comm_s_per_byte", 0.0))
+                done = await job.wait_done(node) or {}
+            ends[node] = {k: float(done.get(k, 0.0)) for k in ("comm_s_per_byte", "msg_s", "msg_cpu_s")}
         for (src, dst), r in results.items():
-            r["comm_s_per_byte"] = {"from": comm[src], "to": comm[dst]}
+            for k in ("comm_s_per_byte", "msg_s", "msg_cpu_s"):
+                r[k] = {"from": ends[src][k], "to": ends[dst][k]}
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             await job.release_all()

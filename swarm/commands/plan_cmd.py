@@ -204,10 +204,11 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, disc
         return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
 
 
-def _comm_time(node: str, links: dict) -> float:
-    """A device's seconds per byte moved, as its end of the link measurements found it."""
+def _end_cost(node: str, links: dict, key: str) -> float:
+    """A device's cost `key` (comm_s_per_byte, msg_s), as its end of the link measurements
+    found it."""
     for (a, b), r in links.items():
-        ends = r.get("comm_s_per_byte") or {}
+        ends = r.get(key) or {}
         if node in (a, b) and ends:
             return float(ends["from"] if node == a else ends["to"])
     return 0.0
@@ -215,7 +216,8 @@ def _comm_time(node: str, links: dict) -> float:
 
 def cluster_from_live(live: dict, desc):
     """A planner Cluster from what gather_live found: each device's measured costs, its memory
-    less the runtime's, the measured pairwise rates, and half the median round trip."""
+    less the runtime's, its time per byte and per message moved, the measured pairwise
+    rates, and half the median round trip of an empty message."""
     import statistics
 
     from planner.cluster import Cluster, Device, bandwidth_matrix
@@ -232,7 +234,8 @@ def cluster_from_live(live: dict, desc):
         names[d["node_id"]] = name
         budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes)
         devices.append(Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]},
-                              comm_s_per_byte=_comm_time(d["node_id"], live["links"])))
+                              comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
+                              msg_s=_end_cost(d["node_id"], live["links"], "msg_s")))
     rates = {(names[a], names[b]): r["bytes_per_second"] for (a, b), r in live["links"].items()}
     order = [dev.name for dev in devices]
     bw = bandwidth_matrix(order, rates) if len(order) > 1 else [[float("inf")]]
