@@ -199,3 +199,21 @@ def test_every_message_costs_its_ends_their_time_per_message(lenet):
     # 4 rings of 2(g-1) = 4 steps, a message out and one in at each, paced by the slowest member
     assert ring_allreduce_time(1e6, ["a", "b", "c"], cl, 4) == pytest.approx(ring + 4 * 4 * 2 * m)
     assert allgather_time(1e3, ["a", "b", "c"], cl) == pytest.approx(gather + 2 * 2 * m)
+
+
+def test_the_cpu_transfers_take_is_paid_by_a_busy_device_not_an_idle_one(lenet):
+    """Moving bytes costs each end CPU (time per byte) even when the link sets the transfer's
+    pace. A device waiting for its next input moves them in its idle time; one that goes
+    straight on to the next micro-batch is slowed by them."""
+    desc, mem = lenet
+    bw = 1e6
+    cl = cluster_of({"a": uniform_table(7, 0.1, 0.2), "b": uniform_table(7, 0.01, 0.02)}, bw=bw, latency=0.001)
+    stages = [Stage(0, 3, "single", ["a"]), Stage(3, 7, "single", ["b"])]  # a is the bottleneck
+    one = plan_of(stages, batch=1, micro=1, devices=("a", "b"))
+    two = plan_of(stages, batch=2, micro=2, devices=("a", "b"))
+    before = simulate(one, desc, mem, cl).step_time, simulate(two, desc, mem, cl).step_time
+    cl.device("a").comm_s_per_byte = 0.5 / bw  # the link still sets the pace of every transfer
+    n = mem.boundary(3)  # one sample's activation (and its gradient)
+    assert simulate(one, desc, mem, cl).step_time == pytest.approx(before[0])  # a waits for b anyway
+    grown = simulate(two, desc, mem, cl).step_time - before[1]
+    assert 0.5 * n / bw - 1e-9 <= grown <= 4 * 0.5 * n / bw + 1e-9  # a's second forward pays for the first's send
