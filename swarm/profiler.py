@@ -32,7 +32,7 @@ from swarm.errors import SwarmError
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_REPEATS = 5
 OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats per parameter
-PROFILE_METHOD = 2  # 2: layer times fitted to whole steps (profiles measured otherwise are measured again)
+PROFILE_METHOD = 3  # 3: layers timed in CPU time under a quota, fitted to whole steps (others are measured again)
 FIT_LIMITS = (0.5, 2.0)  # a fit beyond these says the measurements disagree: keep the layers' own sum
 
 
@@ -126,6 +126,18 @@ class QuotaClock:
         self.value += max(wall - self.wall, (cpu - self.cpu) / self.quota)
         self.wall, self.cpu = wall, cpu
         return self.value
+
+
+class QuotaCPUClock:
+    """CPU time spread over a quota of q cores: the process's CPU seconds / q. For timings
+    too short to meet the throttling evenly (a layer), where QuotaClock's larger-of-the-two
+    rounds each one up; whole steps, timed with QuotaClock, still see a busy host."""
+
+    def __init__(self, quota: float):
+        self.quota = quota
+
+    def __call__(self) -> float:
+        return time.process_time() / self.quota
 
 
 def _median_time(fn, repeats: int, now=time.perf_counter) -> float:
@@ -298,10 +310,10 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         raise SwarmError(f"unknown clock '{clock}'; use {' or '.join(CLOCKS)}")
     if clock == "cpu" and threads != 1:
         raise SwarmError("the cpu clock measures one compute thread: use --threads 1")
-    now = CLOCKS[clock]
+    now = layer_clock = CLOCKS[clock]
     quota = cpu_quota()
     if clock == "wall" and quota is not None and quota < threads:
-        now = QuotaClock(quota)
+        now, layer_clock = QuotaClock(quota), QuotaCPUClock(quota)
     torch.set_num_threads(threads)
     desc0 = describe_model(model, img_size, None, cfg_text)
     data, _ = open_datasets(None, desc0.img_size, desc0.in_channels)
@@ -342,7 +354,7 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         peak[b] = float(rss.peak - runtime)
         step_time[b] = _median_time(step, repeats, now)
         say(f"batch {b}: layers")
-        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats, now)
+        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats, layer_clock)
         fwd.append(f)
         bwd.append(bk)
         loss_f.append(lf)
@@ -351,7 +363,7 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         saved = _saved_bytes(net, desc, outs, b)
         del outs
     say("optimizer updates")
-    update = _time_updates(net, desc, repeats, optimizer, now)
+    update = _time_updates(net, desc, repeats, optimizer, layer_clock)
     fit = _fit_to_steps(fwd, bwd, loss_f, loss_b, sum(update), [step_time[b] for b in batch_sizes])
     facts = device_facts(threads)
     costs = CostTable(batch_sizes, np.array(fwd).T, np.array(bwd).T, update, loss_f, loss_b,

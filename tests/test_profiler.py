@@ -74,6 +74,11 @@ def test_quota_clock_counts_cpu_time_spread_over_the_quota(monkeypatch):
     wall[0] += 0.100  # throttled, and then some
     cpu[0] += 0.010
     assert clock() - t1 == pytest.approx(0.100)
+    layers = profiler.QuotaCPUClock(0.25)  # for short timings: the CPU time alone, spread over the quota
+    t2 = layers()
+    wall[0] += 0.100
+    cpu[0] += 0.010
+    assert layers() - t2 == pytest.approx(0.040)
 
 
 def test_layer_times_are_fitted_to_whole_steps():

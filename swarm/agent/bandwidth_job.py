@@ -12,7 +12,8 @@ which costs more per byte than the worker thread that moves big ones), divided b
 quota where that is below one core (that CPU then comes out of the quota the computation
 also runs on); and {"msg_s"}, what a
 message costs beyond the latency the round trips measure. {"msg_cpu_s"}, the CPU time per
-message handled (sent or received) in a burst of empty round trips, is in that latency
+message handled (sent or received) in a burst of round trips of a small tensor along the
+training runtime's path (a worker thread, the event loop, a WireEndpoint), is in that latency
 once, at full speed; under a quota of q cores it takes msg_cpu_s / q, so msg_s is
 msg_cpu_s * (1/q - 1), and 0 without a quota.
 
@@ -31,7 +32,7 @@ from swarm.agent.jobs import JobContext
 
 KIND = "bandwidth"
 DEFAULT_PROBE_BYTES = 4 * 1024 * 1024
-MESSAGE_BURST = 40  # empty round trips per peer, timed together for the CPU a message costs
+MESSAGE_BURST = 40  # round trips per peer, timed together for the CPU a message costs
 ECHO_BURST, ECHO_BYTES = 8, 256 * 1024  # echoed messages of an activation's size, for the CPU per byte
 
 
@@ -45,6 +46,7 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
     cpu0 = time.process_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_answer_probes, ctx, moved)
+        nursery.start_soon(_echo_messages, ctx)
         seq = 0
         while True:
             _, command = await ctx.receive("probe")
@@ -69,12 +71,7 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
                     moved[0] += payload.nbytes
                     await _ack(ctx, peer, seq)
                     timings.append(trio.current_time() - start)
-            burst0 = time.process_time()
-            for _ in range(MESSAGE_BURST):  # each: this process sends one message and receives one
-                seq += 1
-                await ctx.send(peer, ctx.data("probe-data", {"seq": seq, "payload": np.zeros(0, np.uint8)}))
-                await _ack(ctx, peer, seq)
-            per_message.append((time.process_time() - burst0) / (2 * MESSAGE_BURST))
+            per_message.append(await _message_burst(ctx, peer))
             echo0 = time.process_time()
             for _ in range(ECHO_BURST):  # each: ECHO_BYTES out and back, in two messages
                 seq += 1
@@ -87,6 +84,48 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
             measured += 1
             await ctx.send_to_coordinator(ctx.data("probe-result", {"to": peer, "nbytes": nbytes,
                                                                     "latency": min(empty), "seconds": min(full)}))
+
+
+async def _message_burst(ctx: JobContext, peer: str) -> float:
+    """CPU seconds per message handled, along the training runtime's own path: a worker thread
+    (as a compute thread does for a BatchNorm exchange) has the event loop send a small
+    tensor through a WireEndpoint and waits for the peer's answer in the mailbox. Each round
+    trip is one message out and one in, MESSAGE_BURST of them timed together."""
+    import torch
+
+    from swarm.execution.job import WireEndpoint
+
+    endpoint = WireEndpoint("me", {"peer": peer}, lambda node, body: ctx.send(node, ctx.data("probe-x", body)))
+    token = trio.lowlevel.current_trio_token()
+    stats = torch.zeros(2, 256, dtype=torch.float64)  # a BatchNorm layer's sums
+
+    async def exchange(k: int) -> None:
+        await endpoint.send("peer", ("echo", k), {"arrays": [stats]})
+        await endpoint.mailbox.get(("echo", k), 10.0)
+
+    def burst() -> float:
+        trio.from_thread.run(exchange, -1, trio_token=token)  # warm
+        cpu0 = time.process_time()
+        for k in range(MESSAGE_BURST):
+            trio.from_thread.run(exchange, k, trio_token=token)
+        return (time.process_time() - cpu0) / (2 * MESSAGE_BURST)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(endpoint.pump, lambda: ctx.receive("probe-x-back"))
+        per_message = await trio.to_thread.run_sync(burst)
+        nursery.cancel_scope.cancel()
+    return per_message
+
+
+async def _echo_messages(ctx: JobContext) -> None:
+    """The other end of _message_burst: each message back to its sender, decoded and encoded
+    again as the runtime does."""
+    from swarm.execution.job import from_wire, to_wire
+
+    while True:
+        sender, message = await ctx.receive("probe-x")
+        body = message.body
+        await ctx.send(sender, ctx.data("probe-x-back", {"k": body["k"], "p": to_wire(from_wire(body["p"]))}))
 
 
 async def _ack(ctx: JobContext, peer: str, seq: int) -> None:
