@@ -3,15 +3,17 @@ testbed, against the simulator's step time for the same plan.
 
     swarm testbed up --devices 4 --cpu 0.25 --mem 1G --bandwidth 100mbit
     swarm testbed exec dev0 -- python bench/planner_validate_swarm.py --model yolov2-16 --img-size 128 \\
-        --batch-size 8 --microbatches 2 --steps 10 --strategies local,dp,pp,asteroid,tiles,hiertrain
+        --batch-size 8 --microbatches 2 --steps 10 --strategies local,dp,pp,asteroid,tiles,hiertrain --rounds 3
 
 Run inside the testbed's network (it coordinates from there, outside the devices' cgroups).
 It does what `swarm plan` does on a live swarm: finds the devices, has each agent profile
 its device under its own limits (cached there), measures every link with the agents'
-bandwidth job (rate; each device's time per byte and per message moved; the wire's
-latency: half the round trip of an empty message less both ends' handling), plans each strategy, and trains `--steps` steps of each plan with `swarm train
---plan`. Measured: the median time between consecutive steps' ends after the first `--skip`
-(from --metrics). `--profile FILE` uses one profile for every device instead.
+bandwidth job (rate, latency, and each device's time per byte and per message moved),
+plans each strategy, and trains `--steps` steps of each plan with `swarm train --plan`.
+Measured: the median time between consecutive steps' ends after the first `--skip` (from
+--metrics). `--profile FILE` uses one profile for every device instead. This host's speed
+drifts by 20-30% between runs minutes apart, so `--rounds R` repeats the whole survey
+(profiling afresh) and every plan R times and gives each strategy's median error.
 """
 from __future__ import annotations
 
@@ -65,8 +67,27 @@ def main() -> None:
     p.add_argument("--data-source", default="dev0", help="the device this coordinator runs on")
     p.add_argument("--wait", type=float, default=2.0)
     p.add_argument("--keep", metavar="DIR", help="keep the cluster file, plans and metrics here")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="survey and run every plan this many times (the host's speed drifts between runs: "
+                        "each round profiles afresh, and the summary gives each strategy's median error)")
     args = p.parse_args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    work = Path(args.keep or tempfile.mkdtemp(prefix="swarm-validate-"))
+    errors: dict[str, list[float]] = {}
+    for r in range(args.rounds):
+        run_round(args, work / f"round{r + 1}" if args.rounds > 1 else work, r > 0 or args.rounds > 1, errors)
+    if args.rounds > 1:
+        from planner.report import table
 
+        rows = [[s, " ".join(f"{e:+.1f}%" for e in errs), f"{statistics.median(errs):+.1f}%"]
+                for s, errs in errors.items()]
+        print(f"{args.rounds} rounds, each with fresh profiles; files in {work}")
+        print(table(rows, ["strategy", "error by round", "median"]))
+
+
+def run_round(args, work: Path, fresh: bool, errors: dict) -> None:
+    """One survey (profiles measured again if `fresh`) and every strategy's plan trained."""
     from planner.inputs import PlanInputs
     from planner.memory import MemoryModel
     from planner.planners import make_plan
@@ -77,7 +98,8 @@ def main() -> None:
     from swarm.zoo import describe_model
 
     desc = describe_model(args.model, args.img_size)
-    spec = {"model": args.model, "img_size": desc.img_size, "classes": None, "cfg": None, "threads": args.threads}
+    spec = {"model": args.model, "img_size": desc.img_size, "classes": None, "cfg": None, "threads": args.threads,
+            "refresh": fresh}
     live = run_trio(survey, spec, args.wait)
     if live is None:
         raise SystemExit("no device of the swarm answered")
@@ -90,7 +112,6 @@ def main() -> None:
     cluster.data_source = args.data_source if args.data_source in cluster.names else None
     inputs = PlanInputs(desc, MemoryModel(desc, profile.act_bytes, measured=True), cluster, args.batch_size,
                         args.microbatches)
-    work = Path(args.keep or tempfile.mkdtemp(prefix="swarm-validate-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"devices: {', '.join(cluster.names)}; latency {cluster.latency * 1e3:.2f} ms; rates (Mbit/s): "
           + ", ".join(f"{r['bytes_per_second'] * 8 / 1e6:.0f}" for r in live["links"].values())
@@ -115,6 +136,7 @@ def main() -> None:
         predicted = plan.predicted["step_time_s"]
         shape = " | ".join(f"{s.first}-{s.last - 1} {s.mode}x{len(s.devices)}" for s in plan.stages)
         rows.append([strategy, shape, f"{predicted:.3f}", f"{got:.3f}", f"{100 * (predicted / got - 1):+.1f}%"])
+        errors.setdefault(strategy, []).append(100 * (predicted / got - 1))
         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
     print(f"{args.model} at {args.img_size}, batch {args.batch_size} in {args.microbatches} micro-batches, "

@@ -456,14 +456,16 @@ PROFILE_JOB = "profile"
 
 
 async def run_profile_job(ctx) -> dict:
-    """Job kind "profile", agent side: this device's profile (from its cache, else measured)
-    for spec {"model", "img_size", "classes", "cfg", "batch_sizes", "repeats", "threads"}."""
+    """Job kind "profile", agent side: this device's profile (from its cache, else measured;
+    measured again if "refresh") for spec {"model", "img_size", "classes", "cfg",
+    "batch_sizes", "repeats", "threads", "refresh"}."""
     import functools
 
     spec = ctx.spec
     call = functools.partial(load_or_profile, spec["model"], spec.get("img_size"), spec.get("classes"), None,
                              tuple(spec.get("batch_sizes") or DEFAULT_BATCH_SIZES),
-                             int(spec.get("repeats") or DEFAULT_REPEATS), spec.get("threads"), spec.get("cfg"))
+                             int(spec.get("repeats") or DEFAULT_REPEATS), spec.get("threads"), spec.get("cfg"),
+                             bool(spec.get("refresh")))
     profile, cached, _ = await ctx.run_in_thread(call)
     return {"profile": profile.to_dict(), "cached": cached}
 
