@@ -35,6 +35,9 @@ class CostTable:
     loss_fwd: np.ndarray
     loss_bwd: np.ndarray
     source: str = ""  # where the numbers come from, for reports ("measured on ...", "10 GFLOP/s")
+    # the tiles executor's time over autograd's for the same layers and samples (its own
+    # kernels and bookkeeping, no halos): a tile's share of a layer's time is scaled by it
+    tiles_overhead: float = 1.0
     _cum: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -51,6 +54,9 @@ class CostTable:
             raise ValueError("forward, backward and update times must cover the same layers")
         if min(self.fwd.min(initial=0), self.bwd.min(initial=0), self.update.min(initial=0)) < 0:
             raise ValueError("times cannot be negative")
+        self.tiles_overhead = float(self.tiles_overhead)
+        if not self.tiles_overhead > 0:
+            raise ValueError(f"the tiles overhead must be positive, got {self.tiles_overhead}")
         # more samples never take less time: measurement noise that says so is smoothed away
         self.fwd = np.maximum.accumulate(self.fwd, axis=1)
         self.bwd = np.maximum.accumulate(self.bwd, axis=1)
@@ -131,7 +137,8 @@ class CostTable:
         b = (w0 * self.bwd[:, k0] + w1 * self.bwd[:, k1]) / batch
         lf = (w0 * self.loss_fwd[k0] + w1 * self.loss_fwd[k1]) / batch
         lb = (w0 * self.loss_bwd[k0] + w1 * self.loss_bwd[k1]) / batch
-        return CostTable((1,), f, b, self.update, [lf], [lb], self.source + f" (linear at batch {batch})")
+        return CostTable((1,), f, b, self.update, [lf], [lb], self.source + f" (linear at batch {batch})",
+                         self.tiles_overhead)
 
     # ---- derived tables --------------------------------------------------------------
     def scaled(self, speed: float) -> "CostTable":
@@ -139,17 +146,18 @@ class CostTable:
         if not speed > 0:
             raise ValueError(f"a speed factor must be positive, got {speed}")
         return CostTable(self.batch_sizes, self.fwd / speed, self.bwd / speed, self.update / speed,
-                         self.loss_fwd / speed, self.loss_bwd / speed, f"{self.source} x {speed:g}")
+                         self.loss_fwd / speed, self.loss_bwd / speed, f"{self.source} x {speed:g}",
+                         self.tiles_overhead)
 
     def to_dict(self) -> dict:
         return {"batch_sizes": list(self.batch_sizes), "fwd": self.fwd.tolist(), "bwd": self.bwd.tolist(),
                 "update": self.update.tolist(), "loss_fwd": self.loss_fwd.tolist(), "loss_bwd": self.loss_bwd.tolist(),
-                "source": self.source}
+                "source": self.source, "tiles_overhead": self.tiles_overhead}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostTable":
         return cls(tuple(d["batch_sizes"]), d["fwd"], d["bwd"], d["update"], d["loss_fwd"], d["loss_bwd"],
-                   d.get("source", ""))
+                   d.get("source", ""), d.get("tiles_overhead", 1.0))
 
     @classmethod
     def from_flops(cls, desc: ModelDesc, gflops: float, mem_gbps: float | None = None) -> "CostTable":

@@ -3,7 +3,8 @@ device's measured layer times.
 
 Tile k of the grid runs on tile_devices[k]; a device may hold several tiles. A tile's time
 on a layer is the device's time for the whole layer at the same number of samples, scaled
-by the tile's share of that layer's FLOPs (halo recomputation included). Tiles move in
+by the tile's share of that layer's FLOPs (halo recomputation included) and by the device's
+tiles overhead (the executor's time over autograd's for the same work, profiled). Tiles move in
 lockstep layer by layer (BatchNorm sums make each conv+BN a barrier), so a micro-batch
 takes, per layer, the slowest device's time for its tiles, plus at every sync the latency,
 the time per message for the most halo regions a device sends and receives, and the
@@ -122,8 +123,8 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
             slow_f = slow_b = 0.0
             for d in devices:
                 costs = cluster.device(d).costs
-                tf = costs.fwd_range(l, l + 1, size)
-                tb = costs.bwd_range(l, l + 1, size)
+                tf = costs.fwd_range(l, l + 1, size) * costs.tiles_overhead
+                tb = costs.bwd_range(l, l + 1, size) * costs.tiles_overhead
                 mine_f = sum(cost.tiles[k].layer_forward_flops[l] for k in tiles_of[d])
                 mine_b = sum(cost.tiles[k].layer_backward_flops[l] for k in tiles_of[d])
                 slow_f = max(slow_f, tf * mine_f / layer.flops if layer.flops else 0.0)

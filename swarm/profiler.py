@@ -32,7 +32,8 @@ from swarm.errors import SwarmError
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_REPEATS = 5
 OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats per parameter
-PROFILE_METHOD = 3  # 3: layers timed in CPU time under a quota, fitted to whole steps (others are measured again)
+PROFILE_METHOD = 4  # 4: layers timed in CPU time under a quota, fitted to whole steps; the tiles executor's
+                    # overhead (profiles measured otherwise are measured again)
 FIT_LIMITS = (0.5, 2.0)  # a fit beyond these says the measurements disagree: keep the layers' own sum
 
 
@@ -365,15 +366,55 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     say("optimizer updates")
     update = _time_updates(net, desc, repeats, optimizer, layer_clock)
     fit = _fit_to_steps(fwd, bwd, loss_f, loss_b, sum(update), [step_time[b] for b in batch_sizes])
+    say("the tiles executor")
+    middle = batch_sizes[len(batch_sizes) // 2]
+    tiles_overhead = _time_tiles_overhead(net, desc, middle, repeats, layer_clock)
     facts = device_facts(threads)
     costs = CostTable(batch_sizes, np.array(fwd).T, np.array(bwd).T, update, loss_f, loss_b,
                       f"measured on {facts['name']} ({threads} thread{'s' if threads > 1 else ''}"
                       + (", CPU time" if clock == "cpu" else "")
                       + (f", at a quota of {quota:g} cores" if isinstance(now, QuotaClock) else "")
-                      + f"; layers fitted to whole steps x{min(fit):.2f}-{max(fit):.2f})")
+                      + f"; layers fitted to whole steps x{min(fit):.2f}-{max(fit):.2f})", tiles_overhead)
     return DeviceProfile(model=desc.name, img_size=desc.img_size, costs=costs, act_bytes=saved, device=facts,
                          classes=classes, step_time=step_time, peak_bytes=peak, runtime_bytes=float(runtime),
                          repeats=repeats, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def _time_tiles_overhead(net, desc, batch: int, repeats: int, now) -> float:
+    """The tiles executor's time over autograd's for the same forward and backward of the
+    model's tileable front on `batch` samples, both on this thread, as one 1x1 tile (its own
+    kernels and bookkeeping; no halos, which the tiles cost model counts itself). 1.0 when
+    the model has no tileable front."""
+    import torch
+
+    from tiles.grouping import Grouping
+    from tiles.layout import tileable_prefix
+    from tiles.stage import InProcessStage
+
+    n = tileable_prefix(desc)
+    if n == 0:
+        return 1.0
+    layers = list(net.layers[:n])
+    stage = InProcessStage.build(layers, desc.layers[:n], (1, 1), Grouping.every_layer(0, n), False)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(batch, *desc.layers[0].in_shape, generator=gen)
+    dy = torch.randn(batch, *desc.layers[n - 1].out_shape, generator=gen)
+
+    def untiled():
+        y = x
+        for layer in layers:
+            y = layer(y)
+        (y * dy).sum().backward()
+        net.zero_grad(set_to_none=True)
+
+    def tiled():
+        stage.forward(0, x, (batch,))
+        stage.backward(0, dy)
+        net.zero_grad(set_to_none=True)
+
+    untiled(), tiled()  # warm up
+    base = _median_time(untiled, repeats, now)
+    return _median_time(tiled, repeats, now) / base if base > 0 else 1.0
 
 
 def _fit_to_steps(fwd, bwd, loss_f, loss_b, update: float, steps: list[float]) -> list[float]:

@@ -217,3 +217,25 @@ def test_the_cpu_transfers_take_is_paid_by_a_busy_device_not_an_idle_one(lenet):
     assert simulate(one, desc, mem, cl).step_time == pytest.approx(before[0])  # a waits for b anyway
     grown = simulate(two, desc, mem, cl).step_time - before[1]
     assert 0.5 * n / bw - 1e-9 <= grown <= 4 * 0.5 * n / bw + 1e-9  # a's second forward pays for the first's send
+
+
+def test_a_tiles_stage_pays_each_devices_tiles_overhead(lenet):
+    """A tile's share of a layer's time is scaled by its device's tiles overhead (the
+    executor's time over autograd's, profiled); the syncs are not."""
+    from planner.stage_work import stage_works
+    from tiles.layout import tileable_prefix
+
+    desc, mem = lenet
+    n = 2  # conv and pool: maps large enough for two columns
+    assert tileable_prefix(desc) >= n
+    plan = plan_of([Stage(0, n, "tiles", ["a", "b"], grid=[1, 2], tile_devices=["a", "b"], syncs=list(range(n))),
+                    Stage(n, 7, "single", ["a"])], batch=2, micro=1, devices=("a", "b"))
+    clusters, works = [], []
+    for overhead in (1.0, 2.0):
+        table = uniform_table(7, 0.01, 0.02)
+        table.tiles_overhead = overhead
+        clusters.append(cluster_of({"a": table, "b": table}))  # kept: the stage cache tells clusters apart by id
+        works.append(stage_works(plan, desc, mem, clusters[-1])[0])
+    for kind in ("fwd", "bwd"):
+        base, doubled = (getattr(w, kind)[0]["a"] for w in works)
+        assert base > 0 and doubled == pytest.approx(2 * base)  # a free network: compute only

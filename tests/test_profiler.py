@@ -97,3 +97,10 @@ def test_layer_times_are_fitted_to_whole_steps():
 
 def test_profile_says_its_layers_are_fitted(profile):
     assert "layers fitted to whole steps" in profile.costs.source
+
+
+def test_profile_measures_the_tiles_executors_overhead(profile):
+    assert 0.5 < profile.costs.tiles_overhead < 5
+    again = DeviceProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
+    assert again.costs.tiles_overhead == profile.costs.tiles_overhead
+    assert again.costs.scaled(2.0).tiles_overhead == profile.costs.tiles_overhead
