@@ -12,8 +12,8 @@ which costs more per byte than the worker thread that moves big ones), divided b
 quota where that is below one core (that CPU then comes out of the quota the computation
 also runs on); and {"msg_s"}, what a
 message costs beyond the latency the round trips measure. {"msg_cpu_s"}, the CPU time per
-message handled (sent or received) in a burst of round trips of a small tensor along the
-training runtime's path (a worker thread, the event loop, a WireEndpoint), is in that latency
+message handled (sent or received) in a burst of round trips of a small array asked for
+from a worker thread, as training's BatchNorm exchanges are, is in that latency
 once, at full speed; under a quota of q cores it takes msg_cpu_s / q, so msg_s is
 msg_cpu_s * (1/q - 1), and 0 without a quota.
 
@@ -87,21 +87,20 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
 
 
 async def _message_burst(ctx: JobContext, peer: str) -> float:
-    """CPU seconds per message handled, along the training runtime's own path: a worker thread
-    (as a compute thread does for a BatchNorm exchange) has the event loop send a small
-    tensor through a WireEndpoint and waits for the peer's answer in the mailbox. Each round
-    trip is one message out and one in, MESSAGE_BURST of them timed together."""
-    import torch
-
-    from swarm.execution.job import WireEndpoint
-
-    endpoint = WireEndpoint("me", {"peer": peer}, lambda node, body: ctx.send(node, ctx.data("probe-x", body)))
+    """CPU seconds per message handled, along the path training takes: a worker thread (as a
+    compute thread does for a BatchNorm exchange) has the event loop send a small array and
+    waits for the peer's answer. Each round trip is one message out and one in,
+    MESSAGE_BURST of them timed together. (No torch here: a transport job must not stall the
+    event loop importing it.)"""
     token = trio.lowlevel.current_trio_token()
-    stats = torch.zeros(2, 256, dtype=torch.float64)  # a BatchNorm layer's sums
+    stats = np.zeros((2, 256))  # a BatchNorm layer's sums
 
     async def exchange(k: int) -> None:
-        await endpoint.send("peer", ("echo", k), {"arrays": [stats]})
-        await endpoint.mailbox.get(("echo", k), 10.0)
+        await ctx.send(peer, ctx.data("probe-x", {"k": ["echo", k], "p": {"arrays": [stats]}}))
+        while True:
+            sender, reply = await ctx.receive("probe-x-back")
+            if sender == peer and reply.body["k"] == ["echo", k]:
+                return
 
     def burst() -> float:
         trio.from_thread.run(exchange, -1, trio_token=token)  # warm
@@ -110,22 +109,15 @@ async def _message_burst(ctx: JobContext, peer: str) -> float:
             trio.from_thread.run(exchange, k, trio_token=token)
         return (time.process_time() - cpu0) / (2 * MESSAGE_BURST)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(endpoint.pump, lambda: ctx.receive("probe-x-back"))
-        per_message = await trio.to_thread.run_sync(burst)
-        nursery.cancel_scope.cancel()
-    return per_message
+    return await trio.to_thread.run_sync(burst)
 
 
 async def _echo_messages(ctx: JobContext) -> None:
-    """The other end of _message_burst: each message back to its sender, decoded and encoded
-    again as the runtime does."""
-    from swarm.execution.job import from_wire, to_wire
-
+    """The other end of _message_burst: each message straight back to its sender."""
     while True:
         sender, message = await ctx.receive("probe-x")
         body = message.body
-        await ctx.send(sender, ctx.data("probe-x-back", {"k": body["k"], "p": to_wire(from_wire(body["p"]))}))
+        await ctx.send(sender, ctx.data("probe-x-back", {"k": body["k"], "p": body["p"]}))
 
 
 async def _ack(ctx: JobContext, peer: str, seq: int) -> None:
