@@ -18,6 +18,7 @@ from swarm.errors import SwarmError
 from swarm.trainer import TrainConfig
 from swarm.zoo import build_model
 from tests.tiles_helpers import rel_diff, train_float64, worst_state_diff
+from tiles import ops
 from tiles.grouping import Grouping
 from tiles.regions import TilingError
 from tiles.stage import InProcessStage
@@ -223,19 +224,24 @@ def test_random_stacks(case, input_delta):
     _check_stack(case, input_delta)
 
 
-@pytest.mark.xfail(strict=True, reason="a known bug: the BatchNorm after a 2x2 max-pool of a 1x1 map "
-                   "(padded with -inf to fit) gets an infinite running variance in a tiles stage")
 def test_batchnorm_after_a_max_pool_of_a_one_pixel_map():
-    """A shape the random stacks found (a run not derandomized): conv, avg-pool, conv to 1x1,
-    a 2x2 max-pool of stride 1 (padded with -inf to fit), a ReLU 1x1 conv, and a BatchNorm
-    1x1 conv whose input is zero in both samples. The untiled running variance is 0.81; the
-    tiles stage's is inf. Outputs and gradients agree."""
+    """A shape the random stacks found: conv, avg-pool, conv to 1x1, a 2x2 max-pool of stride
+    1 (padded with -inf to fit), a ReLU 1x1 conv, and a BatchNorm 1x1 conv whose input is
+    zero in both samples. Its channel is constant, so torch's kernel reports 1/sqrt(var) as
+    0; the running variance must come out 0.81 as untiled, not inf."""
     body = [_conv(2, 3, 1, True, True, "leaky"), "[avgpool]\nsize=2\nstride=2\n", _conv(2, 3, 1, False, False, "leaky"),
             "[maxpool]\nsize=2\nstride=1\n", _conv(2, 1, 1, False, False, "relu"), _conv(2, 1, 1, True, True, "leaky")]
     cfg = "[net]\nwidth=16\nheight=16\nchannels=3\n\n" + "\n".join(body) + "\n[softmax]\n"
     net, desc, _ = build_model("stack.cfg", 7, seed=2, cfg_text=cfg)
     worst = _compare_stage(net.double().train(), desc, 0, 6, (1, 1), Grouping(0, 6, (0,), (6,)), False)
     assert worst[0] <= 1e-9, worst
+
+
+@pytest.mark.parametrize("value", [0.0, 0.37, -2.5])
+def test_forward_sums_of_a_constant_channel(value):
+    z = torch.full((2, 1, 3, 3), value, dtype=torch.float64)
+    want = torch.tensor([[18 * value], [18 * value * value]], dtype=torch.float64)
+    assert torch.allclose(ops.forward_sums(z), want, rtol=1e-12, atol=0)
 
 
 # ---- whole training steps ---------------------------------------------------------------------

@@ -66,7 +66,9 @@ def forward_sums(z_own: torch.Tensor) -> torch.Tensor:
     n = z_own.shape[0] * z_own.shape[2] * z_own.shape[3]
     _, mean, invstd = torch.native_batch_norm(z_own, None, None, None, None, True, 0.0, 0.0)
     mean = mean.double()
-    var = invstd.double().pow(-2)  # eps 0: invstd = 1/sqrt(var), inf for a constant channel
+    invstd = invstd.double()
+    # eps 0: invstd = 1/sqrt(var); torch gives 0 rather than inf for a constant channel
+    var = torch.where(invstd > 0, invstd.pow(-2), torch.zeros_like(invstd))
     return torch.stack([mean * n, var * n + mean * mean * n])  # (2, C)
 
 
