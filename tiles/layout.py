@@ -39,6 +39,7 @@ Forward:
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 from planner.model_desc import ModelDesc
@@ -223,15 +224,18 @@ def build_layout(layers: list[LayerGeometry], grid: tuple[int, int], grouping: G
             _backward_regions(t, geo, grouping, input_delta)
             _forward_regions(t, geo, grouping)
             tiles.append(t)
-    fwd = {b: _transfers(tiles, b, lambda t, b=b: t.fwd_in[b][0], lambda t, b=b: t.fwd_out[b])
+    def transfers(b, need_of, have_of):
+        return _transfers(tiles, b, need_of, have_of, rcuts[b], ccuts[b])
+
+    fwd = {b: transfers(b, lambda t, b=b: t.fwd_in[b][0], lambda t, b=b: t.fwd_out[b])
            for b in grouping.forward if b > first}
-    bwd = {b: _transfers(tiles, b, lambda t, b=b: t.bwd_in[b - 1], lambda t, b=b: t.own[b])
+    bwd = {b: transfers(b, lambda t, b=b: t.bwd_in[b - 1], lambda t, b=b: t.own[b])
            for b in grouping.backward}
     sel = {}
     for g in layers:
         if g.kind == "maxpool":
             b = g.index + 1
-            found = _transfers(tiles, b, lambda t, b=b: t.bwd_in[b - 1], lambda t, b=b: t.own[b])
+            found = transfers(b, lambda t, b=b: t.bwd_in[b - 1], lambda t, b=b: t.own[b])
             if found:
                 sel[b] = found
     return StageLayout(layers, grid, grouping, input_delta, rcuts, ccuts, tiles, fwd, bwd, sel)
@@ -270,14 +274,24 @@ def _forward_regions(t: TileRegions, geo: dict[int, LayerGeometry], grouping: Gr
         t.fwd_in[l] = geo[l].input_need(out)
 
 
-def _transfers(tiles: list[TileRegions], boundary: int, need_of, have_of) -> list[Transfer]:
-    """Each tile receives the part of `need_of(tile)` outside `have_of(tile)` from its owners."""
+def _transfers(tiles: list[TileRegions], boundary: int, need_of, have_of, row_cuts: list[int],
+               col_cuts: list[int]) -> list[Transfer]:
+    """Each tile receives the part of `need_of(tile)` outside `have_of(tile)` from its owners
+    (found from the cuts of the boundary's map, in tile order)."""
     out = []
+    cols = len(col_cuts) - 1
     for t in tiles:
         for piece in need_of(t).minus(have_of(t)):
-            for n in tiles:
-                if n.tile != t.tile:
-                    r = piece.meet(n.own[boundary])
-                    if not r.empty:
-                        out.append(Transfer(n.tile, t.tile, r))
+            for r in _owners(row_cuts, piece.rows):
+                for c in _owners(col_cuts, piece.cols):
+                    n = tiles[r * cols + c]
+                    if n.tile != t.tile:
+                        part = piece.meet(n.own[boundary])
+                        if not part.empty:
+                            out.append(Transfer(n.tile, t.tile, part))
     return out
+
+
+def _owners(cuts: list[int], span) -> range:
+    """The tiles along one axis whose owned pixels (between consecutive cuts) meet `span`."""
+    return range(max(0, bisect_right(cuts, span.lo) - 1), min(len(cuts) - 1, bisect_left(cuts, span.hi)))

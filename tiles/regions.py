@@ -17,6 +17,7 @@ with clipping at the real border of the map instead of padding the map out):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from planner.model_desc import LayerDesc
 
@@ -27,9 +28,9 @@ class TilingError(ValueError):
     """A grid, grouping or layer range that cannot be tiled; the message says why."""
 
 
-@dataclass(frozen=True, order=True)
-class Span:
-    """Pixels [lo, hi) on one axis; empty when hi <= lo."""
+class Span(NamedTuple):
+    """Pixels [lo, hi) on one axis; empty when hi <= lo. (A tuple: the planner builds
+    hundreds of thousands of them while it chooses a grouping.)"""
 
     lo: int
     hi: int
@@ -70,8 +71,7 @@ class Span:
 EMPTY_SPAN = Span(0, 0)
 
 
-@dataclass(frozen=True, order=True)
-class Rect:
+class Rect(NamedTuple):
     """rows x cols of one map, both half-open."""
 
     rows: Span
@@ -83,11 +83,13 @@ class Rect:
 
     @property
     def empty(self) -> bool:
-        return self.rows.empty or self.cols.empty
+        (r0, r1), (c0, c1) = self
+        return r1 <= r0 or c1 <= c0
 
     @property
     def area(self) -> int:
-        return 0 if self.empty else self.rows.size * self.cols.size
+        (r0, r1), (c0, c1) = self
+        return 0 if r1 <= r0 or c1 <= c0 else (r1 - r0) * (c1 - c0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,8 +103,10 @@ class Rect:
         return Rect(self.rows.hull(other.rows), self.cols.hull(other.cols))
 
     def meet(self, other: "Rect") -> "Rect":
-        r = Rect(self.rows.meet(other.rows), self.cols.meet(other.cols))
-        return EMPTY_RECT if r.empty else r
+        (r0, r1), (c0, c1) = self
+        (s0, s1), (d0, d1) = other
+        lo, hi, left, right = max(r0, s0), min(r1, s1), max(c0, d0), min(c1, d1)
+        return EMPTY_RECT if hi <= lo or right <= left else Rect(Span(lo, hi), Span(left, right))
 
     def contains(self, other: "Rect") -> bool:
         return other.empty or (self.rows.contains(other.rows) and self.cols.contains(other.cols))
