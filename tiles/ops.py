@@ -6,6 +6,8 @@ where the rectangle reaches the real edge of the map.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -163,34 +165,62 @@ def conv_weight_grad(xp: torch.Tensor, dz: torch.Tensor, weight: torch.Tensor, s
                                                False, [0, 0], 1, [False, True, False])[1]
 
 
+@functools.lru_cache(maxsize=64)
+def _window_starts(oh: int, ow: int, wp: int, stride: int, device: torch.device) -> torch.Tensor:
+    """(oh, ow) int64: flat index, in a padded plane of width wp, of each window's top-left input."""
+    rows = torch.arange(oh, device=device) * (stride * wp)
+    cols = torch.arange(ow, device=device) * stride
+    return rows[:, None] + cols
+
+
+@functools.lru_cache(maxsize=64)
+def _code_of_offset(kernel: int, wp: int, device: torch.device) -> torch.Tensor:
+    """uint8 table: flat offset dy * wp + dx inside a window -> code dy * kernel + dx."""
+    table = torch.zeros((kernel - 1) * wp + kernel, dtype=torch.uint8, device=device)
+    for j in range(kernel * kernel):
+        r, q = divmod(j, kernel)
+        table[r * wp + q] = j
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def _offset_of_code(kernel: int, wp: int, device: torch.device) -> torch.Tensor:
+    """int64 table: code dy * kernel + dx -> flat offset dy * wp + dx inside a window."""
+    j = torch.arange(kernel * kernel, device=device)
+    return j // kernel * wp + j % kernel
+
+
 def maxpool_forward(xp: torch.Tensor, kernel: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Max-pool a padded region: (max values, selected position in each window as a uint8
-    code dy * kernel + dx). Among equal values the first in row-major order is selected,
-    as torch does."""
-    b, c, hp, wp = xp.shape
-    oh, ow = (hp - kernel) // stride + 1, (wp - kernel) // stride + 1
-    views = [xp[:, :, dy:dy + (oh - 1) * stride + 1:stride, dx:dx + (ow - 1) * stride + 1:stride]
-             for dy in range(kernel) for dx in range(kernel)]  # each (B, C, oh, ow)
-    y = views[0].clone()
-    for v in views[1:]:
-        torch.maximum(y, v, out=y)
-    code = torch.full(y.shape, kernel * kernel - 1, dtype=torch.uint8)
-    for j in range(kernel * kernel - 2, -1, -1):  # the first position holding the maximum wins
-        code.masked_fill_(views[j] == y, j)
-    return y, code
+    code dy * kernel + dx).
+
+    torch's own kernel chooses, so the selection is the untiled one: among equal values the
+    first in row-major window order, a NaN over any number, and for a window of nothing but
+    -inf its top-left position. Its int64 indices (into each padded plane) are turned into
+    the window-relative code, a byte per output, because the selection is kept until the
+    backward and sent to the tiles that route the window's gradient."""
+    wp = xp.shape[3]
+    y, idx = torch.ops.aten.max_pool2d_with_indices(xp, [kernel, kernel], [stride, stride], [0, 0], [1, 1], False)
+    oh, ow = y.shape[2:]
+    idx.sub_(_window_starts(oh, ow, wp, stride, idx.device))  # dy * wp + dx
+    return y, _code_of_offset(kernel, wp, idx.device).take(idx)
 
 
 def maxpool_input_grad(dy: torch.Tensor, code: torch.Tensor, kernel: int, stride: int,
                        padded_shape: tuple[int, int]) -> torch.Tensor:
     """Scatter dy (B, C, oh, ow) to the selected inputs of the padded input region it was
-    pooled from (whose window (0, 0) starts at its corner): (B, C, hp, wp)."""
+    pooled from (whose window (0, 0) starts at its corner): (B, C, hp, wp).
+
+    The codes become torch's flat indices again, for torch's own backward kernel, which
+    adds up what overlapping windows (stride < kernel) send to one input. That kernel reads
+    only the input's shape, so the input passed is a zero-stride expansion of one element."""
     b, c, oh, ow = dy.shape
-    out = dy.new_zeros((b, c, *padded_shape))
-    for j in range(kernel * kernel):  # each window position: a strided view of the input
-        r, q = divmod(j, kernel)
-        view = out[:, :, r:r + (oh - 1) * stride + 1:stride, q:q + (ow - 1) * stride + 1:stride]
-        view.add_(torch.where(code == j, dy, 0.0))
-    return out
+    hp, wp = padded_shape
+    idx = _offset_of_code(kernel, wp, code.device).take(code.long())
+    idx.add_(_window_starts(oh, ow, wp, stride, code.device))
+    shape_only = dy.new_empty(()).expand(b, c, hp, wp)
+    return torch.ops.aten.max_pool2d_with_indices_backward(dy, shape_only, [kernel, kernel], [stride, stride],
+                                                           [0, 0], [1, 1], False, idx)
 
 
 def avgpool_input_grad(dy: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
