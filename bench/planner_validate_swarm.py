@@ -53,6 +53,21 @@ def measured_step(metrics: Path, skip: int) -> float:
     return statistics.median(gaps)
 
 
+def per_device(plan, metrics: Path, skip: int) -> str:
+    """Each device's predicted computation against what it measured (medians over the steps
+    after `skip`): the compute thread's busy wall time, its CPU time, and the whole process's
+    CPU time, in seconds per step."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()][skip:]
+    out = []
+    for d, predicted in sorted(plan.predicted.get("busy_s", {}).items()):
+        def med(key):
+            vals = [r["device_times"][d][key] for r in rows if d in r.get("device_times", {})]
+            return statistics.median(vals) if vals else float("nan")
+        out.append(f"  {d}: computing {predicted:.3f} predicted, {med('busy_s'):.3f} measured "
+                   f"(compute CPU {med('compute_cpu_s'):.3f}, process CPU {med('cpu_s'):.3f})")
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", help="one profile (swarm profile --out) for every device, instead of the agents' own")
@@ -138,6 +153,7 @@ def run_round(args, work: Path, fresh: bool, errors: dict) -> None:
         rows.append([strategy, shape, f"{predicted:.3f}", f"{got:.3f}", f"{100 * (predicted / got - 1):+.1f}%"])
         errors.setdefault(strategy, []).append(100 * (predicted / got - 1))
         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+        print(per_device(plan, metrics, args.skip), file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
     print(f"{args.model} at {args.img_size}, batch {args.batch_size} in {args.microbatches} micro-batches, "
           f"{args.threads} thread(s) per device; measured: median step of {args.steps - args.skip}; "
