@@ -275,6 +275,13 @@ class SwarmRunner:
                 self.log("stopping after this step (Ctrl-C again to stop at once)")
 
 
+def busy_hint(reasons) -> str:
+    """What to do when agents refused because another run holds them."""
+    if any("busy with job" in r for r in reasons):
+        return " (another run is using these devices: `swarm status` shows it; wait for it to end or stop it)"
+    return ""
+
+
 class ClusterControl:
     """The coordinator's hold on the swarm's devices for one training job: each epoch is a
     job handle at that epoch (agents refuse older epochs), assigned and started on the
@@ -375,14 +382,19 @@ class ClusterControl:
                     self._loss_send.send_nowait({name})
 
         endpoint = WireEndpoint(COORDINATOR, node_of, send_to)
-        lost = set()
+        lost, why = set(), {}
         for n in used:  # a device that refuses or cannot be reached counts as lost
             try:
                 await handle.assign(node_of[n], "train", spec)
                 await handle.start(node_of[n])
             except (SwarmError, trio.TooSlowError) as exc:
-                self.log(f"{n} could not take its part: {exc}")
+                why[n] = str(exc) or "no answer in time"
+                self.log(f"{n} could not take its part: {why[n]}")
                 lost.add(n)
+        if lost and lost == set(used):  # nothing to re-plan onto: say why rather than "lost every device"
+            raise SwarmError("no device could take its part of the run: "
+                             + "; ".join(f"{n}: {why[n]}" for n in sorted(lost))
+                             + busy_hint(why.values()))
         if lost:
             self._loss_send.send_nowait(lost)
         scope = trio.CancelScope()
