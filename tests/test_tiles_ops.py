@@ -62,9 +62,16 @@ def padded_region(dtype: torch.dtype, contiguous: bool, seed: int) -> torch.Tens
 CASES = [(2, 1), (2, 2), (3, 2), (3, 1), (3, 3)]
 
 
-@pytest.mark.parametrize("kernel,stride", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("contiguous", [True, False])
+def each_shape(test):
+    """Every window in CASES, both float types, contiguous and cropped inputs."""
+    for mark in (pytest.mark.parametrize("contiguous", [True, False]),
+                 pytest.mark.parametrize("dtype", [torch.float32, torch.float64]),
+                 pytest.mark.parametrize("kernel,stride", CASES)):
+        test = mark(test)
+    return test
+
+
+@each_shape
 def test_maxpool_forward_matches_reference(kernel, stride, dtype, contiguous):
     for seed in range(3):
         xp = padded_region(dtype, contiguous, seed)
@@ -77,9 +84,7 @@ def test_maxpool_forward_matches_reference(kernel, stride, dtype, contiguous):
         assert bool((code > 0).any()) and bool((code == 0).any())  # not every window picks one position
 
 
-@pytest.mark.parametrize("kernel,stride", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("contiguous", [True, False])
+@each_shape
 def test_maxpool_input_grad_matches_reference_and_autograd(kernel, stride, dtype, contiguous):
     for seed in range(3):
         xp = padded_region(dtype, contiguous, seed)
