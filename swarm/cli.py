@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import sys
 
-from swarm import __version__
+from swarm import __version__, malloc
 from swarm.errors import SwarmError
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> exit status.
@@ -46,21 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def one_malloc_arena() -> None:
-    """Training runs its compute on worker threads (trio.to_thread), and glibc gives each
-    thread its own malloc arena, where freed activations stay: a one-stage job peaked 50%
-    above local training (1.10 vs 0.74 GB at 416x416) and a 1 GiB device ran out. With one
-    arena it peaks where local training does. MALLOC_ARENA_MAX, if set, has the last word."""
-    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass  # not glibc
-
-
 def main(argv: list[str] | None = None) -> int:
-    one_malloc_arena()
+    malloc.tune()
     parser = build_parser()
     args = parser.parse_args(argv)
     from planner.plan import PlanError

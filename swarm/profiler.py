@@ -154,16 +154,12 @@ def _median_time(fn, repeats: int, now=time.perf_counter) -> float:
 def settled_rss() -> int:
     """Resident bytes after handing freed memory back to the system (glibc keeps freed
     blocks otherwise, and the idle size would include the last step's activations)."""
-    import ctypes
-    import ctypes.util
-
     import psutil
 
+    from swarm import malloc
+
     gc.collect()
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    malloc.give_back()
     return psutil.Process().memory_info().rss
 
 

@@ -10,6 +10,7 @@ Job lifecycle (messages from the coordinator; each answered with JobState):
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from contextlib import AsyncExitStack
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from swarm import __version__
+from swarm import __version__, malloc
 from swarm.agent.device_info import accelerator
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.discovery import Advert, advertise, open_zeroconf
@@ -375,6 +376,8 @@ class Agent:
             with trio.CancelScope(shield=True):
                 for link in job.links:
                     await link.aclose("job released")
+            gc.collect()  # the job's activations stayed in the heap for reuse until now
+            malloc.give_back()
 
     async def _job_heartbeats(self, job: AgentJob) -> None:
         seq = 0
