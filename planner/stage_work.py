@@ -34,8 +34,8 @@ def microbatch_sizes(batch: int, microbatches: int) -> list[int]:
 def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1) -> float:
     """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus 2(g-1) message latencies.
     Each device sends and receives that much at once: the ring runs no faster than a device's
-    CPU moves twice the bytes. The data goes in `buckets` rings (one per layer, started as
-    the backward finishes each): their latencies overlap, but every member handles a message
+    CPU moves twice the bytes. The data goes in `buckets` rings (one per bucket of layers,
+    started as the backward finishes each): their latencies overlap, but every member handles a message
     out and one in at each of a ring's 2(g-1) steps."""
     g = len(group)
     if g < 2 or nbytes <= 0:
@@ -46,18 +46,39 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
 
 
 def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
-    """Every member sends its `nbytes` straight to every other one (and handles g-1 messages
-    out and g-1 in)."""
+    """Bruck's all-gather: ceil(log2 g) rounds, each a message out and one in per member
+    (and a latency); every member's `nbytes` reach the g-1 others once."""
     g = len(group)
     if g < 2:
         return 0.0
+    rounds = (g - 1).bit_length()
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
-    return cluster.latency + 2 * (g - 1) * cluster.msg_cpu(group) + (g - 1) * nbytes * per_byte
+    return rounds * cluster.latency + 2 * rounds * cluster.msg_cpu(group) + (g - 1) * nbytes * per_byte
 
 
-def param_layers(mem: MemoryModel, first: int, last: int) -> int:
-    """Layers with parameters in [first, last): the rings a group's gradients take."""
-    return int((mem.param_bytes[first:last] > 0).sum())
+BUCKET_BYTES = 1 << 20
+
+
+def buckets_of(sizes: dict[int, int], least: int = BUCKET_BYTES) -> list[list[int]]:
+    """The layers whose gradients a group sums together, by their parameter bytes (layers
+    without parameters left out): from the last layer down, in the order the backward
+    finishes them, each bucket closes once it holds `least` bytes. Every ring message costs
+    the devices' CPU whatever its size, and most layers of a CNN are small."""
+    buckets, current, held = [], [], 0
+    for layer in sorted(sizes, reverse=True):
+        current.append(layer)
+        held += sizes[layer]
+        if held >= least:
+            buckets.append(current)
+            current, held = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def gradient_buckets(mem: MemoryModel, first: int, last: int) -> int:
+    """The rings a group's gradients of layers [first, last) take."""
+    return len(buckets_of({i: int(mem.param_bytes[i]) for i in range(first, last) if mem.param_bytes[i] > 0}))
 
 
 def bn_sync_time(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:
@@ -165,7 +186,7 @@ def _split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
         trans.append({s.device: mem.transient(first, last, s.samples) for s in sh})
     weights = {d: mem.weights(first, last) for d in group}
     reduce_bytes = float(mem.param_bytes[first:last].sum())
-    allreduce = (ring_allreduce_time(reduce_bytes, group, cluster, param_layers(mem, first, last))
+    allreduce = (ring_allreduce_time(reduce_bytes, group, cluster, gradient_buckets(mem, first, last))
                  if len(group) > 1 else 0.0)
     update = {d: cluster.device(d).costs.update_range(first, last) for d in group}
     return StageWork(p, stage, gang, shares, fwd, bwd, act, trans, weights, allreduce, update,

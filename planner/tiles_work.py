@@ -20,7 +20,7 @@ from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError, Stage
-from planner.stage_work import Share, StageWork, allgather_time, param_layers, ring_allreduce_time
+from planner.stage_work import Share, StageWork, allgather_time, gradient_buckets, ring_allreduce_time
 
 
 _COSTS: dict = {}  # (id(desc), first, last, grid, syncs, back_syncs) -> (desc, StageCost)
@@ -144,7 +144,7 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
                       for d in devices})
     weights = {d: mem.weights(first, last) for d in devices}
     allreduce = (ring_allreduce_time(float(mem.param_bytes[first:last].sum()), devices, cluster,
-                                     param_layers(mem, first, last)) if g > 1 else 0.0)
+                                     gradient_buckets(mem, first, last)) if g > 1 else 0.0)
     update = {d: cluster.device(d).costs.update_range(first, last) for d in devices}
     halo_f = sync_time(lay.forward_transfers, sizes[0])
     halo_b = sync_time(lay.backward_transfers, sizes[0])

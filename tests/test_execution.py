@@ -221,3 +221,12 @@ def test_1f1b_holds_at_most_k_p_microbatches(monkeypatch, gpipe):
     _planned(cfg, plan, steps=1)
     expected = [m] * 4 if gpipe else [min(2 * (4 - p) - 1, m) for p in range(4)]
     assert [peaks[p] for p in range(4)] == expected  # [7, 5, 3, 1] with 1F1B
+
+
+def test_gradient_buckets_gather_small_layers_from_the_top():
+    from planner.stage_work import buckets_of
+
+    sizes = {0: 10, 2: 600, 3: 500, 5: 2000, 6: 100, 7: 950}
+    assert buckets_of(sizes, least=1000) == [[7, 6], [5], [3, 2], [0]]
+    assert buckets_of({}, least=1000) == []
+    assert buckets_of(sizes, least=1) == [[7], [6], [5], [3], [2], [0]]

@@ -1,6 +1,8 @@
 """Summing a stage's gradients over its group (dp replicas, tiles on several devices), one
-layer at a time, each as soon as it is final on this device: during the step's last
-backward the upper layers' sums travel while the lower layers are still being computed."""
+bucket of consecutive layers at a time, each as soon as it is final on this device: during
+the step's last backward the upper layers' sums travel while the lower layers are still
+being computed. The buckets are planner.stage_work.buckets_of's, which the cost model
+counts too."""
 from __future__ import annotations
 
 import math
@@ -8,8 +10,8 @@ import math
 import torch
 import trio
 
+from planner.stage_work import buckets_of
 from swarm.execution.collectives import allreduce_sum
-
 
 class GradReducer:
     def __init__(self, endpoint, group: list[str], key: tuple, net: torch.nn.Module, first: int, last: int,
@@ -21,9 +23,13 @@ class GradReducer:
         self.timeout = timeout
         self.token = token
         self.parts = parts  # local tiles that must each finish a layer before it is final here
-        self.buckets = {i: [q for q in net.layers[i].parameters()] for i in range(first, last)}
-        self.buckets = {i: params for i, params in self.buckets.items() if params}
-        self.counts: dict[int, int] = {}
+        self.params = {i: [q for q in net.layers[i].parameters()] for i in range(first, last)}
+        self.params = {i: params for i, params in self.params.items() if params}
+        sizes = {i: sum(q.numel() * q.element_size() for q in params) for i, params in self.params.items()}
+        self.buckets = {b[0]: b for b in buckets_of(sizes)}  # named by their top layer
+        self.bucket_of = {layer: b[0] for b in self.buckets.values() for layer in b}
+        self.counts: dict[int, int] = {}  # local parts done, by layer
+        self.final: dict[int, set[int]] = {}  # final layers, by bucket
         self.started: dict[int, trio.Event] = {}
         self.seconds = 0.0
 
@@ -37,13 +43,13 @@ class GradReducer:
         parameters has its gradient. Returns the handles (remove them afterwards)."""
         handles = []
         seen: dict[int, set[int]] = {}
-        for layer, params in self.buckets.items():
+        for layer, params in self.params.items():
             for param in params:
                 def hook(p, layer=layer, n=len(params)):
                     got = seen.setdefault(layer, set())
                     got.add(id(p))
                     if len(got) == n:
-                        trio.from_thread.run_sync(self.start, layer, trio_token=self.token)
+                        trio.from_thread.run_sync(self._layer_final, layer, trio_token=self.token)
                 handles.append(param.register_post_accumulate_grad_hook(hook))
         return handles
 
@@ -51,29 +57,38 @@ class GradReducer:
     def _count(self, layer: int) -> None:
         self.counts[layer] = self.counts.get(layer, 0) + 1
         if self.counts[layer] == self.parts:
-            self.start(layer)
+            self._layer_final(layer)
 
-    def start(self, layer: int) -> None:
-        if layer in self.buckets and layer not in self.started:
-            self.started[layer] = trio.Event()
-            self.nursery.start_soon(self._reduce, layer)
+    def _layer_final(self, layer: int) -> None:
+        bucket = self.bucket_of.get(layer)
+        if bucket is None:
+            return
+        final = self.final.setdefault(bucket, set())
+        final.add(layer)
+        if len(final) == len(self.buckets[bucket]):
+            self.start(bucket)
 
-    async def _reduce(self, layer: int) -> None:
-        params = self.buckets[layer]
+    def start(self, bucket: int) -> None:
+        if bucket in self.buckets and bucket not in self.started:
+            self.started[bucket] = trio.Event()
+            self.nursery.start_soon(self._reduce, bucket)
+
+    async def _reduce(self, bucket: int) -> None:
+        params = [q for layer in self.buckets[bucket] for q in self.params[layer]]
         t0 = trio.current_time()
         flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params])
-        total = await allreduce_sum(self.ep, self.group, (*self.key, layer), flat, self.timeout)
+        total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), flat, self.timeout)
         offset = 0
         for q in params:  # the sum's own storage, a slice per parameter (the step sets grads to None)
             n = q.numel()
             q.grad = total[offset:offset + n].view_as(q)
             offset += n
         self.seconds += trio.current_time() - t0
-        self.started[layer].set()
+        self.started[bucket].set()
 
     async def finish(self) -> None:
         """Start what has not started (layers no hook reported), then wait for every sum."""
-        for layer in sorted(self.buckets, reverse=True):
-            self.start(layer)
+        for bucket in sorted(self.buckets, reverse=True):
+            self.start(bucket)
         for event in self.started.values():
             await event.wait()

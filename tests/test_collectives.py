@@ -1,0 +1,79 @@
+"""Group operations over endpoints: every member ends with the same, complete answer."""
+import pytest
+import torch
+import trio
+
+from swarm.execution.collectives import allgather, allreduce_sum
+from swarm.execution.endpoint import LocalNetwork
+
+
+def _run_group(n: int, body):
+    network = LocalNetwork()
+    names = [f"d{i}" for i in range(n)]
+    eps = [network.endpoint(name) for name in names]
+    results = {}
+
+    async def member(i):
+        results[i] = await body(eps[i], names, i)
+
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(member, i)
+    trio.run(main)
+    return results, network
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9])
+def test_allgather_gives_every_member_everyones_arrays_in_group_order(n):
+    def mine(i):
+        return [torch.full((2, 3), float(i)), torch.arange(i + 1, dtype=torch.float64)]
+
+    async def body(ep, names, i):
+        return await allgather(ep, names, ("bn", 0, 1), mine(i))
+
+    results, network = _run_group(n, body)
+    for i in range(n):
+        got = results[i]
+        assert len(got) == n
+        for j in range(n):
+            assert [t.tolist() for t in got[j]] == [t.tolist() for t in mine(j)]
+    # each member's arrays travel to the n - 1 others once (Bruck's blocks): 6 * 4 + (i + 1) * 8 bytes
+    assert network.bytes_sent == sum((n - 1) * (24 + (i + 1) * 8) for i in range(n))
+
+
+def test_allgather_sends_log2_messages_per_member():  # g - 1 = 7 each before
+    sent = []
+    network = LocalNetwork()
+    names = [f"d{i}" for i in range(8)]
+    eps = [network.endpoint(name) for name in names]
+    for ep in eps:
+        original = ep.send
+
+        async def counting(dst, key, payload, original=original):
+            sent.append(key)
+            await original(dst, key, payload)
+        ep.send = counting
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for i, ep in enumerate(eps):
+                nursery.start_soon(allgather, ep, names, ("k",), [torch.tensor([float(i)])])
+    trio.run(main)
+    assert len(sent) == 8 * 3
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_allreduce_sum_is_the_sum_with_the_same_bits_everywhere(n):
+    torch.manual_seed(n)
+    values = [torch.randn(1001, dtype=torch.float32) for _ in range(n)]
+
+    async def body(ep, names, i):
+        return await allreduce_sum(ep, names, ("g", 0), values[i].clone())
+
+    results, _ = _run_group(n, body)
+    expected = torch.stack(values).sum(0)
+    for i in range(n):
+        assert torch.equal(results[i], results[0])
+        assert torch.allclose(results[i], expected, atol=1e-5)
