@@ -13,6 +13,7 @@ import trio
 from planner.stage_work import buckets_of
 from swarm.execution.collectives import allreduce_sum
 
+
 class GradReducer:
     def __init__(self, endpoint, group: list[str], key: tuple, net: torch.nn.Module, first: int, last: int,
                  nursery: trio.Nursery, timeout: float = math.inf, token=None, parts: int = 1):
