@@ -2,10 +2,10 @@
 
 Training allocates and frees the same large activations every micro-batch. By default glibc
 serves each block above its mmap threshold with a fresh mapping and unmaps it on free, so the
-kernel faults in and zeroes every page again on the next use: over a third of a tiles
-device's CPU time went to page faults and page clearing (2x2 tiles of yolov2-16 at 416, batch
-8: 0.6-1.2 s of system time in a 3.1 s pass; none with the settings below, peak resident size
-3% higher). And each compute thread would get its own arena, where freed activations stay: a
+kernel faults in and zeroes every page again on the next use: a fifth of a tiles device's CPU
+time went to page faults and page clearing (2x2 tiles of yolov2-16 at 416, batch 8, in one
+process: 0.6-1.2 s of system time in a 3.8-4.4 s pass; with the settings below none, 3.1 s a
+pass, and a peak resident size 3% higher). And each compute thread would get its own arena, where freed activations stay: a
 one-stage job peaked 50% above local training (1.10 vs 0.74 GB at 416x416) and a 1 GiB device
 ran out.
 
