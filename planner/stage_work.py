@@ -35,8 +35,8 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
     """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus 2(g-1) message latencies.
     Each device sends and receives that much at once: the ring runs no faster than a device's
     CPU moves twice the bytes. The data goes in `buckets` rings (one per bucket of layers,
-    started as the backward finishes each): their latencies overlap, but every member handles a message
-    out and one in at each of a ring's 2(g-1) steps."""
+    started as the backward finishes each): their latencies overlap, but every member
+    handles a message out and one in at each of a ring's 2(g-1) steps."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0

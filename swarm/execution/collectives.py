@@ -18,6 +18,7 @@ async def allgather(ep: Endpoint, group: list[str], key: tuple, arrays: list[tor
     small arrays (BatchNorm sums) the messages, not the bytes, are what costs."""
     n = len(group)
     me = group.index(ep.name)
+    size = len(arrays)
     held = [arrays]  # held[j]: member (me + j) % n's arrays
     dist, r = 1, 0
     while dist < n:
@@ -25,7 +26,6 @@ async def allgather(ep: Endpoint, group: list[str], key: tuple, arrays: list[tor
         await ep.send(group[(me - dist) % n], ("gather", *key, r, me),
                       {"arrays": [a for block in held[:count] for a in block]})
         got = (await ep.mailbox.get(("gather", *key, r, (me + dist) % n), timeout))["arrays"]
-        size = len(arrays)
         if len(got) != count * size:
             raise ValueError(f"gather {key}: member {group[(me + dist) % n]} sent {len(got)} arrays, "
                              f"expected {count * size}")
