@@ -28,10 +28,12 @@ def main() -> None:
 
     import torch
 
+    from swarm import malloc
     from swarm.zoo import build_model
     from tiles.grouping import Grouping, parse_grid
     from tiles.stage import InProcessStage
 
+    malloc.tune()  # as every swarm process does
     torch.set_num_threads(1)
     net, desc, _ = build_model("yolov2-16", args.img_size, classes=5, seed=1)
     net.train()

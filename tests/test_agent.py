@@ -320,6 +320,30 @@ async def test_compute_in_threads_does_not_stop_heartbeats(recorder):
 
 
 
+async def test_a_running_job_sends_one_stream_of_heartbeats_not_two():
+    """The job's heartbeats go to the coordinator on the connection it watches: the watch's own
+    heartbeats stay quiet meanwhile, so a busy device sends one per interval, not two."""
+    async def busy(ctx):
+        await trio.sleep(1.0)
+        return {}
+
+    register_job_kind("quiet-test", busy)
+    async with swarm_of(1, heartbeat_interval=0.05) as (agents, cluster):
+        node = agents[0].node_id
+        beats = []
+        on_message = cluster._on_message
+        cluster._on_message = lambda device, message: (
+            beats.append(trio.current_time()) if type(message).__name__ == "Heartbeat" else None,
+            on_message(device, message))
+        job = cluster.job("quiet")
+        await job.assign(node, "quiet-test", {})
+        started = trio.current_time()
+        await job.start(node)
+        await job.wait_done(node)
+        during = [t for t in beats if started + 0.2 < t < started + 0.9]
+        assert 5 <= len(during) <= 0.7 / 0.05 + 3, len(during)
+
+
 def nonsense(rng: random.Random, hint):
     """A value of roughly the declared type, chosen to be awkward."""
     import typing

@@ -105,3 +105,37 @@ async def test_a_send_cancelled_mid_frame_closes_the_connection_instead_of_corru
                 while True:
                     await server.receive()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_tensor_trickling_in_wakes_the_reader_once_not_at_every_piece():
+    """While tensor bytes are awaited the socket's receive low-water mark holds the reader back
+    until they are all there; the message after it (a few bytes) is not held back."""
+    from swarm.net.peer import LOWAT_MIN
+    from swarm.wire import encode_frame, to_wire
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            client, server = await connected_pair(nursery)
+            halo = np.arange(5 * LOWAT_MIN, dtype=np.uint8)  # read by the event loop, not a thread
+            assert halo.nbytes < BULK_BYTES
+            head, payload = encode_frame(to_wire(JobData("j", 0, "halo", halo)), 1 << 20)
+            reads = []
+            received = server.protocol.payload_received
+            server.protocol.payload_received = lambda n: (reads.append(n), received(n))
+
+            async def trickle():
+                await client.stream.send_all(head)
+                await trio.sleep(0.05)
+                for start in range(0, len(payload), LOWAT_MIN // 4):  # 20 pieces, 10 ms apart
+                    await client.stream.send_all(payload[start:start + LOWAT_MIN // 4])
+                    await trio.sleep(0.01)
+                await trio.sleep(0.05)
+                await client.send(JobData("j", 0, "after", 1))
+
+            nursery.start_soon(trickle)
+            message = await server.receive()
+            assert np.array_equal(message.body, halo)
+            assert sum(reads) == halo.nbytes and len(reads) <= 2, reads
+            with trio.fail_after(2):
+                assert (await server.receive()).body == 1
+            nursery.cancel_scope.cancel()

@@ -231,16 +231,29 @@ class Agent:
         return Heartbeat(seq, job.job_id, job.epoch, job.state, dict(job.ctx.progress))
 
     async def _watch_heartbeats(self, peer: Peer) -> None:
+        """A Heartbeat to a watcher whenever nothing else went to it for an interval: any
+        message is a sign of life, and the job's own heartbeats carry the same."""
         peer.watching = True
         try:
             while peer.watch_interval:
-                peer.heartbeat_seq += 1
-                await peer.conn.send(self._heartbeat(peer.heartbeat_seq))
+                quiet = trio.current_time() - peer.conn.last_sent
+                if quiet < peer.watch_interval:
+                    await trio.sleep(peer.watch_interval - quiet)
+                    continue
+                if not self._job_beats_to(peer):
+                    peer.heartbeat_seq += 1
+                    await peer.conn.send(self._heartbeat(peer.heartbeat_seq))
                 await trio.sleep(peer.watch_interval)
         except ConnectionLost:
             pass
         finally:
             peer.watching = False
+
+    def _job_beats_to(self, peer: Peer) -> bool:
+        """Whether the job's heartbeats go over this connection at least as often as it watches."""
+        job = self.job
+        return (job is not None and job.state != "released" and job.coordinator_id == peer.node_id
+                and job.heartbeat_interval <= peer.watch_interval and self._coordinator(job) is peer)
 
     def _peer(self, node_id: str) -> Peer | None:
         peers = [p for p in self._peers.get(node_id, ()) if not p.conn.closed]

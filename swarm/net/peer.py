@@ -7,6 +7,11 @@ Large tensors (BULK_BYTES and up) are moved by a worker thread in slices of BULK
 seconds: a blocking loop in a thread moves bytes at about twice the rate of the event
 loop's wake-up-per-chunk on a busy machine, and between slices the event loop sees the
 progress (activity, cancellation).
+
+While tensor bytes are awaited, the socket's receive low-water mark (SO_RCVLOWAT) is the
+bytes still to come, up to LOWAT_MAX: the kernel then reports the socket readable once
+that much has arrived, not at every segment. On a slow link a 300 kB halo otherwise wakes
+the reader some twenty times, each a trip through the event loop.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ RECEIVE_SIZE = 256 * 1024
 HANDSHAKE_TIMEOUT = 5.0
 BULK_BYTES = 1 << 20   # a tensor buffer at least this big moves in a worker thread
 BULK_SLICE = 0.2       # seconds a worker thread moves bytes before reporting back
+LOWAT_MIN = 64 * 1024  # tensor bytes still to come for which waking at every segment is not worth it
+LOWAT_MAX = 1 << 20    # the most we ask the kernel to hold before waking us
 
 
 @dataclass(frozen=True)
@@ -65,11 +72,13 @@ class PeerConnection:
         self.address = address
         self.closed = False
         self.last_received = trio.current_time()
+        self.last_sent = trio.current_time()  # when the last whole message went out
         self.on_activity: Callable[[], None] | None = None  # called whenever bytes arrive
         self._send_lock = trio.StrictFIFOLock()
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._bulk_sockets: dict[str, socket.socket] = {}  # "in"/"out": dups for worker threads
         self._bulk_running = 0
+        self._lowat = _prime_lowat(self._socket)  # None: the socket has no usable SO_RCVLOWAT
 
     @property
     def peer_id(self) -> str | None:
@@ -109,6 +118,7 @@ class PeerConnection:
                 raise ConnectionLost(f"connection to {self.address} is closed")
             self.protocol.send(message)
             await self._flush()
+            self.last_sent = trio.current_time()
 
     async def receive(self):
         """The next message; ConnectionLost when the conversation is over; RemoteProtocolError
@@ -188,9 +198,11 @@ class PeerConnection:
 
     async def _read_more(self) -> None:
         view = self.protocol.payload_buffer()
+        if self._lowat is not None:
+            self._lowat = _set_lowat(self._socket, self._lowat, 0 if view is None else len(view))
         try:
             if view is not None and self._socket is not None and len(view) >= BULK_BYTES:
-                count, ended = await self._bulk(_receive_blocking, "in", view)
+                count, ended, self._lowat = await self._bulk(_receive_blocking, "in", view, self._lowat)
                 if count:
                     self.protocol.payload_received(count)
                 if ended:
@@ -209,8 +221,8 @@ class PeerConnection:
             if self.on_activity is not None:
                 self.on_activity()
 
-    async def _bulk(self, move, direction: str, view: memoryview):
-        """move(socket, view) in a worker thread, on a duplicate of our socket descriptor."""
+    async def _bulk(self, move, direction: str, view: memoryview, *args):
+        """move(socket, view, *args) in a worker thread, on a duplicate of our socket descriptor."""
         if self.closed and direction == "out":
             raise ConnectionLost(f"connection to {self.address} is closed")
         sock = self._bulk_sockets.get(direction)
@@ -218,7 +230,7 @@ class PeerConnection:
             sock = self._bulk_sockets[direction] = socket.socket(fileno=os.dup(self._socket.fileno()))
         self._bulk_running += 1
         try:
-            return await trio.to_thread.run_sync(move, sock, view)
+            return await trio.to_thread.run_sync(move, sock, view, *args)
         finally:
             self._bulk_running -= 1
             if self.closed:
@@ -231,23 +243,53 @@ class PeerConnection:
             self._bulk_sockets.clear()
 
 
-def _receive_blocking(sock: socket.socket, view: memoryview) -> tuple[int, bool]:
-    """(bytes received into view, whether the peer closed), stopping when view is full or
-    after BULK_SLICE seconds. Runs in a worker thread."""
+def _prime_lowat(sock: socket.socket | None) -> int | None:
+    """Set the receive low-water mark once to LOWAT_MAX and back to 1 (the current mark), or
+    None if the socket has none. Linux clamps the receive window to the first mark that grows
+    the receive buffer: raising it to the largest mark first keeps a small one from capping it."""
+    if sock is None or not hasattr(socket, "SO_RCVLOWAT"):
+        return None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, LOWAT_MAX)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    except OSError:
+        return None
+    return 1
+
+
+def _set_lowat(sock: socket.socket, current: int, remaining: int) -> int:
+    """The low-water mark for `remaining` tensor bytes still to come (0: a frame header is
+    next, which may be a few bytes): set if it differs from `current`; the mark now."""
+    want = min(remaining, LOWAT_MAX) if remaining >= LOWAT_MIN else 1
+    if want != current:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        except OSError:
+            return current
+    return want
+
+
+def _receive_blocking(sock: socket.socket, view: memoryview, lowat: int | None) -> tuple[int, bool, int | None]:
+    """(bytes received into view, whether the peer closed, the low-water mark now), stopping
+    when view is full or after BULK_SLICE seconds. Runs in a worker thread. `lowat` is the
+    socket's receive low-water mark (None: not used); it is lowered when fewer bytes than it
+    are still to come, so that the last piece does not wait for bytes that are not coming."""
     done, end = 0, time.monotonic() + BULK_SLICE
     while done < len(view):
         left = end - time.monotonic()
         if left <= 0:
             break
+        if lowat is not None and len(view) - done < lowat:
+            lowat = _set_lowat(sock, lowat, len(view) - done)
         sock.settimeout(left)
         try:
             count = sock.recv_into(view[done:])
         except (TimeoutError, BlockingIOError):
             break
         if count == 0:
-            return done, True
+            return done, True, lowat
         done += count
-    return done, False
+    return done, False, lowat
 
 
 def _send_blocking(sock: socket.socket, view: memoryview) -> int:
