@@ -1,10 +1,12 @@
-"""The tiles executor's max-pool against its former k*k form, inside a real tiled pass.
+"""The tiles executor's max-pool against its former forms, inside a real tiled pass.
 
     python bench/tiles_maxpool.py [--img-size 208] [--batch 4] [--grids 1x1,2x2] [--rounds 5]
 
-yolov2-16 through the tiles executor on one thread; the two forms take turns in one process
-(the former is kept as the reference in tests/test_tiles_ops.py). Prints, per grid and form,
-the median CPU time of a whole forward + backward pass and of the part spent in the max-pool.
+yolov2-16 through the tiles executor on one thread; the forms take turns in one process:
+torch's kernel on a channels-last copy (what the executor runs), torch's kernel on the
+contiguous layout, and k*k strided passes (kept as the reference in tests/test_tiles_ops.py).
+Prints, per grid and form, the median CPU time of a whole forward + backward pass and of the
+part spent in the max-pool (forward and backward).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def main() -> None:
 
     import torch
 
+    from swarm import malloc
     from swarm.zoo import build_model
     from tests.test_tiles_ops import reference_forward, reference_input_grad
     from tiles import ops
@@ -34,7 +37,14 @@ def main() -> None:
     from tiles.stage import InProcessStage
 
     torch.set_num_threads(1)
-    forms = {"torch kernels": (ops.maxpool_forward, ops.maxpool_input_grad),
+    def contiguous_forward(xp, kernel, stride):  # the same selection, from the (B, C, H, W) kernel
+        wp = xp.shape[3]
+        y, idx = torch.ops.aten.max_pool2d_with_indices(xp, [kernel, kernel], [stride, stride], [0, 0], [1, 1], False)
+        idx.sub_(ops._window_starts(*y.shape[2:], wp, stride, idx.device))
+        return y, ops._code_of_offset(kernel, wp, idx.device).take(idx)
+
+    forms = {"channels-last": (ops.maxpool_forward, ops.maxpool_input_grad),
+             "contiguous": (contiguous_forward, ops.maxpool_input_grad),
              "k*k passes": (reference_forward, reference_input_grad)}
     spent = [0.0]
 

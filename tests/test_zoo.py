@@ -158,3 +158,31 @@ def test_same_seed_same_weights_different_seed_different():
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["layers.0.conv.weight"], sc["layers.0.conv.weight"])
     assert "layers.0.bn.running_mean" in sa and "layers.16.conv.bias" in sa
+
+
+@pytest.mark.parametrize("kernel,stride", [(2, 2), (2, 1), (3, 2), (3, 1)])
+def test_max_pool_matches_torch_with_ties_nan_and_inf(kernel, stride):
+    """The zoo's max-pool (channels-last kernel) gives nn.MaxPool2d's values and gradients."""
+    from torch import nn
+
+    from swarm.zoo.layers import MaxPool2d
+
+    g = torch.Generator().manual_seed(kernel * 10 + stride)
+    x = torch.randint(0, 3, (3, 5, 11, 14), generator=g).float()  # many ties
+    r = torch.rand(x.shape, generator=g)
+    x[r < 0.05] = float("nan")
+    x[(r > 0.05) & (r < 0.3)] = float("-inf")
+    x[0, :, :kernel, :] = float("-inf")  # windows of nothing but -inf
+    dy = torch.randn(3, 5, (11 - kernel) // stride + 1, (14 - kernel) // stride + 1, generator=g)
+    results = []
+    for pool in (nn.MaxPool2d(kernel, stride), MaxPool2d(kernel, stride)):
+        leaf = x.clone().requires_grad_(True)
+        y = pool(leaf)
+        y.backward(dy)
+        with torch.no_grad():
+            y_eval = pool(x)
+        results.append((y.detach(), leaf.grad, y_eval))
+    for want, got in zip(*results):
+        assert want.shape == got.shape and got.is_contiguous()
+        assert torch.equal(want.isnan(), got.isnan())
+        assert torch.equal(torch.nan_to_num(want), torch.nan_to_num(got))

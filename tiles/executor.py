@@ -190,6 +190,8 @@ class TileWorker:
             xp = ops.pad(x, padding, 0.0)  # (B, Cin, hp, wp)
             z = F.conv2d(xp, p.conv.weight, p.conv.bias, stride=g.rows.stride)  # (B, Cout, out_rect)
         saved.xw = _keep(self._window_crop(xp, g, out_rect, t.own[l + 1]), xp)
+        if g.pointwise_state:
+            saved.z = _keep(ops.crop(z, out_rect, t.bwd_state[l]), z)
         if p.bn is not None:
             spread = state.spread
             pixels = g.rows.size_out * g.cols.size_out
@@ -203,12 +205,10 @@ class TileWorker:
                         ops.update_running_stats(p.bn, mean[row], var[row], size * pixels)
             saved.mean, saved.invstd = mean, invstd
             alpha, beta = ops.bn_scale_shift(p.bn, mean, invstd)
-            u = z * spread(alpha) + spread(beta)
-        else:
-            u = z
-        if g.pointwise_state:
-            saved.z = _keep(ops.crop(z, out_rect, t.bwd_state[l]), z)
-        return ops.activation_forward(p.act, u, inplace=u is not z)
+            # in place unless backward keeps z itself (not a copy of a part of it)
+            u = (z.mul(spread(alpha)) if saved.z is z else z.mul_(spread(alpha))).add_(spread(beta))
+            return ops.activation_forward(p.act, u, inplace=True)
+        return ops.activation_forward(p.act, z, inplace=saved.z is not z)
 
     @staticmethod
     def _window_crop(xp: torch.Tensor, g: LayerGeometry, out_rect: Rect, want: Rect) -> torch.Tensor:

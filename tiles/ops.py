@@ -198,12 +198,26 @@ def maxpool_forward(xp: torch.Tensor, kernel: int, stride: int) -> tuple[torch.T
     first in row-major window order, a NaN over any number, and for a window of nothing but
     -inf its top-left position. Its int64 indices (into each padded plane) are turned into
     the window-relative code, a byte per output, because the selection is kept until the
-    backward and sent to the tiles that route the window's gradient."""
+    backward and sent to the tiles that route the window's gradient.
+
+    The kernel runs on a channels-last copy of the input: torch's max-pool over the
+    contiguous (B, C, H, W) layout is a scalar loop per window, several times slower than the
+    channels-last one (vectorised over channels) plus the copies there and back; both pick
+    the same positions."""
     wp = xp.shape[3]
-    y, idx = torch.ops.aten.max_pool2d_with_indices(xp, [kernel, kernel], [stride, stride], [0, 0], [1, 1], False)
+    y, idx = max_pool_channels_last(xp, kernel, stride)
     oh, ow = y.shape[2:]
     idx.sub_(_window_starts(oh, ow, wp, stride, idx.device))  # dy * wp + dx
     return y, _code_of_offset(kernel, wp, idx.device).take(idx)
+
+
+def max_pool_channels_last(x: torch.Tensor, kernel: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's max-pool with indices (no padding, floor mode) on (B, C, H, W) x, computed in
+    the channels-last layout: the values, contiguous (B, C, oh, ow), and the flat index into
+    each input plane of every selected position (B, C, oh, ow), left channels-last."""
+    y, idx = torch.ops.aten.max_pool2d_with_indices(x.contiguous(memory_format=torch.channels_last),
+                                                    [kernel, kernel], [stride, stride], [0, 0], [1, 1], False)
+    return y.contiguous(), idx
 
 
 def maxpool_input_grad(dy: torch.Tensor, code: torch.Tensor, kernel: int, stride: int,

@@ -245,7 +245,7 @@ def make_modules(plans: list[LayerPlan], only: range | None = None):
     stage allocates just that stage's weights, under the same state_dict keys."""
     from torch import nn
 
-    from swarm.zoo.layers import Reorg
+    from swarm.zoo.layers import MaxPool2d, Reorg
 
     def act_module(act: str) -> nn.Module:
         return {"leaky": lambda: nn.LeakyReLU(0.1), "relu": nn.ReLU, "linear": nn.Identity,
@@ -267,7 +267,7 @@ def make_modules(plans: list[LayerPlan], only: range | None = None):
             parts = OrderedDict()
             if any(d.padding):
                 parts["pad"] = nn.ConstantPad2d(d.padding, float("-inf"))
-            parts["pool"] = nn.MaxPool2d(d.kernel, d.stride)
+            parts["pool"] = MaxPool2d(d.kernel, d.stride)
             modules.append(nn.Sequential(parts))
         elif d.kind == "avgpool":
             pool = nn.AdaptiveAvgPool2d(1) if d.kernel == 0 else nn.AvgPool2d(d.kernel, d.stride)
