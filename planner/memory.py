@@ -26,15 +26,16 @@ def in_bytes(desc: ModelDesc, index: int) -> int:
 
 def estimate_activation_bytes(desc: ModelDesc) -> list[int]:
     """Per-sample bytes each layer keeps for its backward, as torch does for these layers:
-    a conv keeps its input, BatchNorm its input, the activation its input; max pooling its
-    input and int64 indices; route and reorg only rearrange (nothing kept)."""
+    a conv keeps its input, BatchNorm its input, the activation its input; max pooling only
+    its int64 indices (the zoo's max-pool backward needs no input); route and reorg only
+    rearrange (nothing kept)."""
     out = []
     for layer in desc.layers:
         ob = layer.out_bytes
         if layer.kind in ("route", "reorg"):
             out.append(0)
         elif layer.kind == "maxpool":
-            out.append(in_bytes(desc, layer.index) + 2 * ob)
+            out.append(2 * ob)
         elif layer.kind in ("conv", "connected"):
             keep = in_bytes(desc, layer.index)
             keep += ob if layer.batch_normalize else 0
