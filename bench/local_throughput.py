@@ -28,9 +28,11 @@ def child(args) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
+    from swarm import malloc
     from swarm.data import make_batch, open_datasets, step_indices
     from swarm.trainer import LocalTrainer, TrainConfig
 
+    malloc.tune()  # as `swarm train` does
     torch.set_num_threads(args.threads_one)
     cfg = TrainConfig(model=args.model, img_size=args.img_size, batch_size=args.batch_size, seed=0)
     train_set, _ = open_datasets(None, args.img_size, 3)
