@@ -23,6 +23,11 @@ Probe = Callable[[str], Awaitable[bool]]
 
 ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
 
+# While devices run jobs (training, profiling): a device whose few tenths of a core are busy
+# with the job may answer late; it has this long to be heard again, then this long to
+# answer a probe. (A killed agent's connection breaks, which makes it suspect at once.)
+BUSY_SUSPECT_AFTER, BUSY_PROBE_TIMEOUT = 2.0, 2.0
+
 
 @dataclass(frozen=True)
 class MembershipEvent:

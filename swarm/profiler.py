@@ -327,7 +327,15 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
 
     opt = make_optimizer(net.named_parameters(), TrainConfig(optimizer=optimizer))
     runtime = None
+    fits = MemoryGuard(desc, optimizer)
+    measured = []
     for b in batch_sizes:
+        if not fits(b, peak):
+            if not measured:
+                raise SwarmError(fits.too_small(b))
+            say(f"batch {b}: skipped, it {fits.reason(b, peak)}")
+            break
+        measured.append(b)
         say(f"batch {b}: whole steps")
         images, targets = make_batch(data, np.arange(b) % len(data))
         x = torch.from_numpy(images)
@@ -361,6 +369,7 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         del outs
     say("optimizer updates")
     update = _time_updates(net, desc, repeats, optimizer, layer_clock)
+    batch_sizes = tuple(measured)
     fit = _fit_to_steps(fwd, bwd, loss_f, loss_b, sum(update), [step_time[b] for b in batch_sizes])
     say("the tiles executor")
     middle = batch_sizes[len(batch_sizes) // 2]
@@ -374,6 +383,45 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     return DeviceProfile(model=desc.name, img_size=desc.img_size, costs=costs, act_bytes=saved, device=facts,
                          classes=classes, step_time=step_time, peak_bytes=peak, runtime_bytes=float(runtime),
                          repeats=repeats, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+class MemoryGuard:
+    """Which batch sizes this process can profile without outgrowing its memory (a cgroup
+    limit on a small device: profiling past it gets the whole agent killed). A batch size is
+    run when the resident size now, plus its predicted peak above that, stays within a share
+    of the usable memory. The peak is predicted per sample from the largest measured so far,
+    or before any measurement from the memory model's estimate, with a margin for what
+    neither sees (the allocator's slack, the temporaries of a backward)."""
+
+    SHARE = 0.85  # of usable memory; the rest is the agent's own and the kernel's
+    MARGIN = 1.3  # measured peaks run 1.3-1.4x the estimate; measured per-sample peaks vary by ~1.2x
+
+    def __init__(self, desc, optimizer: str, limit: int | None = None):
+        from planner.memory import MemoryModel
+
+        n = len(desc.layers)
+        model = MemoryModel.estimated(desc, optimizer)
+        self.estimate = model.activations(0, n, 1) + model.transient(0, n, 1)  # bytes per sample
+        self.limit = limit if limit is not None else usable_memory()
+        self.base = settled_rss()
+
+    def per_sample(self, peak: dict[int, float]) -> float:
+        return max((v / b for b, v in peak.items()), default=1.4 * self.estimate)
+
+    def need(self, batch: int, peak: dict[int, float]) -> float:
+        return self.base + self.MARGIN * batch * self.per_sample(peak)
+
+    def __call__(self, batch: int, peak: dict[int, float]) -> bool:
+        return self.need(batch, peak) <= self.SHARE * self.limit
+
+    def reason(self, batch: int, peak: dict[int, float]) -> str:
+        return (f"would need about {self.need(batch, peak) / 2**20:.0f} MiB of this device's "
+                f"{self.limit / 2**20:.0f} MiB")
+
+    def too_small(self, batch: int) -> str:
+        return (f"this device cannot profile the model: a step on {batch} sample{'s' if batch > 1 else ''} "
+                f"{self.reason(batch, {})}; profile a smaller --img-size or describe the device with "
+                "--devices CLUSTER.json")
 
 
 def _time_tiles_overhead(net, desc, batch: int, repeats: int, now) -> float:

@@ -50,6 +50,29 @@ def test_profile_round_trips_and_is_cached(tmp_path):
     assert not cached3 and p3.costs.batch_sizes == (1,)
 
 
+def test_batch_sizes_that_would_outgrow_the_memory_are_not_run(monkeypatch):
+    """On a device whose memory a large batch would exceed, the profile stops at the sizes
+    that fit (the cost table extends past them); when not even the smallest fits, a clear
+    error rather than an agent killed by the kernel."""
+    import swarm.profiler as profiler
+    from swarm.errors import SwarmError
+
+    rss = profiler.settled_rss()
+    per_sample = 1.4 * profiler.MemoryGuard(describe_model("lenet5"), "sgd", limit=1).estimate
+    margin, share = profiler.MemoryGuard.MARGIN, profiler.MemoryGuard.SHARE
+    # room for one sample's estimated peak, and well short of 4096 samples'
+    monkeypatch.setattr(profiler, "usable_memory", lambda: int((rss + 2 * margin * per_sample + 2**26) / share))
+    said = []
+    profile = profile_model("lenet5", None, batch_sizes=(1, 4096), repeats=1, threads=1, log=said.append)
+    assert profile.costs.batch_sizes == (1,) and set(profile.step_time) == {1} and set(profile.peak_bytes) == {1}
+    assert any(m.startswith("batch 4096: skipped, it would need about") for m in said)
+    assert profile.costs.fwd_range(0, 7, 8) == pytest.approx(8 * profile.costs.fwd_range(0, 7, 1))
+
+    monkeypatch.setattr(profiler, "usable_memory", lambda: rss)
+    with pytest.raises(SwarmError, match="cannot profile the model: a step on 1 sample would need about"):
+        profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1)
+
+
 def test_broken_cache_entry_is_measured_again(tmp_path):
     _, _, path = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1,), repeats=1, threads=1)
     path.write_text("{not json")

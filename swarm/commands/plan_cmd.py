@@ -189,9 +189,12 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, disc
 
     from swarm.agent.bandwidth_job import measure_bandwidth
     from swarm.cluster import open_cluster
+    from swarm.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
     from swarm.profiler import profile_devices
 
-    async with open_cluster(credentials, network, peers=peers, discover=discover) as cluster:
+    # profiling keeps each device busy: as tolerant of a late heartbeat as training is
+    async with open_cluster(credentials, network, peers=peers, discover=discover, suspect_after=BUSY_SUSPECT_AFTER,
+                            probe_timeout=BUSY_PROBE_TIMEOUT) as cluster:
         await trio.sleep(wait)
         devices = cluster.alive()
         if not devices:

@@ -20,6 +20,7 @@ from swarm.execution.coordinator import StepReport, TrainingCoordinator
 from swarm.execution.job import CHANNEL, WireEndpoint, job_spec_dict
 from swarm.execution.strategies import simple_plan
 from swarm.execution.worker import COORDINATOR, JobSpec
+from swarm.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.net import ConnectionLost
 
 
@@ -40,8 +41,8 @@ class SwarmOptions:
     token_file: str | None = None
     timeout_s: float = 600.0  # longest wait for one message before a worker gives up
     heartbeat_s: float = 0.25  # heartbeat interval asked of the agents
-    suspect_after_s: float = 2.0  # silence that makes a device suspect (a killed agent's link breaks at once)
-    probe_timeout_s: float = 2.0  # how long a suspect device has to answer a probe
+    suspect_after_s: float = BUSY_SUSPECT_AFTER  # silence that makes a device suspect
+    probe_timeout_s: float = BUSY_PROBE_TIMEOUT  # how long a suspect device has to answer a probe
     backup_interval: int = 0  # devices back up their stages every this many steps; 0: by time
     checkpoint_every: int = 25  # the coordinator collects the weights and saves every this many steps
     save_path: str | None = None
