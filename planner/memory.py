@@ -18,6 +18,22 @@ from planner.model_desc import BYTES_PER_FLOAT, ModelDesc
 
 OPTIMIZER_STATE_FLOATS = {"sgd": 1, "adam": 2, "plain-sgd": 0}  # extra floats per parameter
 
+# A process holds more than the tensors autograd keeps: the allocator's free blocks between
+# them and the temporaries of the last layer run. Measured for yolov2-16's stages at 320 and
+# 416 in one process tuned as workers are, on 1-4 micro-batches of one sample: peaks up to
+# 1.3x the saved bytes plus one backward's gradients (transient below), once the fixed
+# scratch is taken off. Plans for real devices use this factor (MemoryModel.for_devices);
+# the model alone (slack 1) is the papers' equation.
+RESIDENT_SLACK = 1.5
+# Fixed per device, whatever its stage holds: the kernels' scratch and weight-format copies
+# of a stage's backward (40-50 MiB in the same measurements, however small the stage), and
+# what a worker holds for a job besides its stages: messages in flight both ways, its share
+# of the fed images, backups of other stages (a testbed device running stage 0 of a 4-stage
+# pipeline peaked ~170 MiB above the same stage run in one process).
+STAGE_SCRATCH_BYTES = 64 * 2**20
+WORKER_BYTES = 192 * 2**20
+JOB_BYTES = STAGE_SCRATCH_BYTES + WORKER_BYTES
+
 
 def in_bytes(desc: ModelDesc, index: int) -> int:
     """Bytes per sample of everything layer `index` reads."""
@@ -56,6 +72,7 @@ class MemoryModel:
     act_bytes: np.ndarray  # (layers,) bytes kept per sample for the backward
     optimizer: str = "sgd"
     measured: bool = False  # act_bytes come from a profile rather than the estimate
+    slack: float = 1.0  # resident bytes per byte of activations and gradients (RESIDENT_SLACK on devices)
 
     def __post_init__(self):
         self.act_bytes = np.asarray(self.act_bytes, dtype=float)
@@ -66,6 +83,11 @@ class MemoryModel:
         self.param_bytes = np.array([layer.param_bytes for layer in self.desc.layers], dtype=float)
         self.out_bytes = np.array([layer.out_bytes for layer in self.desc.layers], dtype=float)
         self.in_bytes = np.array([in_bytes(self.desc, i) for i in range(len(self.desc.layers))], dtype=float)
+        # a layer's backward holds the gradient of its output and of its input, and one more
+        # map of its output's size for each pointwise step it runs (BatchNorm, activation)
+        pointwise = [int(layer.batch_normalize) + int(layer.activation != "linear")
+                     if layer.kind in ("conv", "connected") else 0 for layer in self.desc.layers]
+        self.grad_bytes = self.out_bytes * (1 + np.array(pointwise, dtype=float)) + self.in_bytes
         self._cum_params = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
         self._cum_act = np.concatenate([[0.0], np.cumsum(self.act_bytes)])
         self._boundary = np.array([self.desc.boundary_bytes(b) for b in range(len(self.desc.layers) + 1)], dtype=float)
@@ -73,6 +95,14 @@ class MemoryModel:
     @classmethod
     def estimated(cls, desc: ModelDesc, optimizer: str = "sgd") -> "MemoryModel":
         return cls(desc, estimate_activation_bytes(desc), optimizer)
+
+    @classmethod
+    def for_devices(cls, desc: ModelDesc, optimizer: str = "sgd", act_bytes=None) -> "MemoryModel":
+        """The model for planning real devices: measured saved bytes when given, and the
+        allocator's slack on activations and gradients."""
+        if act_bytes is None:
+            return cls(desc, estimate_activation_bytes(desc), optimizer, slack=RESIDENT_SLACK)
+        return cls(desc, act_bytes, optimizer, measured=True, slack=RESIDENT_SLACK)
 
     # ---- per stage -------------------------------------------------------------------
     def weights(self, first: int, last: int) -> float:
@@ -82,15 +112,14 @@ class MemoryModel:
 
     def activations(self, first: int, last: int, batch: float) -> float:
         """Mem(ACT)(beta): what one micro-batch of `batch` samples keeps until its backward."""
-        return batch * (self._cum_act[last] - self._cum_act[first])
+        return batch * (self.slack * (self._cum_act[last] - self._cum_act[first]))
 
     def transient(self, first: int, last: int, batch: float) -> float:
-        """Buffers alive only during one layer's backward: the gradients of its output and
-        input, and the outgoing gradient that has not been sent yet."""
+        """Buffers alive only during one layer's backward: the gradients of its output, of
+        each pointwise step and of its input (the outgoing gradient, until it is sent)."""
         if last <= first:
             return 0.0
-        grads = self.out_bytes[first:last] + self.in_bytes[first:last]
-        return batch * float(grads.max())
+        return batch * (self.slack * float(self.grad_bytes[first:last].max()))
 
     def boundary(self, b: int) -> float:
         """Bytes per sample crossing a cut before layer b (forward activations; the
@@ -106,9 +135,9 @@ class MemoryModel:
     def max_batch(self, first: int, last: int, warmup: int, budget: float) -> int:
         """The largest micro-batch share that fits in `budget` bytes (0 when even one sample does not)."""
         free = budget - self.weights(first, last)
-        per_sample = warmup * (self._cum_act[last] - self._cum_act[first])
+        per_sample = warmup * (self.slack * (self._cum_act[last] - self._cum_act[first]))
         if last > first:
-            per_sample += float((self.out_bytes[first:last] + self.in_bytes[first:last]).max())
+            per_sample += self.slack * float(self.grad_bytes[first:last].max())
         if free < 0:
             return 0
         if per_sample <= 0:

@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from planner.inputs import PlanInputs
-from planner.memory import MemoryModel
+from planner.memory import JOB_BYTES, MemoryModel
 from planner.planners import make_plan
 from swarm.agent import Agent, AgentConfig, register_job_kind
 from swarm.commands.plan_cmd import cluster_from_live, gather_live
@@ -46,6 +46,6 @@ async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
         assert 0 < r["msg_cpu_s"]["from"] < 0.01
         assert r["msg_s"]["from"] == pytest.approx(r["msg_cpu_s"]["from"] * (1 / quota - 1))
     profile = live["profiles"]["node0"]
-    assert cluster.device("dev0").memory == pytest.approx(2**31 - profile.runtime_bytes)
+    assert cluster.device("dev0").memory == pytest.approx(2**31 - profile.runtime_bytes - JOB_BYTES)
     plan = make_plan("dp", PlanInputs(desc, MemoryModel(desc, profile.act_bytes), cluster, 8, 2))
     assert plan.predicted["fits"] and set(plan.used_devices()) <= {"dev0", "dev1"}

@@ -143,11 +143,12 @@ def this_machine(desc, profiles: LocalProfiles, why: str):
     import numpy as np
 
     from planner.cluster import Cluster, Device
+    from planner.memory import JOB_BYTES
     from swarm.device import usable_memory
 
     profile = profiles.local()
     name = platform.node() or "this-machine"
-    budget = max(0.0, usable_memory() - profile.runtime_bytes)
+    budget = max(0.0, usable_memory() - profile.runtime_bytes - JOB_BYTES)
     say(f"{why}; planning for this machine alone (to plan other devices: `swarm join` on them, or describe them "
         "with --devices CLUSTER.json, see docs/planner.md)")
     return Cluster([Device(name, profile.costs, budget, facts={"cores": profile.device.get("cores")})],
@@ -224,6 +225,7 @@ def cluster_from_live(live: dict, desc):
     import statistics
 
     from planner.cluster import Cluster, Device, bandwidth_matrix
+    from planner.memory import JOB_BYTES
     from planner.profile import ProfileError
 
     names, devices = {}, []
@@ -235,7 +237,7 @@ def cluster_from_live(live: dict, desc):
             raise SwarmError(str(exc)) from None
         name = d["name"] if d["name"] not in names.values() else f"{d['name']}@{d['address']}"
         names[d["node_id"]] = name
-        budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes)
+        budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes - JOB_BYTES)
         devices.append(Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]},
                               comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
                               msg_s=_end_cost(d["node_id"], live["links"], "msg_s")))
@@ -270,10 +272,7 @@ def run(args: argparse.Namespace) -> int:
         if cluster is None:
             cluster = this_machine(desc, profiles, why)
     measured = profiles.profile or measured
-    if measured is not None:
-        mem = MemoryModel(desc, measured.act_bytes, args.optimizer, measured=True)
-    else:
-        mem = MemoryModel.estimated(desc, args.optimizer)
+    mem = MemoryModel.for_devices(desc, args.optimizer, measured.act_bytes if measured is not None else None)
     inputs = PlanInputs(desc, mem, cluster, args.batch_size, args.microbatches)
     if args.compare:
         rows = compare(inputs)

@@ -208,7 +208,7 @@ class SwarmRunner:
             try:
                 cluster = cluster_from_live(measured, desc)
                 profile = next(iter(measured["profiles"].values()))
-                mem = MemoryModel(desc, profile.act_bytes, cfg.optimizer, measured=True)
+                mem = MemoryModel.for_devices(desc, cfg.optimizer, profile.act_bytes)
                 plan = make_plan("auto", PlanInputs(desc, mem, cluster, cfg.batch_size, cfg.microbatches))
                 plan.devices = {n: facts.get(n, {}) for n in plan.used_devices()}
                 if plan.predicted and not plan.predicted.get("fits", True):
