@@ -139,9 +139,10 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
         shares.append([Share(d, 0, size, frac_in[d], frac_out[d]) for d in devices])
         fwd.append({d: f_total + halo_f + bn / 2 for d in devices})
         bwd.append({d: b_total + halo_b + bn / 2 for d in devices})
-        act.append({d: size * sum(cost.tiles[k].saved_bytes for k in tiles_of[d]) for d in devices})
-        trans.append({d: size * max(cost.tiles[k].peak_bytes - cost.tiles[k].saved_bytes for k in tiles_of[d])
-                      for d in devices})
+        # the tiles cost model counts tensors; a device holds them with the allocator's slack
+        act.append({d: size * (mem.slack * sum(cost.tiles[k].saved_bytes for k in tiles_of[d])) for d in devices})
+        trans.append({d: size * (mem.slack * max(cost.tiles[k].peak_bytes - cost.tiles[k].saved_bytes
+                                                 for k in tiles_of[d])) for d in devices})
     weights = {d: mem.weights(first, last) for d in devices}
     allreduce = (ring_allreduce_time(float(mem.param_bytes[first:last].sum()), devices, cluster,
                                      gradient_buckets(mem, first, last)) if g > 1 else 0.0)
