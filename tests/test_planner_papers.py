@@ -189,6 +189,23 @@ def test_rama_compute_bound_pis_sync_at_every_layer():
     assert inputs.simulate(every).step_time < inputs.simulate(fused).step_time
 
 
+@pytest.mark.parametrize("memory,expect", [("4 GiB", 8), ("150 MiB", 2), ("100 MiB", 1)])
+def test_a_whole_network_tiles_stage_runs_as_many_micro_batches_together_as_fit(memory, expect):
+    """Same result, one exchange per sync for the block: the largest divisor of M that fits."""
+    desc = describe_model("yolov2-16", 416)
+    cluster = flops_cluster(desc, {f"pi{i}": (4, memory) for i in range(4)}, mbps=100)
+    inputs = PlanInputs(desc, MemoryModel.for_devices(desc), cluster, 8, 8)
+    plan = plan_tiles(inputs)
+    stage = plan.stages[0]
+    assert len(plan.stages) == 1 and plan.predicted["fits"]
+    block = stage.block()
+    assert block == expect
+    for size in [size for size in (2, 4, 8) if size > block]:  # nothing larger fits
+        larger = inputs.plan([Stage(0, 17, "tiles", stage.devices, grid=stage.grid, tile_devices=stage.tile_devices,
+                                    syncs=stage.syncs, back_syncs=stage.back_syncs, together=size)], "tiles")
+        assert not inputs.simulate(larger).fits
+
+
 def test_rama_fast_gpus_prefer_larger_groups():
     """Two Jetson Nano GPUs on a 10 Gbit/s link (section 5.4): synchronisation, not compute, limits."""
     desc = describe_model("yolov2-16", 416)
