@@ -135,9 +135,7 @@ class MemoryModel:
     def max_batch(self, first: int, last: int, warmup: int, budget: float) -> int:
         """The largest micro-batch share that fits in `budget` bytes (0 when even one sample does not)."""
         free = budget - self.weights(first, last)
-        per_sample = warmup * (self.slack * (self._cum_act[last] - self._cum_act[first]))
-        if last > first:
-            per_sample += self.slack * float(self.grad_bytes[first:last].max())
+        per_sample = self.activations(first, last, warmup) + self.transient(first, last, 1)
         if free < 0:
             return 0
         if per_sample <= 0:
