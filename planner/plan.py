@@ -46,6 +46,14 @@ class Stage:
             kernels, the gradient sum overlapped with the whole backward; each micro-batch
             keeps its own BatchNorm statistics, so the result does not change. Costs the
             activation memory of the block. Divides the micro-batches; default 1.
+    replicas: (single or tiles, in a one-stage plan) copies of the stage that run different
+            micro-batches at once. single: `devices` lists one device per replica. tiles:
+            tile_devices lists replica 0's tiles, then replica 1's, and so on (no device in two
+            replicas). Replica r runs the r-th run of microbatches / replicas consecutive
+            micro-batches (a tiles replica `together` of them at a time); halos and BatchNorm
+            sums stay inside a replica. The weight gradients are summed over all the devices
+            and the BatchNorm running statistics are brought to what the micro-batches give in
+            order, so the result does not change. Default 1.
     """
 
     first: int
@@ -59,6 +67,7 @@ class Stage:
     back_syncs: list[int] | None = None
     warmup: int | None = None
     together: int | None = None
+    replicas: int | None = None
 
     @property
     def layers(self) -> range:
@@ -66,6 +75,23 @@ class Stage:
 
     def block(self) -> int:
         return self.together or 1
+
+    def replica_count(self) -> int:
+        return self.replicas or 1
+
+    def tiles_per_replica(self) -> int:
+        return len(self.tile_devices or []) // self.replica_count()
+
+    def replica_tiles(self, r: int) -> list[str]:
+        """Devices of replica r's tiles, in tile order."""
+        n = self.tiles_per_replica()
+        return list((self.tile_devices or [])[r * n:(r + 1) * n])
+
+    def replica_of_part(self, part: int) -> int:
+        """The replica of part `part` (routing.stage_parts numbers them)."""
+        if self.replica_count() == 1:
+            return 0
+        return part // self.tiles_per_replica() if self.mode == "tiles" else part
 
     def forward_syncs(self) -> list[int]:
         return sorted(set(self.syncs)) if self.syncs is not None else list(range(self.first, self.last))
@@ -95,15 +121,32 @@ class Plan:
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
+    def replica_of(self, m: int) -> int:
+        """The replica of a one-stage replicated plan that runs micro-batch m (0 otherwise)."""
+        if len(self.stages) != 1 or not self.stages[0].replicas:
+            return 0
+        return m // (self.microbatches // self.stages[0].replica_count())
+
     def in_blocks(self) -> "Plan":
         """The plan as its stages see the work: a one-stage plan that runs `together`
         micro-batches as one block takes the time and memory of the plan with M / together
         micro-batches of that many times the samples (the statistics are per micro-batch, the
-        cost is not)."""
-        size = self.stages[0].block() if len(self.stages) == 1 else 1
-        if size == 1:
+        cost is not). A replicated stage is seen as its first replica running its share of
+        the micro-batches (the others run theirs at the same time)."""
+        if len(self.stages) != 1:
             return self
-        return replace(self, microbatches=self.microbatches // size, stages=[replace(self.stages[0], together=None)])
+        s = self.stages[0]
+        size, copies = s.block(), s.replica_count()
+        if size == 1 and copies == 1:
+            return self
+        if copies > 1 and s.mode == "tiles":
+            tiles = s.replica_tiles(0)
+            s = replace(s, devices=list(dict.fromkeys(tiles)), tile_devices=tiles, replicas=None)
+        elif copies > 1:
+            s = replace(s, devices=s.devices[:1], replicas=None)
+        return replace(self, batch_size=self.batch_size // copies, microbatches=self.microbatches // copies // size,
+                       devices={d: f for d, f in self.devices.items() if d in s.devices} if copies > 1 else self.devices,
+                       stages=[replace(s, together=None)])
 
     def warmups(self) -> list[int]:
         p = len(self.stages)
@@ -158,6 +201,13 @@ class Plan:
                     raise PlanError(f"{where} uses unknown device(s) {', '.join(unknown)}; known: {', '.join(self.devices)}")
             if s.together not in (None, 1) and s.mode != "tiles":
                 raise PlanError(f"{where}: only a tiles stage runs micro-batches together")
+            if s.replicas not in (None, 1):
+                if s.mode == "dp":
+                    raise PlanError(f"{where}: a dp stage has no replicas (its devices share each micro-batch)")
+                if len(self.stages) > 1:
+                    raise PlanError(f"{where}: replicas={s.replicas} only in a plan with this one stage")
+                if s.replicas < 1 or self.microbatches % s.replicas:
+                    raise PlanError(f"{where}: replicas={s.replicas} must divide the {self.microbatches} micro-batches")
             getattr(self, f"_check_{s.mode}")(i, s, where, desc)
         if expect != n_layers:
             raise PlanError(f"the stages end at layer {expect - 1}, but the model has {n_layers} layers (0-{n_layers - 1})")
@@ -172,7 +222,11 @@ class Plan:
                 raise PlanError(f"backup of stage {idx} on unknown device {dev}")
 
     def _check_single(self, i: int, s: Stage, where: str, desc) -> None:
-        if len(s.devices) != 1:
+        if s.replica_count() > 1:
+            if len(s.devices) != s.replica_count():
+                raise PlanError(f"{where}: {s.replicas} replicas of a single stage take {s.replicas} devices, got "
+                                f"{len(s.devices)}")
+        elif len(s.devices) != 1:
             raise PlanError(f"{where}: mode single takes one device, got {len(s.devices)}")
 
     def _check_dp(self, i: int, s: Stage, where: str, desc) -> None:
@@ -194,18 +248,29 @@ class Plan:
             raise PlanError(f"{where}: a tiles stage needs a grid [rows, cols] of at least 1x1")
         rows, cols = s.grid
         tiles = s.tile_devices or []
-        if len(tiles) != rows * cols:
-            raise PlanError(f"{where}: grid {rows}x{cols} has {rows * cols} tiles but tile_devices lists {len(tiles)}")
+        copies = s.replica_count()
+        if len(tiles) != rows * cols * copies:
+            what = f"{copies} replicas of grid {rows}x{cols} have" if copies > 1 else f"grid {rows}x{cols} has"
+            raise PlanError(f"{where}: {what} {rows * cols * copies} tiles but tile_devices lists {len(tiles)}")
         if set(tiles) != set(s.devices):
             raise PlanError(f"{where}: tile_devices must use exactly the stage's devices")
+        if copies > 1:
+            owners: dict[str, int] = {}
+            for r in range(copies):
+                for d in s.replica_tiles(r):
+                    if owners.setdefault(d, r) != r:
+                        raise PlanError(f"{where}: device {d} has tiles in replicas {owners[d]} and {r}; each device "
+                                        "belongs to one replica")
         fwd, bwd = s.forward_syncs(), s.backward_syncs()
         if not fwd or fwd[0] != s.first or fwd[-1] >= s.last:
             raise PlanError(f"{where}: forward syncs {fwd} must start at layer {s.first} and lie in {s.first}-{s.last - 1}")
         if not bwd or bwd[-1] != s.last or bwd[0] <= s.first:
             raise PlanError(f"{where}: backward syncs {bwd} must end at boundary {s.last} and lie in {s.first + 1}-{s.last}")
         if s.together is not None:
-            if not 1 <= s.together <= self.microbatches or self.microbatches % s.together:
-                raise PlanError(f"{where}: together={s.together} must divide the {self.microbatches} micro-batches")
+            share = self.microbatches // copies
+            if not 1 <= s.together <= share or share % s.together:
+                whose = f"each replica's {share}" if copies > 1 else f"the {share}"
+                raise PlanError(f"{where}: together={s.together} must divide {whose} micro-batches")
             if s.together > 1 and len(self.stages) > 1:
                 raise PlanError(f"{where}: micro-batches run together (together={s.together}) only in a plan "
                                 "with this one stage")

@@ -21,7 +21,10 @@ def stage_devices(stage) -> str:
         for d in stage.tile_devices:
             per[d] = per.get(d, 0) + 1
         tiles = ", ".join(f"{d}" + (f" x{n}" if n > 1 else "") for d, n in per.items())
-        return f"{rows}x{cols} grid: {tiles}"
+        copies = f"{stage.replica_count()} replicas of a " if stage.replica_count() > 1 else ""
+        return f"{copies}{rows}x{cols} grid: {tiles}"
+    if stage.replica_count() > 1:
+        return f"{stage.replica_count()} replicas: {', '.join(stage.devices)}"
     return stage.devices[0]
 
 

@@ -131,6 +131,9 @@ class TileWorker:
         self.regions = layout.tiles[tile]
         self.parts = {g.index: LayerParts.of(g, m) for g, m in zip(layout.layers, modules)}
         self.keeps_running_stats = keeps_running_stats
+        # if set, called as sink(micro-batch, layer, mean, var, count) instead of updating the
+        # running statistics (a driver that must apply them in another order)
+        self.running_stats_sink = None
         self.grad_lock = grad_lock
         self.saved: dict[int, MicroBatchState] = {}
         # called as on_layer_done(mb, layer) once this tile's weight gradients of a layer are in
@@ -202,7 +205,10 @@ class TileWorker:
             if self.keeps_running_stats:
                 with torch.no_grad():
                     for row, size in enumerate(spread.splits):  # in micro-batch order, as run one by one
-                        ops.update_running_stats(p.bn, mean[row], var[row], size * pixels)
+                        if self.running_stats_sink is not None:
+                            self.running_stats_sink(mb + row, l, mean[row], var[row], size * pixels)
+                        else:
+                            ops.update_running_stats(p.bn, mean[row], var[row], size * pixels)
             saved.mean, saved.invstd = mean, invstd
             alpha, beta = ops.bn_scale_shift(p.bn, mean, invstd)
             # in place unless backward keeps z itself (not a copy of a part of it)

@@ -51,6 +51,11 @@ def add_parser(sub) -> None:
                    "micro-batches through the tiles at once (one exchange per layer for all of them; each keeps its "
                    "own BatchNorm statistics, so the model is the same). Default: as many as fit in the devices' "
                    "memory")
+    p.add_argument("--replicas", type=positive_int, metavar="R", help="tiles: split the devices into R groups, "
+                   "each with its own grid running 1/R of the micro-batches at the same time (halos and BatchNorm "
+                   "sums stay inside a group; the model is the same; default 1). dp: R devices each run whole "
+                   "micro-batches (1 shares every micro-batch among the devices; default: whichever keeps more "
+                   "devices busy)")
     p.add_argument("--in-process", action="store_true", help="run the strategy's work in this process (tiles one "
                    "after another; other strategies as if on 4 devices, or --devices N) instead of on other devices")
     p.add_argument("--batch-size", type=positive_int, help="samples per optimizer step (default: 16)")
@@ -125,7 +130,8 @@ def runner_for(args: argparse.Namespace, log):
         return [flag for flag in flags if getattr(args, flag.lstrip("-").replace("-", "_"))]
 
     if args.strategy == "local":
-        extra = given("--grid", "--sync", "--together", "--in-process", "--plan", "--devices", "--stages")
+        extra = given("--grid", "--sync", "--together", "--replicas", "--in-process", "--plan", "--devices",
+                      "--stages")
         if extra:
             verb = "does" if len(extra) == 1 else "do"
             raise SwarmError(f"{' and '.join(extra)} {verb} not apply to --strategy local (it trains on this "
@@ -135,6 +141,8 @@ def runner_for(args: argparse.Namespace, log):
         raise SwarmError(f"{' and '.join(given('--grid', '--sync'))} apply to --strategy tiles and hybrid only")
     if args.together and args.strategy not in ("tiles", "auto"):
         raise SwarmError("--together applies to --strategy tiles only")
+    if args.replicas and args.strategy not in ("tiles", "dp"):
+        raise SwarmError("--replicas applies to --strategy tiles and dp only")
     if args.stages and args.strategy != "pp":
         raise SwarmError("--stages applies to --strategy pp only")
     grid = None
@@ -147,8 +155,9 @@ def runner_for(args: argparse.Namespace, log):
         except TilingError as exc:
             raise SwarmError(str(exc)) from None
     if args.in_process:
-        if args.together:
-            raise SwarmError("--together applies to tiles across devices, not --in-process")
+        if args.together or args.replicas:
+            raise SwarmError(f"{'--together' if args.together else '--replicas'} applies to tiles across devices, "
+                             "not --in-process")
         if args.plan or args.strategy == "auto":
             raise SwarmError("--in-process needs a --strategy (tiles, dp, pp or hybrid)")
         if args.strategy == "tiles":
@@ -164,6 +173,7 @@ def runner_for(args: argparse.Namespace, log):
 
     options = SwarmOptions(strategy="plan" if args.plan else args.strategy, plan_path=args.plan, grid=grid,
                            sync=args.sync, stages=args.stages, devices=args.devices, together=args.together,
+                           replicas=args.replicas,
                            wait_s=args.wait if args.wait is not None else (60.0 if args.devices else 2.0),
                            schedule=args.schedule, backup_interval=args.backup_every,
                            checkpoint_every=args.save_every if args.save_every else 25,

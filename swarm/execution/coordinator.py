@@ -27,7 +27,7 @@ from swarm.data import class_targets, make_batch, microbatch_bounds, step_indice
 from swarm.errors import SwarmError
 from swarm.execution.blocks import cut
 from swarm.execution.replan import Move, backup_holders, layer_sources, replan
-from swarm.execution.routing import Block, Layout, stage_parts
+from swarm.execution.routing import Block, Layout, runs, stage_parts
 from swarm.execution.tiling import TileGeometry
 from swarm.execution.worker import COORDINATOR, JobSpec
 from swarm.trainer import LocalTrainer, set_lr
@@ -187,9 +187,13 @@ class TrainingCoordinator:
             mb = hi - lo
             whole = Block((0, mb))
             for holding in self.layout.inputs(0, mb):
+                if not runs(self.plan, holding.part, m):
+                    continue
                 block = cut(images[lo:hi], whole, holding.block).contiguous()
                 await self.ep.send(holding.part.device, ("feed", step, holding.part.index, m), {"arrays": [block]})
             for holding in self.layout.outputs(last, mb):
+                if not runs(self.plan, holding.part, m):
+                    continue
                 s0, s1 = holding.block.samples
                 await self.ep.send(holding.part.device, ("tgt", step, holding.part.index, m),
                                    {"arrays": [targets[lo + s0:lo + s1].contiguous()]})

@@ -54,8 +54,9 @@ def bottleneck(plan: Plan, desc: ModelDesc, speed: dict[str, float] | None = Non
             tiles = len(s.tile_devices)
             for d in s.tile_devices:
                 load[d] = load.get(d, 0.0) + work / tiles
-        else:
-            load[s.devices[0]] = load.get(s.devices[0], 0.0) + work
+        else:  # one device, or replicas that each take a share of the micro-batches
+            for d in s.devices:
+                load[d] = load.get(d, 0.0) + work / len(s.devices)
     return max(v / (speed or {}).get(d, 1.0) for d, v in load.items())
 
 
@@ -121,6 +122,12 @@ def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, fl
             stages.append(None)
         elif len(survivors) == len(s.devices):
             stages.append(replace(s, warmup=None))
+        elif s.replica_count() > 1 and s.mode == "tiles":
+            raise PlanError("a replicated tiles stage lost a device")
+        elif s.replica_count() > 1:  # fewer replicas, each taking more micro-batches
+            copies = max(r for r in range(1, len(survivors) + 1) if plan.microbatches % r == 0)
+            stages.append(replace(s, devices=survivors[:copies], replicas=copies if copies > 1 else None,
+                                  warmup=None))
         elif s.mode == "dp":
             stages.append(replace(s, devices=survivors, allocation=_allocate(survivors, mb, speed), warmup=None))
         elif s.mode == "tiles":

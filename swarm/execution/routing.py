@@ -33,7 +33,7 @@ class Part:
     """One worker's share of a stage: a dp replica, a tile, or the single device."""
 
     stage: int
-    index: int  # replica index (dp), tile index (tiles), 0 (single)
+    index: int  # replica index (dp), tile index (tiles: r * tiles per replica + tile of replica r), 0 (single)
     device: str
 
 
@@ -70,9 +70,10 @@ def intersect(a: Block, b: Block) -> Block | None:
 
 
 def replica_spans(stage: Stage, mb_size: int) -> list[Span]:
-    """Samples of each dp replica (in `stage.devices` order) for a micro-batch of `mb_size`."""
+    """Samples of each dp replica (in `stage.devices` order) for a micro-batch of `mb_size`
+    (a replica of a replicated stage takes whole micro-batches)."""
     if stage.mode != "dp":
-        return [(0, mb_size)]
+        return [(0, mb_size)] * stage.replica_count()
     spans, start = [], 0
     for device in stage.devices:
         n = stage.allocation[device]
@@ -92,6 +93,11 @@ def stage_parts(plan: Plan, p: int) -> list[Part]:
 
 def parts_on(plan: Plan, device: str) -> list[Part]:
     return [part for p in range(len(plan.stages)) for part in stage_parts(plan, p) if part.device == device]
+
+
+def runs(plan: Plan, part: Part, m: int) -> bool:
+    """Whether `part` works on micro-batch m (in a replicated tiles stage, only its replica's)."""
+    return plan.stages[part.stage].replica_of_part(part.index) == plan.replica_of(m)
 
 
 class Layout:
@@ -116,7 +122,7 @@ class Layout:
         parts = stage_parts(self.plan, p)
         if stage.mode == "tiles":
             needed = self._tiles(p)[0]
-            return [Holding(part, Block((0, mb_size), *needed[part.index])) for part in parts]
+            return [Holding(part, Block((0, mb_size), *needed[part.index % len(needed)])) for part in parts]
         return [Holding(part, Block(span)) for part, span in zip(parts, replica_spans(stage, mb_size))]
 
     def input_grads(self, p: int, mb_size: int) -> list[Holding]:
@@ -125,7 +131,7 @@ class Layout:
         stage = self.plan.stages[p]
         if stage.mode == "tiles":
             returned = self._tiles(p)[2]
-            return [Holding(part, Block((0, mb_size), *returned[part.index])) for part in stage_parts(self.plan, p)]
+            return [Holding(part, Block((0, mb_size), *returned[part.index % len(returned)])) for part in stage_parts(self.plan, p)]
         return self.inputs(p, mb_size)
 
     def outputs(self, p: int, mb_size: int) -> list[Holding]:
@@ -134,7 +140,7 @@ class Layout:
         parts = stage_parts(self.plan, p)
         if stage.mode == "tiles":
             owned = self._tiles(p)[1]
-            return [Holding(part, Block((0, mb_size), *owned[part.index])) for part in parts]
+            return [Holding(part, Block((0, mb_size), *owned[part.index % len(owned)])) for part in parts]
         return [Holding(part, Block(span)) for part, span in zip(parts, replica_spans(stage, mb_size))]
 
     def forward_transfers(self, p: int, mb_size: int) -> list[Transfer]:

@@ -38,6 +38,7 @@ class StageCopy:
     optimizer: torch.optim.Optimizer
     group_bns: list[tuple[str, GroupBatchNorm]] = field(default_factory=list)
     inflight: dict[tuple[int, int], InFlight] = field(default_factory=dict)  # (part, micro-batch)
+    start_stats: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # replicas: the step's starting BN statistics
     tile_dy: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (tile, mb): dL/d(tile output)
 
     @classmethod
@@ -91,6 +92,51 @@ class StageCopy:
                 name, slot = key.split("|", 1)
                 if name in params:
                     self.optimizer.state[params[name]][slot] = value.clone()
+
+    # ---- BatchNorm running statistics of a replicated stage ----------------------------------
+    def _batchnorms(self) -> list[torch.nn.modules.batchnorm._BatchNorm]:
+        return [m for m in self.net.modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+    def running_from_zero(self) -> None:
+        """Before a step of a replica: keep the running statistics and start them from zero,
+        so that the replica's micro-batches leave what they add alone."""
+        self.start_stats = []
+        for bn in self._batchnorms():
+            if bn.momentum is None:
+                raise ValueError("replicas need BatchNorm layers with a momentum (not a cumulative average)")
+            self.start_stats.append((bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()))
+            with torch.no_grad():
+                bn.running_mean.zero_()
+                bn.running_var.zero_()
+
+    def running_moved(self) -> torch.Tensor:
+        """What this replica's micro-batches added to the running statistics, in one vector."""
+        bns = self._batchnorms()
+        if not bns:
+            return torch.zeros(0)
+        return torch.cat([t.detach().reshape(-1) for bn in bns for t in (bn.running_mean, bn.running_var)])
+
+    def merge_running(self, moved: list[torch.Tensor], microbatches: int) -> None:
+        """Running statistics after all `microbatches` micro-batches, from the step's start and
+        each replica's additions (in replica order, each over as many micro-batches): with
+        a = 1 - momentum, after replica r's k micro-batches the earlier additions have decayed
+        by a^k, so the result is a^M start + sum_r a^((R - 1 - r) k) moved_r."""
+        replicas = len(moved)
+        k = microbatches // max(1, replicas)
+        offset = 0
+        with torch.no_grad():
+            for bn, (mean0, var0, count0) in zip(self._batchnorms(), self.start_stats):
+                a = 1.0 - bn.momentum
+                n = bn.running_mean.numel()
+                for target, start, at in ((bn.running_mean, mean0, offset), (bn.running_var, var0, offset + n)):
+                    total = start.double() * a ** microbatches
+                    for r, part in enumerate(moved):
+                        total += part[at:at + n].double().view_as(start) * a ** ((replicas - 1 - r) * k)
+                    target.copy_(total)
+                bn.num_batches_tracked.copy_(count0 + microbatches)
+                offset += 2 * n
+        self.start_stats = []
 
     # ---- compute (worker thread) ---------------------------------------------------------
     def forward(self, part: int, m: int, inputs: dict[int, torch.Tensor], keys: list[int],

@@ -86,8 +86,8 @@ def even_allocation(group: list[str], samples: int) -> dict[str, int]:
 
 def blocks_that_fit(desc: ModelDesc, stage: Stage, batch: int, microbatches: int, facts: dict) -> int:
     """The most micro-batches a one-stage tiles plan can run as one block (a divisor of
-    `microbatches`) with every device's estimated peak within its memory; 1 when a
-    device's memory is unknown."""
+    each replica's share of `microbatches`) with every device's estimated peak within its
+    memory; 1 when a device's memory is unknown."""
     from planner.memory import MemoryModel
     from planner.tiles_work import tiles_cost
 
@@ -96,12 +96,14 @@ def blocks_that_fit(desc: ModelDesc, stage: Stage, batch: int, microbatches: int
         return 1
     cost = tiles_cost(desc, stage)
     weights = MemoryModel.estimated(desc).weights(stage.first, stage.last)
-    per_sample = {d: sum(cost.tiles[k].peak_bytes for k, o in enumerate(stage.tile_devices) if o == d)
+    n = stage.tiles_per_replica()
+    per_sample = {d: sum(cost.tiles[k % n].peak_bytes for k, o in enumerate(stage.tile_devices) if o == d)
                   for d in stage.devices}
     mb = -(-batch // microbatches)
+    share = microbatches // stage.replica_count()
     best = 1
-    for size in range(1, microbatches + 1):
-        if microbatches % size:
+    for size in range(1, share + 1):
+        if share % size:
             continue
         need = {d: RUNTIME_BYTES + weights + ACTIVATION_SLACK * size * mb * per_sample[d] for d in stage.devices}
         if all(need[d] <= m for d, m in zip(stage.devices, memory)):
@@ -111,9 +113,13 @@ def blocks_that_fit(desc: ModelDesc, stage: Stage, batch: int, microbatches: int
 
 def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, microbatches: int, *,
                 grid: tuple[int, int] | None = None, sync: str | None = None, stages: int | None = None,
-                facts: dict | None = None, together: int | None = None) -> Plan:
+                facts: dict | None = None, together: int | None = None, replicas: int | None = None) -> Plan:
     """A plan of `strategy` over `devices` (names, in order). A tiles plan of one stage runs
-    `together` micro-batches as one block (default: as many as fit in the devices' memory)."""
+    `together` micro-batches as one block (default: as many as fit in the devices' memory);
+    with `replicas` R it splits the devices into R equal groups, each with its own grid
+    (`grid`, or the most square one) running its share of the micro-batches. A dp plan
+    shares each micro-batch among the devices, or, when the micro-batches are too small to
+    keep them busy (or `replicas` says so), gives each of R devices whole micro-batches."""
     if not devices:
         raise PlanError("no devices to plan for")
     n = len(desc.layers)
@@ -123,6 +129,17 @@ def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, 
     if strategy == "dp":
         if batch % microbatches:
             raise PlanError(f"dp needs the batch ({batch}) to split evenly into {microbatches} micro-batches")
+        if replicas is not None:
+            if replicas > len(devices):
+                raise PlanError(f"--replicas {replicas} needs at least {replicas} devices, found {len(devices)}")
+            copies = replicas
+        else:  # whole micro-batches per device when that keeps more devices busy than sharing each one
+            copies = max(r for r in range(1, min(len(devices), microbatches) + 1) if microbatches % r == 0)
+            if copies <= min(len(devices), batch // microbatches):
+                copies = 1
+        if copies > 1:
+            return _plan(desc, batch, microbatches, [Stage(0, n, "single", devices[:copies], replicas=copies)],
+                         known, "dp")
         group = devices[:batch // microbatches]  # no device without a sample
         return _plan(desc, batch, microbatches,
                      [Stage(0, n, "dp", group, allocation=even_allocation(group, batch // microbatches))], known, "dp")
@@ -137,17 +154,23 @@ def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, 
         end = tileable_prefix(desc)
         if end == 0:
             raise PlanError(f"{desc.name} starts with a layer that cannot be tiled")
-        rows, cols = grid or square_grid(len(devices))
-        count = rows * cols
-        tile_devices = [devices[k % len(devices)] for k in range(count)]
+        copies = replicas or 1
+        if copies > len(devices):
+            raise PlanError(f"--replicas {copies} needs at least {copies} devices, found {len(devices)}")
+        if microbatches % copies:
+            raise PlanError(f"--replicas {copies} must divide the {microbatches} micro-batches")
+        size = len(devices) // copies
+        rows, cols = grid or square_grid(size)
+        tile_devices = [devices[r * size + k % size] for r in range(copies) for k in range(rows * cols)]
         group = list(dict.fromkeys(tile_devices))
         plan_stages = [Stage(0, end, "tiles", group, grid=(rows, cols), tile_devices=tile_devices,
-                             syncs=parse_syncs(sync, 0, end))]
+                             syncs=parse_syncs(sync, 0, end), replicas=copies if copies > 1 else None)]
         if end < n:
             plan_stages.append(Stage(end, n, "single", [devices[0]]))
-            if together not in (None, 1):
-                raise PlanError(f"--together needs the whole of {desc.name} in the tiles stage; it has untileable "
-                                f"layers from layer {end}")
+            for flag, value in (("--together", together), ("--replicas", replicas)):
+                if value not in (None, 1):
+                    raise PlanError(f"{flag} needs the whole of {desc.name} in the tiles stage; it has untileable "
+                                    f"layers from layer {end}")
         else:
             plan_stages[0].together = together or blocks_that_fit(desc, plan_stages[0], batch, microbatches, known)
         return _plan(desc, batch, microbatches, plan_stages, known, "tiles")

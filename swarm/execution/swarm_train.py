@@ -32,6 +32,7 @@ class SwarmOptions:
     sync: str | None = None
     stages: int | None = None
     together: int | None = None  # tiles: micro-batches run as one block (default: as many as fit)
+    replicas: int | None = None  # tiles, dp: copies of the stage running different micro-batches at once
     devices: int | None = None  # use this many devices (default: whoever answers in `wait_s`)
     schedule: str = "1f1b"  # or "gpipe": all forwards of a step, then all backwards
     wait_s: float = 2.0
@@ -186,7 +187,8 @@ class SwarmRunner:
             plan = self._auto_plan(trainer, names, facts, measured)
         else:
             plan = simple_plan(o.strategy, desc, names, cfg.batch_size, cfg.microbatches, grid=o.grid, sync=o.sync,
-                               stages=o.stages, facts=facts, together=o.together)
+                               stages=o.stages, facts=facts, together=o.together,
+                               replicas=o.replicas)
         if o.schedule == "gpipe":  # every stage runs all forwards first (for comparison)
             for stage in plan.stages:
                 stage.warmup = plan.microbatches
@@ -450,6 +452,8 @@ def describe_plan(plan: Plan) -> str:
                 how += f", {s.block()} micro-batches at a time"
         elif s.mode == "dp":
             how += " " + ",".join(f"{d}:{n}" for d, n in s.allocation.items())
+        if s.replica_count() > 1:
+            how += f", {s.replica_count()} replicas of {plan.microbatches // s.replica_count()} micro-batch(es) each"
         lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {', '.join(s.devices)}")
     return "\n".join(lines)
 

@@ -18,6 +18,7 @@ Messages a worker receives (keys; see also coordinator.py):
     ("act", step, stage, part, m, t, src)    activation block of tensor t from part src of stage-1
     ("grad", step, stage, part, m, t, src)   gradient block of tensor t from part src of stage+1
     ("decide", step)                         {"commit", "last", "checkpoint", "backup": bool}
+    ("bnstats", step, stage, replica)        BatchNorm batch statistics of another replica's micro-batches
     ("stop",)
 and sends ("ready", step, device) {"loss", "busy_s", "times"} when its share of a step is
 done and its gradients are reduced, ("backup_ready", step, device) when its snapshot and the
@@ -41,7 +42,7 @@ from swarm.execution.blocks import assemble, cut, map_shape
 from swarm.execution.collectives import allgather
 from swarm.execution.reduce import GradReducer
 from swarm.execution.endpoint import Endpoint
-from swarm.execution.routing import Layout, Part, parts_on, stage_parts
+from swarm.execution.routing import Layout, Part, parts_on, runs, stage_parts
 from swarm.execution.store import DeviceStore, cut_states, join_states
 from swarm.execution.stage import StageCopy
 from swarm.execution.tiling import DeviceTiles, TileGeometry
@@ -108,6 +109,9 @@ class DeviceWorker:
         self.busy_s = 0.0
         self.compute_cpu_s = 0.0  # CPU time of the compute itself (busy_s is wall time, quota stalls included)
         self.token = None  # trio token, for exchanges from compute threads
+        # a replicated tiles stage: {(micro-batch, layer): (mean, var, count)} of our replica's
+        # micro-batches this step, replayed with the other replicas' in micro-batch order
+        self.bn_stats: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     # ---- helpers ---------------------------------------------------------------------
     async def get(self, key):
@@ -231,11 +235,19 @@ class DeviceWorker:
         mine = [part.index for part in self.parts if part.stage == copy.p]
         lock = threading.Lock()
         # each device's copy of the weights: its first tile advances the BN running statistics
-        return {k: TileWorker(lay, k, modules, keeps_running_stats=k == mine[0], grad_lock=lock) for k in mine}
+        workers = {k: TileWorker(lay, k % lay.n_tiles, modules, keeps_running_stats=k == mine[0], grad_lock=lock)
+                   for k in mine}
+        if stage.replica_count() > 1:  # only this replica's micro-batches: kept, to be replayed with all the others
+            workers[mine[0]].running_stats_sink = lambda m, layer, mean, var, count: \
+                self.bn_stats.__setitem__((m, layer), (mean.clone(), var.clone(), count))
+        return workers
 
     async def run_step(self, step: int) -> bool:
         self.busy_s = self.compute_cpu_s = 0.0
         cpu0 = time.process_time()
+        for copy in self.copies.values():
+            if copy.stage.mode == "single" and copy.stage.replica_count() > 1:
+                copy.running_from_zero()
         self.ep.mailbox.waited.clear()
         losses: list[float] = []
         t0 = trio.current_time()
@@ -246,6 +258,10 @@ class DeviceWorker:
                 for p in sorted(self.copies):
                     stages.start_soon(self.run_stage, step, p, losses)
             t1 = trio.current_time()
+            for p, copy in self.copies.items():
+                if copy.stage.replica_count() > 1:
+                    replay = self.replay_running_stats if copy.stage.mode == "tiles" else self.merge_running_stats
+                    nursery.start_soon(replay, step, p)
             for reducer in self.reducers.values():  # what is left to sum after the last backward
                 await reducer.finish()
         times = {"schedule_s": t1 - t0, "reduce_s": trio.current_time() - t1,
@@ -287,9 +303,10 @@ class DeviceWorker:
         reducer = self.reducers.get(p)
         if tiled:  # in blocks of `together` micro-batches (one block = one schedule unit)
             size = copy.stage.block()
-            ops = stage_schedule(plan.microbatches // size, plan.warmups()[p])
+            mine = [m for m in range(plan.microbatches) if runs(plan, my_parts[0], m)]  # our replica's
+            ops = stage_schedule(len(mine) // size, plan.warmups()[p])
             for i, (kind, j) in enumerate(ops):
-                block = [(m, *bounds[m]) for m in range(j * size, (j + 1) * size)]
+                block = [(m, *bounds[m]) for m in mine[j * size:(j + 1) * size]]
                 if kind == "F":
                     await self.tiles_forward(step, copy, my_parts, block, losses)
                 else:
@@ -299,8 +316,10 @@ class DeviceWorker:
                             if final else None
                     await self.tiles_backward(step, copy, my_parts, block)
             return
-        ops = stage_schedule(plan.microbatches, plan.warmups()[p])
-        for i, (kind, m) in enumerate(ops):
+        mine = [m for m in range(plan.microbatches) if runs(plan, my_parts[0], m)]  # our replica's
+        ops = stage_schedule(len(mine), plan.warmups()[p])
+        for i, (kind, j) in enumerate(ops):
+            m = mine[j]
             lo, hi = bounds[m]
             final = reducer is not None and i == len(ops) - 1  # the step's last backward
             handles = reducer.hooks() if final else []
@@ -408,7 +427,7 @@ class DeviceWorker:
             x = xs[0] if len(xs) == 1 else torch.cat(xs)
             gens[part.index] = self.tile_workers[p][part.index].forward(block[0][0], x,
                                                                         sizes if len(sizes) > 1 else None)
-        outs = await DeviceTiles(self, step, p, copy.stage.tile_devices).run(gens)
+        outs = await self._run_tiles(step, copy, gens)
         for part in parts:
             pieces = torch.split(outs[part.index], sizes)
             for (m, lo, hi), out in zip(block, pieces):
@@ -430,7 +449,7 @@ class DeviceWorker:
                 pieces = [(await self.gather_output_grads(step, part, m, hi - lo))[last_map] for m, lo, hi in block]
             dys[part.index] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         gens = {k: self.tile_workers[p][k].backward(block[0][0], dy) for k, dy in dys.items()}
-        dxs = await DeviceTiles(self, step, p, copy.stage.tile_devices).run(gens)
+        dxs = await self._run_tiles(step, copy, gens)
         if p > 0:
             key_in = copy.stage.first - 1
             sizes = [hi - lo for _, lo, hi in block]
@@ -438,10 +457,66 @@ class DeviceWorker:
                 for (m, lo, hi), dx in zip(block, torch.split(dxs[part.index], sizes)):
                     await self.send_input_grads(step, part, m, hi - lo, {key_in: dx})
 
+    async def _run_tiles(self, step: int, copy: StageCopy, gens: dict[int, object]) -> dict[int, object]:
+        """Run our tiles' generators (keyed by part index) with the other tiles of their replica."""
+        n = copy.stage.tiles_per_replica()
+        r = min(gens) // n
+        local = await DeviceTiles(self, step, copy.p, copy.stage.replica_tiles(r)).run(
+            {k - r * n: gen for k, gen in gens.items()})
+        return {k + r * n: v for k, v in local.items()}
+
+    async def replay_running_stats(self, step: int, p: int) -> None:
+        """A replicated tiles stage: send our replica's BatchNorm batch statistics to the other
+        replicas' devices (from the replica's first device), take theirs, and update the running
+        statistics with all of them in micro-batch order, as one device running every
+        micro-batch would."""
+        from tiles.ops import update_running_stats
+
+        stage = self.copies[p].stage
+        mine = [part.index for part in self.parts if part.stage == p]
+        own = stage.replica_of_part(mine[0])
+        ours, self.bn_stats = self.bn_stats, {}
+        replicas = range(stage.replica_count())
+        if stage.replica_tiles(own)[0] == self.device and ours:
+            keys = sorted(ours)
+            records = [[m, layer, ours[(m, layer)][2], ours[(m, layer)][0].numel()] for m, layer in keys]
+            flat = torch.cat([torch.cat([ours[k][0], ours[k][1]]) for k in keys])
+            for d in stage.devices:
+                if d not in stage.replica_tiles(own):
+                    await self.ep.send(d, ("bnstats", step, p, own), {"records": records, "arrays": [flat]})
+        stats = dict(ours)
+        for r in replicas:
+            if r == own or not ours:
+                continue
+            msg = await self.get(("bnstats", step, p, r))
+            flat, at = msg["arrays"][0], 0
+            for m, layer, count, channels in msg["records"]:
+                stats[(m, layer)] = (flat[at:at + channels], flat[at + channels:at + 2 * channels], count)
+                at += 2 * channels
+        modules = self.tile_workers[p][mine[0]].parts
+
+        def apply() -> None:
+            with torch.no_grad():
+                for m, layer in sorted(stats):
+                    mean, var, count = stats[(m, layer)]
+                    update_running_stats(modules[layer].bn, mean, var, count)
+        await trio.to_thread.run_sync(apply)
+
+    async def merge_running_stats(self, step: int, p: int) -> None:
+        """A replicated single stage: each replica's running statistics moved from zero over its
+        micro-batches; gather them all and combine them with the step's starting statistics
+        as the micro-batches in order would have moved them."""
+        copy = self.copies[p]
+        moved, parts = copy.running_moved(), []
+        if moved.numel():
+            gathered = await allgather(self.ep, self.group_of(p), ("running", step, p), [moved], self.job.timeout_s)
+            parts = [part[0] for part in gathered]
+        await trio.to_thread.run_sync(copy.merge_running, parts, self.plan.microbatches)
+
     def _window(self, p: int, tile: int) -> tuple[int, int, int, int]:
         """(row0, col0, H, W) of a tile's owned output in the stage's output map."""
         lay = self.tile_geometry.layout(p)
-        rect = lay.output_rect(tile)
+        rect = lay.output_rect(tile % lay.n_tiles)
         _, h, w = lay.map_shape(lay.last)
         return rect.rows.lo, rect.cols.lo, h, w
 
