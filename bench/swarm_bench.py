@@ -13,7 +13,9 @@ and reports samples/s as the median over the steps after the first (which includ
 agents loading torch), the speedup over the best of the runs on one device (a one-stage plan
 on an agent, and tiles over 1, with the same batch and micro-batches), and the largest peak resident memory of an agent
 during the run above its idle size (torch included: an idle agent has not loaded it).
-With --yolov2 it adds the full yolov2 with pp and dp over all devices; with --schedules,
+With --dp it adds yolov2-16 with dp over each N (devices take whole micro-batches when a
+micro-batch has fewer samples than devices); with --yolov2 the full yolov2 with pp and dp
+over all devices; with --schedules,
 yolov2-16 in a pipeline over all devices on the 1F1B and on the GPipe schedule.
 """
 from __future__ import annotations
@@ -124,6 +126,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--dp", action="store_true", help="also yolov2-16 with dp over each N of --tiles")
     p.add_argument("--yolov2", action="store_true", help="also full yolov2 with pp and dp over all devices")
     p.add_argument("--tiles-microbatches", type=int, metavar="M", help="also each tiles run with M micro-batches "
                    "(fewer, larger exchanges; the tiles hold only their share of the larger micro-batch)")
@@ -160,6 +163,9 @@ def main() -> None:
                 if args.one_at_a_time:
                     run(f"yolov2-16 tiles over {n}, 1 at a time", ["--model", "yolov2-16", *common, "--strategy",
                                                                    "tiles", "--together", 1, "--devices", n], n)
+                if args.dp and n > 1:
+                    run(f"yolov2-16 dp over {n}", ["--model", "yolov2-16", *common, "--strategy", "dp",
+                                                   "--devices", n], n)
                 if args.tiles_microbatches:
                     m = args.tiles_microbatches
                     run(f"yolov2-16 tiles over {n}, M={m}", ["--model", "yolov2-16", *common, "--microbatches", m,

@@ -50,7 +50,15 @@ def plan_dp(inputs: PlanInputs) -> Plan:
     alloc = {d: y for d, y in alloc.items() if y > 0}
     mode = "dp" if len(alloc) > 1 else "single"
     stage = Stage(0, inputs.num_layers, mode, list(alloc), allocation=alloc if mode == "dp" else None)
-    return inputs.finish(inputs.plan([stage], "dp"))
+    shared = inputs.finish(inputs.plan([stage], "dp"))
+    copies = max(r for r in range(1, min(len(group), inputs.microbatches) + 1) if inputs.microbatches % r == 0)
+    if copies <= len(alloc):
+        return shared
+    # whole micro-batches per device keep more devices busy: the fastest that many, the
+    # slowest first (the simulator times the first replica)
+    chosen = list(reversed(group[:copies]))
+    replicated = inputs.finish(inputs.plan([Stage(0, inputs.num_layers, "single", chosen, replicas=copies)], "dp"))
+    return min((replicated, shared), key=lambda p: (not p.predicted["fits"], p.predicted["step_time_s"]))
 
 
 def balanced_split(layer_times: np.ndarray, parts: int) -> list[int]:

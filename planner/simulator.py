@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
 from planner.schedule import stage_schedule
-from planner.stage_work import IMAGE_BYTES_PER_VALUE, StageWork, stage_works
+from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, gradient_buckets, ring_allreduce_time,
+                                stage_works)
 from planner.units import format_bytes
 
 EPS = 1e-12
@@ -104,9 +105,26 @@ class Timeline:
 def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, validate: bool = True) -> Timeline:
     if validate:
         plan.validate(desc)
-    plan = plan.in_blocks()
+    whole, plan = plan, plan.in_blocks()
     works = stage_works(plan, desc, mem, cluster)
-    return _Run(plan, desc, mem, cluster, works).run()
+    stage = whole.stages[0]
+    if len(whole.stages) > 1 or stage.replica_count() == 1:
+        return _Run(plan, desc, mem, cluster, works).run()
+    # replicas: the first replica's step (planners list their slowest first), with the
+    # gradient ring over every replica's devices; each device as its counterpart there
+    works[0] = replace(works[0], allreduce=ring_allreduce_time(
+        float(mem.param_bytes[stage.first:stage.last].sum()), list(stage.devices), cluster,
+        gradient_buckets(mem, stage.first, stage.last)))
+    timeline = _Run(plan, desc, mem, cluster, works).run()
+    first = plan.stages[0].tile_devices if stage.mode == "tiles" else plan.stages[0].devices
+    counterpart = {}
+    for k, d in enumerate(stage.tile_devices if stage.mode == "tiles" else stage.devices):
+        counterpart.setdefault(d, first[k % len(first)])
+    return replace(timeline, batch_size=whole.batch_size,
+                   peak_memory={d: timeline.peak_memory[c] for d, c in counterpart.items()},
+                   eq3_memory={d: timeline.eq3_memory.get(c, 0.0) for d, c in counterpart.items()},
+                   budgets={d: cluster.device(d).memory for d in counterpart},
+                   busy={d: timeline.busy.get(c, 0.0) for d, c in counterpart.items()})
 
 
 class _Run:

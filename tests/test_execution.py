@@ -205,6 +205,28 @@ def test_strategy_mistakes_are_plan_errors():
         simple_plan("tiles", desc, ["a", "b"], 8, 2, sync="x")
     with pytest.raises(PlanError, match="does not fit"):
         simple_plan("tiles", desc, ["a", "b"], 8, 2, grid=(8, 8))
+    with pytest.raises(PlanError, match="--replicas 3 needs at least 3 devices"):
+        simple_plan("tiles", desc, ["a", "b"], 8, 2, replicas=3)
+    with pytest.raises(PlanError, match="--replicas 4 must divide the 2 micro-batches"):
+        simple_plan("tiles", desc, ["a", "b", "c", "d"], 8, 2, replicas=4)
+
+
+def test_dp_gives_whole_micro_batches_to_devices_when_that_keeps_more_busy():
+    from swarm.execution.strategies import simple_plan
+    from swarm.zoo import describe_model
+
+    desc = describe_model("yolov2-16", 64, classes=5)
+    devices = [f"d{i}" for i in range(8)]
+    eight = simple_plan("dp", desc, devices, 8, 8).stages[0]  # one sample per micro-batch: one device each
+    assert (eight.mode, eight.devices, eight.replicas) == ("single", devices, 8)
+    six = simple_plan("dp", desc, devices[:6], 8, 8).stages[0]  # as many as divide the micro-batches
+    assert (six.mode, six.devices, six.replicas) == ("single", devices[:4], 4)
+    shared = simple_plan("dp", desc, devices[:4], 16, 4).stages[0]  # four samples each: shared by four
+    assert (shared.mode, shared.allocation) == ("dp", {d: 1 for d in devices[:4]})
+    forced = simple_plan("dp", desc, devices[:4], 16, 4, replicas=2).stages[0]
+    assert (forced.mode, forced.devices, forced.replicas) == ("single", devices[:2], 2)
+    grids = simple_plan("tiles", desc, devices, 8, 8, replicas=2).stages[0]
+    assert grids.grid == (2, 2) and grids.replica_tiles(1) == devices[4:] and grids.together == 1  # memory unknown
 
 
 @pytest.mark.parametrize("gpipe", [False, True])

@@ -37,11 +37,11 @@ def local_weights():
     return trainer.net.state_dict()
 
 
-def _run(strategy: str, events, backup_interval: int = 1, devices=None, together=None):
+def _run(strategy: str, events, backup_interval: int = 1, devices=None, together=None, replicas=None):
     cfg = _cfg()
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, 64, 3)
-    plan = simple_plan(strategy, trainer.desc, DEVICES, 8, 4, together=together)
+    plan = simple_plan(strategy, trainer.desc, DEVICES, 8, 4, together=together, replicas=replicas)
     plan.backups = backup_holders(plan)
     coordinator = train_plan_in_process(plan, trainer, data, STEPS, events=events, strategy=strategy,
                                         backup_interval=backup_interval, devices=devices, timeout_s=60)
@@ -61,7 +61,7 @@ def _worst(a: dict, b: dict) -> float:
 CASES = [
     ("pp", [(1, "kill", "d1", 0.0)], "a single-device pipeline stage"),
     ("pp", [(2, "kill", "d2", 0.05)], "the backup holder of stage 1"),
-    ("dp", [(1, "kill", "d1", 0.0)], "a dp replica"),  # two samples per micro-batch: d0 and d1
+    ("dp", [(1, "kill", "d1", 0.0)], "a dp replica"),  # a micro-batch of two samples on each of d0-d3
     ("tiles", [(2, "kill", "d2", 0.0)], "a tiles device"),
     ("hybrid", [(1, "kill", "d3", 0.0)], "the last device of a dp stage's group... and the single stage's holder"),
     ("pp", [(1, "kill", "d1", 0.0), (3, "kill", "d3", 0.0)], "two devices, one after the other"),
@@ -170,3 +170,15 @@ def test_states_cut_into_pieces_come_back_whole(limit):
     assert back.keys() == states.keys()
     for k, v in states.items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
+
+
+def test_a_dp_group_sharing_each_micro_batch_loses_a_device(local_weights):
+    trainer, coordinator = _run("dp", [(1, "kill", "d1", 0.0)], replicas=1)
+    assert set(coordinator.recoveries[0].lost) == {"d1"}
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_replicated_tiles_lose_a_device(local_weights):
+    trainer, coordinator = _run("tiles", [(2, "kill", "d2", 0.0)], replicas=2)
+    assert "d2" not in coordinator.plan.used_devices()
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9

@@ -72,6 +72,17 @@ def test_plan_round_trips_through_json():
     (dict(stages=[Stage(0, 17, "tiles", ["a", "b"], grid=(2, 2), tile_devices=["a", "b"])]), "has 4 tiles"),
     (dict(stages=[Stage(0, 17, "weird", ["a"])]), "mode 'weird'"),
     (dict(stages=[Stage(0, 8, "single", ["a"], warmup=1), Stage(8, 17, "single", ["b"], warmup=2)]), "must not grow"),
+    (dict(stages=[Stage(0, 17, "single", ["a", "b"], replicas=3)]), "must divide the 2 micro-batches"),
+    (dict(stages=[Stage(0, 17, "single", ["a"], replicas=2)]), "2 replicas of a single stage take 2 devices"),
+    (dict(stages=[Stage(0, 8, "single", ["a", "b"], replicas=2), Stage(8, 17, "single", ["b"])]),
+     "only in a plan with this one stage"),
+    (dict(stages=[Stage(0, 17, "dp", ["a", "b"], allocation={"a": 2, "b": 2}, replicas=2)]), "a dp stage has no replicas"),
+    (dict(stages=[Stage(0, 17, "tiles", ["a", "b"], grid=(1, 2), tile_devices=["a", "b"], replicas=2)]),
+     "2 replicas of grid 1x2 have 4 tiles"),
+    (dict(stages=[Stage(0, 17, "tiles", ["a", "b"], grid=(1, 2), tile_devices=["a", "b", "b", "a"], replicas=2)]),
+     "device b has tiles in replicas 0 and 1"),
+    (dict(stages=[Stage(0, 17, "tiles", ["a", "b"], grid=(1, 1), tile_devices=["a", "b"], replicas=2, together=2)]),
+     "must divide each replica's 1 micro-batches"),
 ])
 def test_plan_errors(change, message):
     desc = describe_model("yolov2-16", 64, classes=5)
