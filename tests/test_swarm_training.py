@@ -68,6 +68,8 @@ def local_runs(tmp_path_factory):
 CASES = [
     ("yolov2-16 tiles 2x2", YOLO16, ["--strategy", "tiles", "--grid", "2x2"]),
     ("yolov2-16 dp over 4", YOLO16, ["--strategy", "dp"]),
+    ("yolov2-16 dp, whole micro-batches", YOLO16, ["--strategy", "dp", "--replicas", "4"]),
+    ("yolov2-16 tiles, two 1x2 replicas", YOLO16, ["--strategy", "tiles", "--grid", "1x2", "--replicas", "2"]),
     ("yolov2-16 pp over 4", YOLO16, ["--strategy", "pp", "--stages", "4"]),
     ("yolov2-16 hybrid", YOLO16, ["--strategy", "hybrid"]),
     # yolov2's tiles front and dp: tests/test_execution.py, in one process
