@@ -96,13 +96,13 @@ class Saved:
     """What one layer keeps from forward to backward for one micro-batch."""
 
     xw: torch.Tensor | None = None  # conv: padded input on the owned outputs' windows (B, Cin, *, *)
-    z: torch.Tensor | None = None  # conv: output before BN/activation on bwd_state (B, Cout, *, *)
-    mean: torch.Tensor | None = None  # (G, C): one row per micro-batch in the block
+    z: torch.Tensor | None = None  # conv: output before BN/activation on bwd_state (B, Cout, *, *),
+    #                                    less the micro-batch's mean if BatchNorm follows
     invstd: torch.Tensor | None = None  # (G, C)
     selection: torch.Tensor | None = None  # maxpool: selected window position on bwd_state (B, C, *, *) uint8
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.xw, self.z, self.mean, self.invstd, self.selection)
+        return sum(t.numel() * t.element_size() for t in (self.xw, self.z, self.invstd, self.selection)
                    if t is not None)
 
 
@@ -193,28 +193,35 @@ class TileWorker:
             xp = ops.pad(x, padding, 0.0)  # (B, Cin, hp, wp)
             z = F.conv2d(xp, p.conv.weight, p.conv.bias, stride=g.rows.stride)  # (B, Cout, out_rect)
         saved.xw = _keep(self._window_crop(xp, g, out_rect, t.own[l + 1]), xp)
-        if g.pointwise_state:
-            saved.z = _keep(ops.crop(z, out_rect, t.bwd_state[l]), z)
-        if p.bn is not None:
-            spread = state.spread
-            pixels = g.rows.size_out * g.cols.size_out
-            z_own = ops.crop(z, out_rect, t.own[l + 1])
-            local = torch.stack([ops.forward_sums(part) for part in spread.parts(z_own)])  # (G, 2, C)
-            total = yield ChannelSums(mb, "forward", l, local)
-            mean, var, invstd = ops.batch_stats(total, spread.counts(pixels), p.bn.eps, z.dtype)  # (G, C) each
-            if self.keeps_running_stats:
-                with torch.no_grad():
-                    for row, size in enumerate(spread.splits):  # in micro-batch order, as run one by one
-                        if self.running_stats_sink is not None:
-                            self.running_stats_sink(mb + row, l, mean[row], var[row], size * pixels)
-                        else:
-                            ops.update_running_stats(p.bn, mean[row], var[row], size * pixels)
-            saved.mean, saved.invstd = mean, invstd
-            alpha, beta = ops.bn_scale_shift(p.bn, mean, invstd)
-            # in place unless backward keeps z itself (not a copy of a part of it)
-            u = (z.mul(spread(alpha)) if saved.z is z else z.mul_(spread(alpha))).add_(spread(beta))
-            return ops.activation_forward(p.act, u, inplace=True)
-        return ops.activation_forward(p.act, z, inplace=saved.z is not z)
+        if p.bn is None:
+            if g.pointwise_state:
+                saved.z = _keep(ops.crop(z, out_rect, t.bwd_state[l]), z)
+            return ops.activation_forward(p.act, z, inplace=saved.z is not z)
+        spread = state.spread
+        pixels = g.rows.size_out * g.cols.size_out
+        z_own = ops.crop(z, out_rect, t.own[l + 1])
+        local = torch.stack([ops.forward_sums(part) for part in spread.parts(z_own)])  # (G, 2, C)
+        total = yield ChannelSums(mb, "forward", l, local)
+        mean, var, invstd = ops.batch_stats(total, spread.counts(pixels), p.bn.eps, z.dtype)  # (G, C) each
+        if self.keeps_running_stats:
+            with torch.no_grad():
+                for row, size in enumerate(spread.splits):  # in micro-batch order, as run one by one
+                    if self.running_stats_sink is not None:
+                        self.running_stats_sink(mb + row, l, mean[row], var[row], size * pixels)
+                    else:
+                        ops.update_running_stats(p.bn, mean[row], var[row], size * pixels)
+        saved.invstd = invstd
+        alpha, beta = ops.bn_scale_shift(p.bn, invstd)
+        # Backward keeps z - mean on bwd_state (centred, so that its arithmetic cancels nothing):
+        # z itself centred in place when that is all of it, else a centred copy of the part.
+        keep = ops.crop(z, out_rect, t.bwd_state[l])
+        if keep.shape == z.shape:
+            saved.z = z.sub_(spread(mean))
+            u = torch.addcmul(beta, z, spread(alpha))
+        else:
+            saved.z = torch.sub(keep, spread(mean))
+            u = torch.addcmul(spread(beta.view(1, -1) - mean * alpha), z, spread(alpha), out=z)
+        return ops.activation_forward(p.act, u, inplace=True)
 
     @staticmethod
     def _window_crop(xp: torch.Tensor, g: LayerGeometry, out_rect: Rect, want: Rect) -> torch.Tensor:
@@ -268,20 +275,18 @@ class TileWorker:
         if p.bn is None:
             return ops.activation_backward(p.act, saved.z, dy)
         spread = state.spread
-        xhat = (saved.z - spread(saved.mean)).mul_(spread(saved.invstd))
-        alpha, beta = ops.bn_scale_shift(p.bn, saved.mean, saved.invstd)
-        du = ops.activation_backward(p.act, torch.addcmul(spread(beta), saved.z, spread(alpha)), dy)
-        if du is dy:
-            du = dy.clone()  # bn_input_grad works in place; dy belongs to the caller
-        du_own, xhat_own = ops.crop(du, rect, own), ops.crop(xhat, rect, own)
-        local = torch.stack([ops.backward_sums(a, b) for a, b in zip(spread.parts(du_own), spread.parts(xhat_own))])
+        alpha, beta = ops.bn_scale_shift(p.bn, saved.invstd)
+        du = ops.activation_backward(p.act, torch.addcmul(beta, saved.z, spread(alpha)), dy, overwrite=True)
+        du_own, zc_own = ops.crop(du, rect, own), ops.crop(saved.z, rect, own)
+        local = torch.stack([ops.backward_sums(a, b, invstd) for a, b, invstd in
+                             zip(spread.parts(du_own), spread.parts(zc_own), saved.invstd)])  # (G, 2, C)
         if p.bn.affine:
             both = local.sum(dim=0)  # (2, C): the micro-batches' contributions, in order
             self._accumulate(p.bn.weight, both[1].to(du.dtype))
             self._accumulate(p.bn.bias, both[0].to(du.dtype))
         counts = spread.counts(g.rows.size_out * g.cols.size_out)
         total = yield ChannelSums(mb, "backward", g.index, local)
-        return ops.bn_input_grad(du, xhat, total, counts, saved.invstd, p.bn.weight if p.bn.affine else None, spread)
+        return ops.bn_input_grad(du, saved.z, total, counts, saved.invstd, p.bn.weight if p.bn.affine else None, spread)
 
     def _weight_grads(self, p: LayerParts, saved: Saved, dz: torch.Tensor, rect: Rect) -> None:
         own = self.regions.own[p.geometry.index + 1]

@@ -63,14 +63,13 @@ class Spread:
 
 
 def forward_sums(z_own: torch.Tensor) -> torch.Tensor:
-    """(2, C) float64 [sum z, sum z^2] over owned pixels, from the local mean and variance
-    that torch's own BatchNorm kernel computes (Welford: the squares lose no precision)."""
+    """(2, C) float64 [sum z, sum z^2] over owned pixels, from the local mean and biased
+    variance that torch's own BatchNorm statistics kernel computes (two passes over z, no
+    normalised output made: the squares lose no precision)."""
     n = z_own.shape[0] * z_own.shape[2] * z_own.shape[3]
-    _, mean, invstd = torch.native_batch_norm(z_own, None, None, None, None, True, 0.0, 0.0)
+    mean, var = torch.batch_norm_update_stats(z_own, None, None, 0.0)
     mean = mean.double()
-    invstd = invstd.double()
-    # eps 0: invstd = 1/sqrt(var); torch gives 0 rather than inf for a constant channel
-    var = torch.where(invstd > 0, invstd.pow(-2), torch.zeros_like(invstd))
+    var = var.double()
     return torch.stack([mean * n, var * n + mean * mean * n])  # (2, C)
 
 
@@ -94,29 +93,34 @@ def update_running_stats(bn: nn.BatchNorm2d, mean: torch.Tensor, var: torch.Tens
     bn.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
-def bn_scale_shift(bn: nn.BatchNorm2d, mean: torch.Tensor, invstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(alpha, beta) with bn(z) = z * alpha + beta, shaped like mean and invstd (..., C)."""
+def bn_scale_shift(bn: nn.BatchNorm2d, invstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha (..., C), beta (1, C, 1, 1)) with bn(z) = (z - mean) * alpha + beta."""
     alpha = invstd * bn.weight.detach() if bn.affine else invstd
-    beta = (bn.bias.detach() - mean * alpha) if bn.affine else -mean * alpha
-    return alpha, beta
+    beta = bn.bias.detach() if bn.affine else invstd.new_zeros(1)
+    return alpha, beta.view(1, -1, 1, 1)
 
 
-def backward_sums(du_own: torch.Tensor, xhat_own: torch.Tensor) -> torch.Tensor:
-    """(2, C) float64 [sum g, sum g * xhat] over owned pixels (also d beta and d gamma)."""
-    s1 = du_own.sum(dim=(0, 2, 3)).double()
-    s2 = (du_own * xhat_own).sum(dim=(0, 2, 3)).double()
-    return torch.stack([s1, s2])
+def backward_sums(du_own: torch.Tensor, zc_own: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    """(2, C) float64 [sum g, sum g * xhat] over owned pixels (also d beta and d gamma), with
+    xhat = zc * invstd and zc = z - mean: torch's BatchNorm backward reduction, in one pass
+    and without the input gradient (which needs the sums over all tiles)."""
+    zero = invstd.new_zeros(invstd.shape)
+    _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(du_own, zc_own, None, None, None, zero, invstd, True,
+                                                              0.0, [False, True, True])
+    return torch.stack([s_g.double(), s_gx.double()])
 
 
-def bn_input_grad(du: torch.Tensor, xhat: torch.Tensor, sums: torch.Tensor, count, invstd: torch.Tensor,
+def bn_input_grad(du: torch.Tensor, zc: torch.Tensor, sums: torch.Tensor, count, invstd: torch.Tensor,
                   gamma: torch.Tensor | None, spread: Spread) -> torch.Tensor:
     """dL/dz = gamma * invstd * (du - mean(du) - xhat * mean(du * xhat)), means over each
-    micro-batch's whole map (sums (G, 2, C), count (G, 1), invstd (G, C)). Overwrites du."""
-    mean_du = spread((sums[:, 0] / count).to(du.dtype))
-    mean_dux = spread((sums[:, 1] / count).to(du.dtype))
-    scale = invstd if gamma is None else invstd * gamma.detach()
-    dz = du.sub_(mean_du).addcmul_(xhat, mean_dux, value=-1)  # in place: du is not needed again
-    return dz.mul_(spread(scale))
+    micro-batch's whole map (sums (G, 2, C), count (G, 1), invstd (G, C)), with xhat = zc *
+    invstd: written as a * du + b * zc + c per channel, two passes over the map."""
+    mean_du = (sums[:, 0] / count).to(du.dtype)
+    mean_dux = (sums[:, 1] / count).to(du.dtype)
+    a = invstd if gamma is None else invstd * gamma.detach()  # (G, C)
+    b = -a * invstd * mean_dux
+    c = -a * mean_du
+    return torch.addcmul(spread(c), zc, spread(b)).addcmul_(du, spread(a))
 
 
 # ---- activations ------------------------------------------------------------------------------
@@ -134,18 +138,26 @@ def activation_forward(act: nn.Module, u: torch.Tensor, inplace: bool) -> torch.
     raise TilingError(f"activation {type(act).__name__} is not supported in a tiles stage")
 
 
-def activation_backward(act: nn.Module, u: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """dL/du from dL/dy, with u the activation's input (torch's own backward formulas)."""
+def activation_backward(act: nn.Module, u: torch.Tensor, dy: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    """dL/du from dL/dy, with u the activation's input (torch's own backward formulas);
+    written over u if `overwrite` (u is not needed afterwards)."""
     if isinstance(act, nn.Identity):
         return dy
+    out = {"grad_input": u} if overwrite else {}
     if isinstance(act, nn.LeakyReLU):
-        return torch.ops.aten.leaky_relu_backward(dy, u, act.negative_slope, False)
+        op = torch.ops.aten.leaky_relu_backward
+        return op.grad_input(dy, u, act.negative_slope, False, **out) if out else op(dy, u, act.negative_slope, False)
     if isinstance(act, nn.ReLU):
-        return torch.ops.aten.threshold_backward(dy, u, 0.0)
+        op = torch.ops.aten.threshold_backward
+        return op.grad_input(dy, u, 0.0, **out) if out else op(dy, u, 0.0)
     if isinstance(act, nn.Sigmoid):
-        return torch.ops.aten.sigmoid_backward(dy, torch.sigmoid(u))
+        y = u.sigmoid_() if overwrite else torch.sigmoid(u)
+        op = torch.ops.aten.sigmoid_backward
+        return op.grad_input(dy, y, grad_input=y) if overwrite else op(dy, y)
     if isinstance(act, nn.Tanh):
-        return torch.ops.aten.tanh_backward(dy, torch.tanh(u))
+        y = u.tanh_() if overwrite else torch.tanh(u)
+        op = torch.ops.aten.tanh_backward
+        return op.grad_input(dy, y, grad_input=y) if overwrite else op(dy, y)
     raise TilingError(f"activation {type(act).__name__} is not supported in a tiles stage")
 
 
