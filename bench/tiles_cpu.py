@@ -1,16 +1,22 @@
-"""CPU time of one training pass (forward + backward) of yolov2-16 through the tiles executor, by grid.
+"""CPU time of one training step's passes of yolov2-16 through the tiles executor, by grid, against one device.
 
-    python bench/tiles_cpu.py [--img-size 416] [--batch 8] [--grids 1x1,2x2,2x4] [--repeats 2]
+    python bench/tiles_cpu.py [--img-size 416] [--batch 8] [--grids 1x1,2x2,2x4] [--repeats 5]
 
-All tiles run one after another in this process on one thread, the batch as one block of
-single-sample micro-batches (each with its own BatchNorm statistics), against the untiled
-network under autograd on the same batch. Prints process CPU seconds per pass (the last of
---repeats; the first warms up): the work the tiles of a grid add or save in total, before any
-network is involved.
+One device is what a one-stage plan runs: the batch as single-sample micro-batches, one after
+another, through the untiled network under autograd. Each grid runs the batch as one block of
+single-sample micro-batches (each with its own BatchNorm statistics), all its tiles one after
+another in this process. Everything on one thread; the two alternate, --repeats times after a
+warm-up pass each, and the medians are printed: process CPU seconds per step, the grid's total
+relative to one device, and its share per device when each tile has a device of its own.
+
+The last column, one device's CPU over a tile's share, is the most a tiles plan over that many
+devices can gain on devices whose CPU is the limit, before any network is involved: halos,
+BatchNorm sums and the gradient sum only take from it.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +29,7 @@ def main() -> None:
     p.add_argument("--img-size", type=int, default=416)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--grids", default="1x1,2x2,2x4")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
 
     import torch
@@ -41,26 +47,37 @@ def main() -> None:
     x = torch.rand(args.batch, 3, args.img_size, args.img_size)
     dy = torch.randn(args.batch, *desc.layers[n - 1].out_shape)
 
-    def timed(fn) -> float:
-        for _ in range(args.repeats):
-            t = time.process_time()
-            fn()
-        return time.process_time() - t
+    def one_device():
+        for i in range(args.batch):
+            y = x[i:i + 1]
+            for layer in net.layers:
+                y = layer(y)
+            (y * dy[i:i + 1]).sum().backward()
 
-    def untiled():
-        y = x
-        for layer in net.layers:
-            y = layer(y)
-        (y * dy).sum().backward()
-
-    print(f"yolov2-16 at {args.img_size}, batch {args.batch}, one thread: CPU seconds per forward + backward")
-    base = timed(untiled)
-    print(f"{'untiled (autograd)':<20} {base:7.2f}")
+    passes = {"one device": one_device}
+    tiles = {}
     for text in args.grids.split(","):
         grid = parse_grid(text)
         stage = InProcessStage.build(net.layers, desc.layers, grid, Grouping.every_layer(0, n), False)
-        cpu = timed(lambda: (stage.forward(0, x, (1,) * args.batch), stage.backward(0, dy)))
-        print(f"{'tiles ' + text:<20} {cpu:7.2f}  ({cpu / base:.2f}x untiled)")
+        passes[f"tiles {text}"] = lambda stage=stage: (stage.forward(0, x, (1,) * args.batch), stage.backward(0, dy))
+        tiles[f"tiles {text}"] = grid[0] * grid[1]
+    for run in passes.values():
+        run()
+    cpu: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(args.repeats):
+        for name, run in passes.items():
+            t = time.process_time()
+            run()
+            cpu[name].append(time.process_time() - t)
+    one = statistics.median(cpu["one device"])
+    print(f"yolov2-16 at {args.img_size}, batch {args.batch} in single-sample micro-batches, one thread: "
+          f"CPU seconds per step (median of {args.repeats})")
+    print(f"{'':<12} {'CPU s':>7} {'vs one':>7} {'per device':>11} {'most speedup':>13}")
+    print(f"{'one device':<12} {one:7.2f} {1:7.2f}")
+    for name, count in tiles.items():
+        total = statistics.median(cpu[name])
+        print(f"{name:<12} {total:7.2f} {total / one:7.3f} {total / count:11.2f} "
+              f"{one / (total / count):9.2f} on {count}")
 
 
 if __name__ == "__main__":

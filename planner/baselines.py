@@ -12,7 +12,7 @@ import numpy as np
 
 from planner.allocation import memory_aware_allocation
 from planner.inputs import NoPlan, PlanInputs
-from planner.plan import Plan, Stage
+from planner.plan import Plan, Stage, most_replicas
 
 
 def plan_local(inputs: PlanInputs, device: str | None = None) -> Plan:
@@ -51,7 +51,7 @@ def plan_dp(inputs: PlanInputs) -> Plan:
     mode = "dp" if len(alloc) > 1 else "single"
     stage = Stage(0, inputs.num_layers, mode, list(alloc), allocation=alloc if mode == "dp" else None)
     shared = inputs.finish(inputs.plan([stage], "dp"))
-    copies = max(r for r in range(1, min(len(group), inputs.microbatches) + 1) if inputs.microbatches % r == 0)
+    copies = most_replicas(inputs.microbatches, len(group))
     if copies <= len(alloc):
         return shared
     # whole micro-batches per device keep more devices busy: the fastest that many, the

@@ -28,6 +28,12 @@ class PlanError(ValueError):
     """A plan that cannot run; the message says which stage and why."""
 
 
+def most_replicas(microbatches: int, devices: int) -> int:
+    """How many copies of a one-stage plan `devices` devices can run, each taking an equal
+    share of whole micro-batches: the largest divisor of `microbatches` not above `devices`."""
+    return max(r for r in range(1, min(devices, microbatches) + 1) if microbatches % r == 0)
+
+
 @dataclass
 class Stage:
     """Layers [first, last) run by a group of devices in one mode.

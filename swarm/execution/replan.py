@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner.model_desc import ModelDesc
-from planner.plan import Plan, PlanError, Stage
+from planner.plan import Plan, PlanError, Stage, most_replicas
 from swarm.execution.strategies import even_allocation, simple_plan, square_grid
 
 
@@ -125,7 +125,7 @@ def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, fl
         elif s.replica_count() > 1 and s.mode == "tiles":
             raise PlanError("a replicated tiles stage lost a device")
         elif s.replica_count() > 1:  # fewer replicas, each taking more micro-batches
-            copies = max(r for r in range(1, len(survivors) + 1) if plan.microbatches % r == 0)
+            copies = most_replicas(plan.microbatches, len(survivors))
             stages.append(replace(s, devices=survivors[:copies], replicas=copies if copies > 1 else None,
                                   warmup=None))
         elif s.mode == "dp":

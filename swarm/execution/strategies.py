@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from planner.model_desc import ModelDesc
-from planner.plan import Plan, PlanError, Stage
+from planner.plan import Plan, PlanError, Stage, most_replicas
 from tiles.layout import tileable_prefix
 
 STRATEGIES = ("local", "dp", "pp", "tiles", "hybrid")
@@ -134,7 +134,7 @@ def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, 
                 raise PlanError(f"--replicas {replicas} needs at least {replicas} devices, found {len(devices)}")
             copies = replicas
         else:  # whole micro-batches per device when that keeps more devices busy than sharing each one
-            copies = max(r for r in range(1, min(len(devices), microbatches) + 1) if microbatches % r == 0)
+            copies = most_replicas(microbatches, len(devices))
             if copies <= min(len(devices), batch // microbatches):
                 copies = 1
         if copies > 1:
