@@ -1,7 +1,8 @@
 """Training throughput across the namespace testbed with Raspberry-Pi-class devices (root).
 
     sudo python bench/swarm_bench.py [--devices 8] [--cpu 0.2] [--mem 1G] [--bandwidth 100mbit]
-                                     [--tiles 1,2,4,8] [--yolov2] [--schedules] [--steps 4] [--img-size 416]
+                                     [--tiles 1,2,4,8] [--dp] [--yolov2 [--yolov2-size 256]] [--schedules]
+                                     [--steps 4] [--img-size 416]
 
 For each configuration it brings up a fresh testbed of --devices devices and runs, inside
 dev0's namespace, the command a user would type:
@@ -14,8 +15,9 @@ agents loading torch), the speedup over the best of the runs on one device (a on
 on an agent, and tiles over 1, with the same batch and micro-batches), and the largest peak resident memory of an agent
 during the run above its idle size (torch included: an idle agent has not loaded it).
 With --dp it adds yolov2-16 with dp over each N (devices take whole micro-batches when a
-micro-batch has fewer samples than devices); with --yolov2 the full yolov2 with pp and dp
-over all devices; with --schedules,
+micro-batch has fewer samples than devices); with --yolov2 the full yolov2 (at --yolov2-size)
+with pp and dp over all devices (a run the devices cannot hold is refused by swarm train,
+and its reason printed); with --schedules,
 yolov2-16 in a pipeline over all devices on the 1F1B and on the GPipe schedule.
 """
 from __future__ import annotations
@@ -128,6 +130,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--dp", action="store_true", help="also yolov2-16 with dp over each N of --tiles")
     p.add_argument("--yolov2", action="store_true", help="also full yolov2 with pp and dp over all devices")
+    p.add_argument("--yolov2-size", type=int, default=256, help="the full yolov2's input size (default 256: at 416 "
+                   "the first of its pipeline stages does not fit a 1 GiB device, and its dp copies of the whole "
+                   "model never do there)")
     p.add_argument("--tiles-microbatches", type=int, metavar="M", help="also each tiles run with M micro-batches "
                    "(fewer, larger exchanges; the tiles hold only their share of the larger micro-batch)")
     p.add_argument("--one-at-a-time", action="store_true", help="also each tiles run with --together 1 (micro-batches "
@@ -155,9 +160,10 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            run("yolov2-16 on 1 device", ["--model", "yolov2-16", *common, "--strategy", "pp", "--stages", 1,
-                                          "--devices", 1], 1)
-            for n in [int(x) for x in args.tiles.split(",")]:
+            if args.tiles.strip():
+                run("yolov2-16 on 1 device", ["--model", "yolov2-16", *common, "--strategy", "pp", "--stages", 1,
+                                              "--devices", 1], 1)
+            for n in [int(x) for x in args.tiles.split(",") if x.strip()]:
                 run(f"yolov2-16 tiles over {n}", ["--model", "yolov2-16", *common, "--strategy", "tiles",
                                                   "--devices", n], n)
                 if args.one_at_a_time:
@@ -178,8 +184,9 @@ def main() -> None:
             if args.yolov2:
                 n = args.devices
                 for strategy in ("pp", "dp"):
-                    run(f"yolov2 {strategy} over {n}", ["--model", "yolov2", *common, "--strategy", strategy,
-                                                        "--devices", n], n)
+                    run(f"yolov2 at {args.yolov2_size} {strategy} over {n}",
+                        ["--model", "yolov2", *common, "--img-size", args.yolov2_size, "--strategy", strategy,
+                         "--devices", n], n)
     finally:
         if not args.keep:
             swarm("testbed", "down", check=False)

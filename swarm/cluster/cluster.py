@@ -126,6 +126,7 @@ class Cluster:
                     device = self._devices[advert.node_id] = Device(advert.node_id, advert.address, advert.port)
                 for name in ("name", "cores", "memory", "accelerator", "version"):
                     setattr(device, name, getattr(advert, name))
+                device.source = "mdns"  # also when another agent's peer list reached it first
                 self.add_endpoint(advert.address, advert.port, node_id=advert.node_id, source="mdns")
             elif isinstance(event, DeviceGone):
                 device = self._devices.get(event.node_id)

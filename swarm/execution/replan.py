@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError, Stage, most_replicas
+from swarm.execution.fit import describe as describe_overflows, memory_overflows
 from swarm.execution.strategies import even_allocation, simple_plan, square_grid
 
 
@@ -193,7 +194,9 @@ class Replan:
 
 def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strategy: str,
            speed: dict[str, float] | None = None, prefer: str = "auto") -> Replan:
-    """A plan without `dead` (over `alive`, which may include devices new to the plan)."""
+    """A plan without `dead` (over `alive`, which may include devices new to the plan).
+    Neither way gives a plan that cannot fit the devices' memory (swarm.execution.fit):
+    one that did would lose its devices one after another."""
     gone = ", ".join(sorted(dead)) or "none"
     joined = [d for d in alive if d not in plan.used_devices()]
     if prefer != "heavy" and not joined:
@@ -202,19 +205,33 @@ def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strate
         except PlanError as exc:
             why = f"the light way cannot: {exc}"
         else:
-            if prefer == "light":
+            short = _overflows(light, desc)
+            if short:
+                why = f"the shifted plan does not fit: {describe_overflows(short)}"
+            elif prefer == "light":
                 return Replan(light, "lightweight", f"lost {gone}: shifted the plan as asked")
-            try:
-                full = heavy(plan, desc, alive, strategy)
-            except PlanError:
-                return Replan(light, "lightweight", f"lost {gone}: shifted the plan (no fresh plan fits)")
-            if bottleneck(light, desc, speed) <= 1.25 * bottleneck(full, desc, speed):
-                return Replan(light, "lightweight", f"lost {gone}: shifted the plan, within 25% of a fresh plan's "
-                                                    "busiest device")
-            why = "a fresh plan's busiest device has over 25% less work"
+            else:
+                try:
+                    full = heavy(plan, desc, alive, strategy)
+                    if _overflows(full, desc):
+                        raise PlanError("a fresh plan does not fit")
+                except PlanError:
+                    return Replan(light, "lightweight", f"lost {gone}: shifted the plan (no fresh plan fits)")
+                if bottleneck(light, desc, speed) <= 1.25 * bottleneck(full, desc, speed):
+                    return Replan(light, "lightweight", f"lost {gone}: shifted the plan, within 25% of a fresh "
+                                                        "plan's busiest device")
+                why = "a fresh plan's busiest device has over 25% less work"
     else:
         why = f"{', '.join(joined)} joined" if joined else "asked for"
-    return Replan(heavy(plan, desc, alive, strategy), "heavy", f"lost {gone}; {why}: planned again")
+    full = heavy(plan, desc, alive, strategy)
+    short = _overflows(full, desc)
+    if short:
+        raise PlanError(f"no plan over the devices left fits their memory ({describe_overflows(short)})")
+    return Replan(full, "heavy", f"lost {gone}; {why}: planned again")
+
+
+def _overflows(plan: Plan, desc: ModelDesc) -> list:
+    return memory_overflows(plan, desc, {d: f.get("memory") for d, f in plan.devices.items()})
 
 
 def layer_sources(holdings: dict[str, set[int]], plan: Plan, step: int, preferred: dict[int, str] | None = None

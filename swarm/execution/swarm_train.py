@@ -18,6 +18,7 @@ from planner.plan import Plan, PlanError
 from swarm.errors import SwarmError
 from swarm.execution.coordinator import StepReport, TrainingCoordinator
 from swarm.execution.job import CHANNEL, WireEndpoint, job_spec_dict
+from swarm.execution.fit import describe as describe_overflows, memory_overflows
 from swarm.execution.strategies import simple_plan
 from swarm.execution.worker import COORDINATOR, JobSpec
 from swarm.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
@@ -193,6 +194,11 @@ class SwarmRunner:
             for stage in plan.stages:
                 stage.warmup = plan.microbatches
         plan.validate(desc)
+        short = memory_overflows(plan, desc, {n: f.get("memory") for n, f in facts.items()}, cfg.optimizer)
+        if short:
+            raise SwarmError(f"the plan does not fit in the devices' memory: {describe_overflows(short)} (less than "
+                             f"the devices would need; --strategy auto plans within each device's memory, and a "
+                             f"smaller --img-size or more --microbatches needs less)")
         return plan
 
     def _auto_plan(self, trainer, names: list[str], facts: dict, measured: dict | None) -> Plan:

@@ -1,0 +1,137 @@
+"""The least a ring all-reduce of yolov2-16's gradients costs each testbed device (root).
+
+    sudo python bench/ring_floor.py [--devices 4,8] [--cpu 0.2] [--bandwidth 100mbit]
+                                    [--mbytes 13.75] [--repeats 3]
+
+For each N it brings up a namespace testbed of N devices (their agents stay idle) and runs,
+in every device's namespace and CPU cgroup, a bare ring all-reduce of --mbytes of float32
+(yolov2-16's 3.44 M parameters by default): a reduce-scatter then an all-gather, blocking
+sockets, numpy adds, a thread per send, and nothing else — no framing, no event loop, no
+tensors. It prints, as medians over the devices of each one's median over --repeats, the
+process CPU seconds and the wall seconds of one all-reduce.
+
+That is the floor under what summing the gradients costs a tiles or dp device on this
+testbed, whatever the runtime does: the bytes through the kernel (both ends of a link,
+the bridge and the bandwidth caps run in the context of whichever process is on the CPU)
+and the adds. bench/tiles_cpu.py gives the compute beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PORT = 4761
+
+
+def ring_child(me: int, addresses: list[str], nbytes: int, repeats: int) -> None:
+    """One device's side: `repeats` all-reduces with its ring neighbours; prints JSON."""
+    import numpy as np
+
+    n = len(addresses)
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((addresses[me], PORT))
+    server.listen()
+    deadline = time.monotonic() + 30
+    while True:  # the next device may not listen yet
+        try:
+            out = socket.create_connection((addresses[(me + 1) % n], PORT), timeout=1)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    inc, _ = server.accept()
+    data = np.ones(nbytes // 4, np.float32)
+    received = np.empty_like(data)
+    chunks, landing = np.array_split(data, n), np.array_split(received, n)
+
+    def receive_exactly(view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            got += inc.recv_into(view[got:])
+
+    cpu, wall = [], []
+    for _ in range(repeats):
+        c0, t0 = time.process_time(), time.monotonic()
+        for phase in ("reduce-scatter", "all-gather"):
+            for k in range(n - 1):
+                if phase == "reduce-scatter":
+                    send, recv = (me - k) % n, (me - k - 1) % n
+                else:
+                    send, recv = (me + 1 - k) % n, (me - k) % n
+                sender = threading.Thread(target=out.sendall, args=(memoryview(chunks[send]).cast("B"),))
+                sender.start()
+                receive_exactly(memoryview(landing[recv]).cast("B"))
+                sender.join()
+                if phase == "reduce-scatter":
+                    chunks[recv] += landing[recv]
+                else:
+                    chunks[recv][:] = landing[recv]
+        cpu.append(time.process_time() - c0)
+        wall.append(time.monotonic() - t0)
+    print(json.dumps({"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall)}))
+
+
+def swarm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def measure(n: int, args) -> dict:
+    from swarm.testbed import cgroups, testbed
+
+    swarm("testbed", "down")
+    swarm("testbed", "up", "--devices", str(n), "--cpu", args.cpu, "--mem", "1G", "--bandwidth", args.bandwidth)
+    try:
+        record = testbed.require()
+        addresses = [d.address for d in record.devices]
+        children = []
+        for k, device in enumerate(record.devices):
+            cmd = ["ip", "netns", "exec", device.namespace, sys.executable, __file__, "--child", str(k),
+                   ",".join(addresses), str(int(args.mbytes * 1e6)), str(args.repeats)]
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            cgroups.add_process([Path(c) for c in device.cgroups], child.pid)  # the device's CPU share
+            children.append(child)
+        results = [json.loads(child.communicate(timeout=600)[0]) for child in children]
+    finally:
+        swarm("testbed", "down")
+    return {"devices": n, "cpu_s": statistics.median(r["cpu_s"] for r in results),
+            "cpu_s_range": [min(r["cpu_s"] for r in results), max(r["cpu_s"] for r in results)],
+            "wall_s": statistics.median(r["wall_s"] for r in results)}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        me, addresses, nbytes, repeats = sys.argv[2:6]
+        ring_child(int(me), addresses.split(","), int(nbytes), int(repeats))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", default="4,8")
+    p.add_argument("--cpu", default="0.2")
+    p.add_argument("--bandwidth", default="100mbit")
+    p.add_argument("--mbytes", type=float, default=13.75)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("the namespace testbed needs root")
+    print(f"ring all-reduce of {args.mbytes:g} MB over testbed devices ({args.cpu} core, {args.bandwidth} each)")
+    print(f"{'devices':>8} {'CPU s':>7} {'(range)':>13} {'wall s':>7} {'MB out/in':>10}")
+    for n in (int(x) for x in args.devices.split(",")):
+        r = measure(n, args)
+        moved = 2 * (n - 1) / n * args.mbytes
+        print(f"{n:>8} {r['cpu_s']:7.3f} {r['cpu_s_range'][0]:6.3f}-{r['cpu_s_range'][1]:.3f} {r['wall_s']:7.2f} "
+              f"{moved:10.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

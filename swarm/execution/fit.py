@@ -1,0 +1,67 @@
+"""Whether a plan's stages fit in its devices' memory, checked before any device runs out of it.
+
+A plan written by hand or built by a simple strategy (`--strategy pp` splits by FLOPs
+alone) can put more on a device than it holds: its agent is then killed by the kernel in
+the first step, and the run's recovery hands the same layers to the next device, which
+goes the same way. So before a job starts, each device's peak is predicted with the
+planner's memory model (planner.simulator) and held against the memory the device
+advertised, less what its runtime holds.
+
+Two predictions, because the model is not exact: the bare one (saved tensors as the
+model counts them, plus RUNTIME_FLOOR) is below what a device really needs, so a plan over
+it cannot run and is refused; the one the planners use for real devices (the allocator's
+slack, a job's reserve) is above it, so a plan over that only gets a warning.
+"""
+from __future__ import annotations
+
+from planner.memory import JOB_BYTES, MemoryModel
+from planner.model_desc import ModelDesc
+from planner.plan import Plan
+from planner.simulator import Overflow, simulate
+from planner.synthetic import flops_cluster
+from planner.units import format_bytes
+
+# What an agent holds before any stage: the interpreter and torch (an idle agent with a
+# job's model loaded measures 340-370 MiB on x86-64 Linux); the least a device spends on it.
+RUNTIME_FLOOR = 300 * 2**20
+# The same with room to spare, for the warning (the planners' own figure for a device
+# without a profile, see swarm.execution.strategies.RUNTIME_BYTES).
+RUNTIME_TYPICAL = 400 * 2**20
+
+
+def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], optimizer: str = "sgd",
+                     careful: bool = False) -> list[Overflow]:
+    """The devices whose predicted peak exceeds `memory` (device -> bytes it has; devices
+    missing from it are not checked): with the bare model, or with the planners' model
+    for real devices if `careful`. Each Overflow's `have` is what is left after the runtime."""
+    known = {d: m for d, m in memory.items() if m and d in plan.used_devices()}
+    if not known:
+        return []
+    if careful:
+        model, runtime = MemoryModel.for_devices(desc, optimizer), RUNTIME_TYPICAL + JOB_BYTES
+    else:
+        model, runtime = MemoryModel.estimated(desc, optimizer), RUNTIME_FLOOR
+    # speeds do not change what a device keeps, only when: any will do; unknown memory: no limit
+    budgets = {d: max(0, int(known[d] - runtime)) if d in known else 2**60 for d in plan.used_devices()}
+    cluster = flops_cluster(desc, {d: (1.0, budget) for d, budget in budgets.items()})
+    timeline = simulate(plan, desc, model, cluster, validate=False)
+    return [o for o in timeline.overflows(plan) if o.device in known]
+
+
+def describe(overflows: list[Overflow], runtime: float = RUNTIME_FLOOR) -> str:
+    """One clause per distinct shortfall, naming its devices: "stage 0 needs at least 864 MiB
+    on dev0, which has 1 GiB, about 300 MiB of it for the runtime"."""
+    groups: dict[tuple, list[str]] = {}
+    for o in overflows:
+        groups.setdefault((tuple(o.stages), round(o.need), round(o.have)), []).append(o.device)
+    clauses = []
+    for (stages, need, have), devices in groups.items():
+        which = f"stage {stages[0]}" if len(stages) == 1 else "stages " + ", ".join(str(s) for s in stages)
+        where = devices[0] if len(devices) == 1 else "each of " + ", ".join(devices)
+        clauses.append(f"{which} need{'s' if len(stages) == 1 else ''} at least {format_bytes(need)} on {where}, "
+                       f"which {'has' if len(devices) == 1 else 'have'} {format_bytes(have + runtime)}, about "
+                       f"{format_bytes(runtime)} of it for the runtime")
+    return "; ".join(clauses)
+
+
+__all__ = ["RUNTIME_FLOOR", "RUNTIME_TYPICAL", "describe", "memory_overflows"]
