@@ -1,7 +1,7 @@
 """Training throughput across the namespace testbed with Raspberry-Pi-class devices (root).
 
     sudo python bench/swarm_bench.py [--devices 8] [--cpu 0.2] [--mem 1G] [--bandwidth 100mbit]
-                                     [--tiles 1,2,4,8] [--dp] [--yolov2 [--yolov2-size 256]] [--schedules]
+                                     [--tiles 1,2,4,8] [--dp] [--yolov2 [--yolov2-size 160]] [--schedules]
                                      [--steps 4] [--img-size 416]
 
 For each configuration it brings up a fresh testbed of --devices devices and runs, inside
@@ -130,9 +130,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--dp", action="store_true", help="also yolov2-16 with dp over each N of --tiles")
     p.add_argument("--yolov2", action="store_true", help="also full yolov2 with pp and dp over all devices")
-    p.add_argument("--yolov2-size", type=int, default=256, help="the full yolov2's input size (default 256: at 416 "
-                   "the first of its pipeline stages does not fit a 1 GiB device, and its dp copies of the whole "
-                   "model never do there)")
+    p.add_argument("--yolov2-size", type=int, default=160, help="the full yolov2's input size (default 160: from "
+                   "224 up its even-FLOPs pipeline stages come too close to 1 GiB devices' memory, and its dp "
+                   "copies of the whole model, with their roll-back snapshots, never fit there)")
     p.add_argument("--tiles-microbatches", type=int, metavar="M", help="also each tiles run with M micro-batches "
                    "(fewer, larger exchanges; the tiles hold only their share of the larger micro-batch)")
     p.add_argument("--one-at-a-time", action="store_true", help="also each tiles run with --together 1 (micro-batches "

@@ -8,13 +8,13 @@ planner's memory model (planner.simulator) and held against the memory the devic
 advertised, less what its runtime holds.
 
 Two predictions, because the model is not exact: the bare one (saved tensors as the
-model counts them, plus RUNTIME_FLOOR) is below what a device really needs, so a plan over
-it cannot run and is refused; the one the planners use for real devices (the allocator's
-slack, a job's reserve) is above it, so a plan over that only gets a warning.
+model counts them, the weights kept for rolling back, plus RUNTIME_FLOOR) is below what a
+device really needs, so a plan over it cannot run and is refused; the one the planners use
+for real devices (the allocator's slack, a job's reserve) is above it.
 """
 from __future__ import annotations
 
-from planner.memory import JOB_BYTES, MemoryModel
+from planner.memory import JOB_BYTES, OPTIMIZER_STATE_FLOATS, MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
 from planner.simulator import Overflow, simulate
@@ -33,7 +33,12 @@ def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], opti
                      careful: bool = False) -> list[Overflow]:
     """The devices whose predicted peak exceeds `memory` (device -> bytes it has; devices
     missing from it are not checked): with the bare model, or with the planners' model
-    for real devices if `careful`. Each Overflow's `have` is what is left after the runtime."""
+    for real devices if `careful`. Each Overflow's `have` is what is left after the runtime.
+
+    Besides what the planners' model counts for a stage (weights, gradients, optimizer
+    state, activations), a device keeps for the whole run a snapshot of its stages' weights
+    and optimizer state to roll back to, and the backup of each stage it holds for another
+    device (swarm.execution.worker): those are added here."""
     known = {d: m for d, m in memory.items() if m and d in plan.used_devices()}
     if not known:
         return []
@@ -45,7 +50,30 @@ def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], opti
     budgets = {d: max(0, int(known[d] - runtime)) if d in known else 2**60 for d in plan.used_devices()}
     cluster = flops_cluster(desc, {d: (1.0, budget) for d, budget in budgets.items()})
     timeline = simulate(plan, desc, model, cluster, validate=False)
-    return [o for o in timeline.overflows(plan) if o.device in known]
+    kept = _kept_states(plan, model, optimizer)
+    out = []
+    for d in known:
+        need = timeline.peak_memory.get(d, 0.0) + kept.get(d, 0.0)
+        if need > budgets[d]:
+            out.append(Overflow(d, need, budgets[d], plan.stages_of_device(d)))
+    return sorted(out, key=lambda o: o.have - o.need)
+
+
+def _kept_states(plan: Plan, model: MemoryModel, optimizer: str) -> dict[str, float]:
+    """Bytes each device keeps of weights and optimizer state beside its working copy: the
+    snapshot of its own stages and the backups it holds for others."""
+    from swarm.execution.replan import backup_holders  # (replan imports this module)
+
+    per_param = 1 + OPTIMIZER_STATE_FLOATS[optimizer]
+    states = [per_param * float(model.param_bytes[s.first:s.last].sum()) for s in plan.stages]
+    kept: dict[str, float] = {}
+    for p, s in enumerate(plan.stages):
+        for d in set(s.devices):
+            kept[d] = kept.get(d, 0.0) + states[p]
+    for p, holder in (plan.backups or backup_holders(plan)).items():
+        if holder not in plan.stages[p].devices:
+            kept[holder] = kept.get(holder, 0.0) + states[p]
+    return kept
 
 
 def describe(overflows: list[Overflow], runtime: float = RUNTIME_FLOOR) -> str:
