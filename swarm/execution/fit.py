@@ -7,14 +7,14 @@ goes the same way. So before a job starts, each device's peak is predicted with 
 planner's memory model (planner.simulator) and held against the memory the device
 advertised, less what its runtime holds.
 
-Two predictions, because the model is not exact: the bare one (saved tensors as the
-model counts them, the weights kept for rolling back, plus RUNTIME_FLOOR) is below what a
-device really needs, so a plan over it cannot run and is refused; the one the planners use
-for real devices (the allocator's slack, a job's reserve) is above it.
+The model is not exact, so the check uses it at its most lenient: saved tensors as the
+model counts them (no allocator slack), the weights kept for rolling back, and
+RUNTIME_FLOOR. That is below what a device really needs, so a plan over it cannot run and
+is refused; a plan under it may still come close to the limit.
 """
 from __future__ import annotations
 
-from planner.memory import JOB_BYTES, OPTIMIZER_STATE_FLOATS, MemoryModel
+from planner.memory import OPTIMIZER_STATE_FLOATS, MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
 from planner.simulator import Overflow, simulate
@@ -24,16 +24,13 @@ from planner.units import format_bytes
 # What an agent holds before any stage: the interpreter and torch (an idle agent with a
 # job's model loaded measures 340-370 MiB on x86-64 Linux); the least a device spends on it.
 RUNTIME_FLOOR = 300 * 2**20
-# The same with room to spare, for the warning (the planners' own figure for a device
-# without a profile, see swarm.execution.strategies.RUNTIME_BYTES).
-RUNTIME_TYPICAL = 400 * 2**20
 
 
-def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], optimizer: str = "sgd",
-                     careful: bool = False) -> list[Overflow]:
-    """The devices whose predicted peak exceeds `memory` (device -> bytes it has; devices
-    missing from it are not checked): with the bare model, or with the planners' model
-    for real devices if `careful`. Each Overflow's `have` is what is left after the runtime.
+def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], optimizer: str = "sgd"
+                     ) -> list[Overflow]:
+    """The devices whose least possible peak exceeds `memory` (device -> bytes it has;
+    devices missing from it are not checked). Each Overflow's `have` is what is left after
+    the runtime.
 
     Besides what the planners' model counts for a stage (weights, gradients, optimizer
     state, activations), a device keeps for the whole run a snapshot of its stages' weights
@@ -42,10 +39,7 @@ def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], opti
     known = {d: m for d, m in memory.items() if m and d in plan.used_devices()}
     if not known:
         return []
-    if careful:
-        model, runtime = MemoryModel.for_devices(desc, optimizer), RUNTIME_TYPICAL + JOB_BYTES
-    else:
-        model, runtime = MemoryModel.estimated(desc, optimizer), RUNTIME_FLOOR
+    model, runtime = MemoryModel.estimated(desc, optimizer), RUNTIME_FLOOR
     # speeds do not change what a device keeps, only when: any will do; unknown memory: no limit
     budgets = {d: max(0, int(known[d] - runtime)) if d in known else 2**60 for d in plan.used_devices()}
     cluster = flops_cluster(desc, {d: (1.0, budget) for d, budget in budgets.items()})
@@ -92,4 +86,4 @@ def describe(overflows: list[Overflow], runtime: float = RUNTIME_FLOOR) -> str:
     return "; ".join(clauses)
 
 
-__all__ = ["RUNTIME_FLOOR", "RUNTIME_TYPICAL", "describe", "memory_overflows"]
+__all__ = ["RUNTIME_FLOOR", "describe", "memory_overflows"]

@@ -213,14 +213,15 @@ def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strate
             else:
                 try:
                     full = heavy(plan, desc, alive, strategy)
-                    if _overflows(full, desc):
-                        raise PlanError("a fresh plan does not fit")
                 except PlanError:
+                    full = None
+                if full is None or _overflows(full, desc):
                     return Replan(light, "lightweight", f"lost {gone}: shifted the plan (no fresh plan fits)")
                 if bottleneck(light, desc, speed) <= 1.25 * bottleneck(full, desc, speed):
                     return Replan(light, "lightweight", f"lost {gone}: shifted the plan, within 25% of a fresh "
                                                         "plan's busiest device")
-                why = "a fresh plan's busiest device has over 25% less work"
+                return Replan(full, "heavy", f"lost {gone}; a fresh plan's busiest device has over 25% less "
+                                             "work: planned again")
     else:
         why = f"{', '.join(joined)} joined" if joined else "asked for"
     full = heavy(plan, desc, alive, strategy)
