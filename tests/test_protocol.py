@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swarm.wire import (CLIENT, NEED_DATA, SERVER, Authenticated, Closed, Connection, Goodbye, JobAssign, JobData,
-                        LocalProtocolError, Ping, RemoteProtocolError, encode_frame)
-from swarm.wire.frames import LENGTH
+from swarm.wire import (CLIENT, NEED_DATA, SERVER, Auth, Authenticated, Closed, Connection, Goodbye, Hello,
+                        JobAssign, JobData, LocalProtocolError, Ping, RemoteProtocolError, encode_frame)
+from swarm.wire.frames import INCOMPLETE, LENGTH
 from swarm.wire.handshake import proof_is_valid
 from swarm.wire.messages import MAGIC, PROTOCOL_VERSION
 
@@ -41,14 +41,32 @@ def sent_messages(conn: Connection) -> list:
     return out
 
 
+def sent_frames(data: bytes) -> list:
+    """The message codes of the clear frames in `data`."""
+    from swarm.wire import FrameDecoder
+
+    decoder = FrameDecoder(1 << 20)
+    decoder.feed(data)
+    codes = []
+    while (frame := decoder.next_frame()) is not INCOMPLETE:
+        codes.append(frame[0])
+    return codes
+
+
 def handshake(client: Connection, server: Connection):
-    pump(client, server)
-    pump(server, client)
-    ev_server = events(server)
-    ev_client = events(client)
-    pump(client, server)
-    pump(server, client)
-    return ev_client + events(client), ev_server + events(server)
+    """Hello both ways, the client's proof, the server's proof: three rounds."""
+    ev_client, ev_server = [], []
+    for _ in range(3):
+        pump(client, server)
+        pump(server, client)
+        ev_server += events(server)
+        ev_client += events(client)
+    return ev_client, ev_server
+
+
+def sealed(sender: Connection, data: bytes) -> bytes:
+    """`data` as the open connection `sender` would seal it: bytes its peer will open."""
+    return b"".join(bytes(r) for r in sender._sealer.records([data]))
 
 
 def frame(obj) -> bytes:
@@ -86,14 +104,30 @@ def test_wrong_token_is_refused_on_both_sides_and_nothing_is_passed_on():
     server.receive_data(frame([JobAssign.CODE, "j", 1, "bandwidth", {}, 0.25]))
     with pytest.raises(LocalProtocolError):
         server.next_event()
-    # the intruder gets the server's proof (useless without the token) and a Goodbye
+    # the intruder gets no proof to test guesses against: only a Goodbye
+    decoded = Connection(SERVER, "x", TOKEN)._decoder
+    decoded.feed(b"".join(to_client))
+    assert decoded.next_frame() == [Goodbye.CODE, "authentication failed"]
+    assert decoded.next_frame() is INCOMPLETE
     for data in to_client:
         client.receive_data(data)
-    with pytest.raises(RemoteProtocolError, match="cluster token"):
+    with pytest.raises(RemoteProtocolError, match="authentication failed"):
         events(client)
-    decoded = Connection(SERVER, "x", TOKEN)._decoder
-    decoded.feed(to_client[-1])
-    assert decoded.next_frame() == [Goodbye.CODE, "authentication failed"]
+
+
+def test_server_sends_no_proof_before_the_client_has_proven_itself():
+    client, server = Connection(CLIENT, "client", TOKEN), Connection(SERVER, "agent", TOKEN)
+    pump(client, server)  # the client's Hello
+    assert events(server) == []
+    to_client = b"".join(bytes(b) for b in server.data_to_send())
+    assert sent_frames(to_client) == [Hello.CODE]  # its Hello; no Auth yet
+    assert events(server) == [] and sent_messages(server) == []  # still nothing more
+    client.receive_data(to_client)
+    assert events(client) == []
+    client_to_server = b"".join(bytes(b) for b in client.data_to_send())  # now the client's proof
+    server.receive_data(client_to_server)
+    assert events(server) == [Authenticated("client", PROTOCOL_VERSION)]
+    assert [m[0] for m in sent_messages(server)] == [Auth.CODE]  # only now the server's proof
 
 
 def test_version_mismatch_is_refused_with_both_versions_named():
@@ -141,7 +175,7 @@ def test_oversized_frame_after_authentication_is_refused():
     limits = Limits(frame=4096, payload=1 << 16)
     client, server = Connection(CLIENT, "a", TOKEN, limits=limits), Connection(SERVER, "b", TOKEN, limits=limits)
     handshake(client, server)
-    server.receive_data(LENGTH.pack(4097))
+    server.receive_data(sealed(client, LENGTH.pack(4097)))
     with pytest.raises(RemoteProtocolError, match="exceeds the limit") as info:
         server.next_event()
     assert info.value.kind == "oversized"
@@ -184,12 +218,10 @@ def test_whole_conversation_split_at_every_byte_boundary():
             stream += bytes(buf)
             server.receive_data(bytes(buf))
 
-    client_to_server()
-    pump(server, client)
-    events(server), events(client)
-    client_to_server()
-    pump(server, client)
-    events(server), events(client)
+    for _ in range(3):  # Hellos, the client's proof, the server's
+        client_to_server()
+        pump(server, client)
+        events(server), events(client)
     client.send(JobData("job", 1, "x", [np.arange(10, dtype=np.int32), "tail"]))
     client.send(Ping(3))
     client.close("done")
@@ -213,10 +245,16 @@ def test_end_of_stream():
     assert events(server) == [Closed("connection closed by the peer")]
     client2, server2 = Connection(CLIENT, "a", TOKEN), Connection(SERVER, "b", TOKEN)
     handshake(client2, server2)
-    server2.receive_data(frame([10, 1])[:5])
+    server2.receive_data(sealed(client2, frame([10, 1])[:5]))
     server2.receive_data(b"")
     with pytest.raises(RemoteProtocolError, match="middle of a frame"):
         server2.next_event()
+    client3, server3 = Connection(CLIENT, "a", TOKEN), Connection(SERVER, "b", TOKEN)
+    handshake(client3, server3)
+    server3.receive_data(sealed(client3, frame([10, 1]))[:-3])  # a record cut short
+    server3.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="middle of a frame"):
+        server3.next_event()
     fresh = Connection(SERVER, "b", TOKEN)
     fresh.receive_data(b"")
     with pytest.raises(RemoteProtocolError, match="during the handshake"):
@@ -231,7 +269,7 @@ def test_malformed_messages_after_authentication():
                        ({"not": "a list"}, "not a message"), ([1, MAGIC, 1, "x", b"n" * 32], "after the handshake")]:
         c, s = Connection(CLIENT, "a", TOKEN), Connection(SERVER, "b", TOKEN)
         handshake(c, s)
-        s.receive_data(frame(bad))
+        s.receive_data(sealed(c, frame(bad)))
         with pytest.raises(RemoteProtocolError, match=words):
             s.next_event()
 

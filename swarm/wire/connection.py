@@ -1,20 +1,34 @@
-"""The sans-IO connection: bytes in, events out; handshake first, then messages.
+"""The sans-IO connection: bytes in, events out; handshake first, then sealed messages.
 
     conn = Connection(CLIENT, node_id="a1", token=b"...")
     sock.send(b"".join(conn.data_to_send()))         # our Hello, queued at once
     conn.receive_data(sock.recv(65536))
     event = conn.next_event()   # NEED_DATA, Authenticated, a message, or Closed
 
-Nothing a peer sends is passed on before both sides have proved they hold the cluster
-token: until then frames are limited to Limits.handshake_frame bytes, may hold no tensors,
-and may only be Hello, Auth or Goodbye. A protocol error raises RemoteProtocolError from
-next_event() and queues a Goodbye saying why; the caller sends it and closes.
+The handshake, in the clear:
+
+    client                                  server
+    Hello(version, id, nonce)  ------->
+                               <-------  Hello(version, id, nonce)
+    Auth(client proof)         ------->  checks it; a wrong one gets Goodbye, no proof
+                               <-------  Auth(server proof)
+    checks it
+    ==========  sealed records both ways (seal.py)  ==========
+
+The server, which strangers reach, proves nothing until the client has proven the token,
+so a stranger gets nothing to test guessed tokens against. Nothing a peer sends is passed
+on before both sides have proved they hold the cluster token: until then frames are
+limited to Limits.handshake_frame bytes, may hold no tensors, and may only be Hello, Auth
+or Goodbye. After it every byte travels in sealed records: a record that was changed,
+injected, replayed, dropped or reordered fails the connection with a message saying which.
+A protocol error raises RemoteProtocolError from next_event() and queues a Goodbye saying
+why; the caller sends it and closes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.wire import handshake
+from swarm.wire import handshake, seal
 from swarm.wire.errors import LocalProtocolError, RemoteProtocolError
 from swarm.wire.frames import INCOMPLETE, FrameDecoder, Limits, encode_frame
 from swarm.wire.handshake import CLIENT, SERVER
@@ -53,7 +67,8 @@ MAX_REASON = 200
 class Connection:
     """One side of one swarm connection, as a state machine.
 
-    States: "hello" (waiting for the peer's Hello), "auth" (waiting for its proof),
+    States: "hello" (waiting for the peer's Hello), "auth" (waiting for its proof; the
+    client has sent its own, the server sends its own once the client's checks out),
     "open", "closed" (Goodbye or end of stream), "failed" (protocol error).
     """
 
@@ -72,8 +87,10 @@ class Connection:
         self._nonce = nonce or handshake.new_nonce()
         self._peer_nonce = b""
         self._closed: Closed | None = None
-        self._out: list = []
+        self._out: list = []  # (buffers of one frame, whether they go sealed)
         self._decoder = FrameDecoder(limits.handshake_frame)
+        self._sealer: seal.Sealer | None = None  # ours and the peer's direction, once open
+        self._opener: seal.Opener | None = None
         self._queue(Hello(MAGIC, PROTOCOL_VERSION, node_id, self._nonce), limits.handshake_frame)
 
     @property
@@ -82,25 +99,38 @@ class Connection:
 
     # -- bytes in and out -------------------------------------------------------------
 
-    def data_to_send(self) -> list:
-        """Buffers to write to the peer, in order (bytes, and memoryviews of tensors)."""
+    def data_to_send(self):
+        """Buffers to write to the peer, in order: an iterable whose sealed records are made
+        as they are taken, so that a large message is never held twice. Take them all, in
+        order, before calling again."""
         out, self._out = self._out, []
-        return out
+        return self._emit(out)
+
+    def _emit(self, out: list):
+        for buffers, sealed in out:
+            if sealed:
+                yield from self._sealer.records(buffers)
+            else:
+                yield from buffers
 
     def receive_data(self, data) -> None:
         """Bytes from the peer; b"" when it closed its side."""
-        if self.state not in ("closed", "failed"):
+        if self.state in ("closed", "failed"):
+            return
+        if self._opener is not None and data:
+            self._opener.feed(data)
+        else:
             self._decoder.feed(data)
 
     def payload_buffer(self) -> memoryview | None:
-        """A view to recv_into() directly when tensor bytes are next (see FrameDecoder)."""
-        return self._decoder.payload_buffer() if self.state == "open" else None
+        """A view to recv_into() directly when the rest of a large sealed record is next."""
+        return self._opener.record_buffer() if self._opener is not None and self.state == "open" else None
 
     def payload_received(self, count: int) -> None:
         if count == 0:
             self.receive_data(b"")
         else:
-            self._decoder.payload_received(count)
+            self._opener.record_received(count)
 
     # -- events -----------------------------------------------------------------------
 
@@ -118,6 +148,8 @@ class Connection:
 
     def _next_event(self):
         while True:
+            if self._opener is not None:
+                self._open_records()
             try:
                 body = self._decoder.next_frame()
             except RemoteProtocolError as exc:
@@ -127,7 +159,7 @@ class Connection:
             if body is INCOMPLETE:
                 if not self._decoder.eof:
                     return NEED_DATA
-                if self._decoder.in_frame:
+                if self._decoder.in_frame or (self._opener is not None and self._opener.in_record):
                     raise RemoteProtocolError("connection closed in the middle of a frame", "closed")
                 if self.state != "open":
                     raise RemoteProtocolError("connection closed during the handshake", "closed")
@@ -171,18 +203,43 @@ class Connection:
             raise RemoteProtocolError(f"expected node {self.expected_peer_id} at this address, found {hello.node_id}",
                                       "identity")
         self.peer_id, self.peer_version, self._peer_nonce = hello.node_id, hello.version, hello.nonce
+        if self.role == CLIENT:  # the client proves first; the server only once it has checked that
+            self._send_proof()
+        self.state = "auth"
+
+    def _send_proof(self) -> None:
         own = handshake.proof(self._token, PROTOCOL_VERSION, self.role, self.node_id, self.peer_id,
                               self._peer_nonce, self._nonce)
         self._queue(Auth(own), self.limits.handshake_frame)
-        self.state = "auth"
 
     def _on_auth(self, msg: Auth) -> None:
         if not handshake.proof_is_valid(self._token, PROTOCOL_VERSION, self.peer_role, self.peer_id, self.node_id,
                                         self._nonce, self._peer_nonce, msg.proof):
             raise RemoteProtocolError("authentication failed: the peer does not hold our cluster token", "auth")
+        if self.role == SERVER:
+            self._send_proof()
+        client_nonce, server_nonce = ((self._nonce, self._peer_nonce) if self.role == CLIENT
+                                      else (self._peer_nonce, self._nonce))
+        client_id, server_id = ((self.node_id, self.peer_id) if self.role == CLIENT
+                                else (self.peer_id, self.node_id))
+        to_server, to_client = seal.session_keys(self._token, PROTOCOL_VERSION, client_id, server_id,
+                                                 client_nonce, server_nonce)
+        ours, theirs = (to_server, to_client) if self.role == CLIENT else (to_client, to_server)
+        self._sealer = seal.Sealer(ours, self.limits.record)
+        self._opener = seal.Opener(theirs, self.limits.record)
+        self._opener.feed(self._decoder.take_unread())  # what followed the proof is sealed
         self.state = "open"
         self._decoder.max_frame = self.limits.frame
         self._decoder.max_payload = self.limits.payload
+
+    def _open_records(self) -> None:
+        """Move every whole sealed record that has arrived into the frame decoder, decrypting
+        straight into the tensor being filled where one is."""
+        while (plain := self._opener.open_next(self._decoder.payload_buffer())) is not None:
+            if isinstance(plain, int):
+                self._decoder.payload_received(plain)
+            elif plain:  # (an empty record is no end of stream)
+                self._decoder.feed(plain)
 
     # -- sending ----------------------------------------------------------------------
 
@@ -203,7 +260,7 @@ class Connection:
     # -- inside -----------------------------------------------------------------------
 
     def _queue(self, msg, max_frame: int) -> None:
-        self._out.extend(encode_frame(to_wire(msg), max_frame))
+        self._out.append((encode_frame(to_wire(msg), max_frame), self._sealer is not None))
 
     def _close(self, closed: Closed) -> Closed:
         self.state = "closed"

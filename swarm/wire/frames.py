@@ -21,12 +21,11 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from swarm import limits as bounds
 from swarm.wire.errors import LocalProtocolError, RemoteProtocolError
 from swarm.wire.tensors import TENSOR_EXT, byte_view, parse_tensor_header, tensor_header, wire_array
 
 LENGTH = struct.Struct(">I")
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 class Incomplete:
@@ -41,10 +40,11 @@ INCOMPLETE = Incomplete()
 
 @dataclass(frozen=True)
 class Limits:
-    """How much a peer may make us buffer or allocate."""
-    handshake_frame: int = 1 * KiB  # body size before authentication (Hello, Auth, Goodbye)
-    frame: int = 16 * MiB           # body size after authentication (msgpack part only)
-    payload: int = 2 * GiB          # tensor bytes carried by one frame
+    """How much a peer may make us buffer or allocate (why each size: swarm/limits.py)."""
+    handshake_frame: int = bounds.HANDSHAKE_FRAME  # body size before authentication (Hello, Auth, Goodbye)
+    frame: int = bounds.FRAME                      # body size after authentication (msgpack part only)
+    payload: int = bounds.PAYLOAD                  # tensor bytes carried by one frame
+    record: int = bounds.SEAL_RECORD               # plaintext bytes in one sealed record
 
 
 def encode_frame(obj, max_frame: int) -> list:
@@ -108,6 +108,14 @@ class FrameDecoder:
     def in_frame(self) -> bool:
         """True while part of a frame has arrived but not all of it."""
         return self._body is not None or self._start < len(self._buffer)
+
+    def take_unread(self) -> bytes:
+        """The bytes buffered but not yet read as a frame, removed (they belong to what
+        follows the handshake, which another reader takes)."""
+        unread = bytes(self._buffer[self._start:])
+        self._buffer.clear()
+        self._start = 0
+        return unread
 
     # -- output -----------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from swarm.wire.errors import RemoteProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the server proves itself second; sealed records after the handshake
 MAGIC = "swarm"
 
 MESSAGES: dict[int, type] = {}  # code -> message class
