@@ -10,8 +10,8 @@
 #   deploy/install.sh --root DIR                    # install under DIR (an image): no apt, no systemctl
 #
 # Options:
-#   --token-file F, --user U, --gpu auto|yes|no, --port N, --interface NAME, --name NAME
-#                   passed to `swarm service install` (see `swarm service install --help`)
+#   --token-file F, --user U, --gpu auto|yes|no, --port N, --interface NAME, --name NAME,
+#   --memory SIZE   passed to `swarm service install` (see `swarm service install --help`)
 #   --from SRC      what to install: a source tree, a wheel or a pip requirement
 #                   (default: the source tree this script is in)
 #   --python PY     the Python (3.10 or newer) to build the environment from (default: python3)
@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
         --pip-args) need_value "$@"; PIP_ARGS=$2; shift 2 ;;
         --token-file) need_value "$@"; [ -f "$2" ] || die "token file $2 does not exist"
                       SERVICE_ARGS+=(--token-file "$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"); shift 2 ;;
-        --user|--gpu|--port|--interface|--name) need_value "$@"; SERVICE_ARGS+=("$1" "$2"); shift 2 ;;
+        --user|--gpu|--port|--interface|--name|--memory) need_value "$@"; SERVICE_ARGS+=("$1" "$2"); shift 2 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac

@@ -11,6 +11,33 @@ GPU_DROPIN = "gpu.conf"                # in swarm.service.d/
 GPU_GROUPS = ("video", "render")       # owners of /dev/nvhost-*, /dev/nvmap, /dev/dri/renderD*
 WATCHDOG_SEC = 30
 DEFAULT_EXEC = ("/opt/swarm/venv/bin/swarm",)   # where deploy/install.sh puts it
+MiB, GiB = 1 << 20, 1 << 30
+
+# Resource limits (systemd's defaults are 1024 descriptors and no memory limit).
+# Descriptors: one per connection, and an agent talks to a coordinator and, in a job, to other
+# agents (at most one connection each way per device: ~2,000 for a swarm of 1,000 devices);
+# torch adds its libraries, data files and shared-memory segments (a few hundred), trio and
+# zeroconf a few. 16384 is eight times that, and still bounds what idle sockets can cost
+# (~10 KiB each, kernel and Python: 160 MiB). Nothing in the agent uses select(), the reason
+# for systemd's soft limit of 1024.
+OPEN_FILES = 16384
+# Threads: trio's worker threads (at most 40 at a time under its default limiter, plus the
+# one compute thread), torch's intra-op and inter-op pools (a thread per core each: 8 on a
+# Pi, 24 on a 12-core Orin, 128 on a 64-core PC) and a handful for the event loop, zeroconf
+# and CUDA: under 200 on any device. 512 is room to spare and still stops a thread leak long
+# before the system's own limit.
+TASKS = 512
+# Memory: MemoryMax = total - max(OS_RESERVE, total / OS_RESERVE_DIVISOR), at least half the
+# total, rounded down to MEMORY_STEP (so MemTotal moving by some KiB after a kernel update
+# seldom changes the unit). The reserve keeps the system (sshd, journald, the network, the
+# page cache of its own files) alive when the agent outgrows its share: the agent is killed
+# and restarted, not the device. MemoryHigh sits 1/16 below: above it the kernel reclaims the
+# agent's page cache (torch's libraries, checkpoints being written) and slows its
+# allocations, so it meets the hard limit later or not at all.
+OS_RESERVE = 256 * MiB                 # Raspberry Pi OS Lite uses ~100 MiB idle
+OS_RESERVE_DIVISOR = 8                 # 1/8: ~1 GiB of an 8 GiB Jetson, whose desktop needs it
+MEMORY_STEP = 16 * MiB
+REFERENCE_MEMORY = 4 * GiB             # deploy/swarm.service is the unit of a 4 GiB device
 
 UNIT = """\
 # The swarm agent (`swarm join`) as a system service. Written by `swarm service install`,
@@ -41,6 +68,16 @@ CacheDirectory=swarm
 CacheDirectoryMode=0700
 Environment=XDG_CACHE_HOME=%C/swarm CUDA_CACHE_PATH=%C/swarm/cuda
 UMask=0077
+
+# Resource limits, for this device's {memory_total} of memory: the system keeps the larger of
+# 256 MiB and 1/8 of it; above MemoryHigh (1/16 below MemoryMax) the kernel reclaims the
+# agent's page cache and slows it, at MemoryMax the agent is killed and restarted. Descriptors
+# for thousands of connections plus torch's files; threads for trio's workers and torch's
+# pools with room to spare. (`swarm service install --memory SIZE` for another device.)
+MemoryHigh={memory_high}
+MemoryMax={memory_max}
+LimitNOFILE={open_files}
+TasksMax={tasks}
 
 # Hardening (`systemd-analyze security swarm` rates it 1.4; 1.7 with the GPU drop-in).
 # Not set, on purpose: MemoryDenyWriteExecute (torch's CPU kernels and CUDA compile code
@@ -102,11 +139,36 @@ def unit_quote(word: str) -> str:
     return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def memory_limits(total: int) -> tuple[int, int]:
+    """(MemoryHigh, MemoryMax) in bytes for a device with `total` bytes of memory.
+
+    >>> [n // MiB for n in memory_limits(906 * MiB)]      # a 1 GiB Raspberry Pi 3
+    [600, 640]
+    """
+    reserve = max(OS_RESERVE, total // OS_RESERVE_DIVISOR)
+    most = max(total - reserve, total // 2) // MEMORY_STEP * MEMORY_STEP
+    return most - most // 16, most
+
+
+def size_text(n: int) -> str:
+    """Bytes as a person reads them: '906 MiB', '7.4 GiB'."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n // MiB} MiB"
+
+
+def unit_size(n: int) -> str:
+    """Bytes as a systemd setting: whole MiB ('640M')."""
+    return f"{n // MiB}M"
+
+
 def unit_text(command: tuple[str, ...] | list[str] = DEFAULT_EXEC, user: str = DEFAULT_USER,
-              config: str = CONFIG_PATH) -> str:
-    """The unit running `command join --config CONFIG` as `user`."""
+              config: str = CONFIG_PATH, *, memory: int) -> str:
+    """The unit running `command join --config CONFIG` as `user`, its memory limits made for
+    a device with `memory` bytes (MemTotal)."""
     exec_start = " ".join(unit_quote(w) for w in [*command, "join", "--config", config])
-    return UNIT.format(exec_start=exec_start, user=user, watchdog=WATCHDOG_SEC)
+    high, most = memory_limits(memory)
+    return UNIT.format(exec_start=exec_start, user=user, watchdog=WATCHDOG_SEC, memory_total=size_text(memory),
+                       memory_high=unit_size(high), memory_max=unit_size(most), open_files=OPEN_FILES,
+                       tasks=TASKS)
 
 
 def gpu_dropin_text(groups: tuple[str, ...] | list[str]) -> str:

@@ -12,7 +12,7 @@ import pytest
 from swarm.commands.join_cmd import agent_config
 from swarm.config import JoinSettings, apply_settings, parse_settings, read_settings, render_settings
 from swarm.errors import SwarmError
-from swarm.service_unit import unit_text
+from swarm.service_unit import memory_limits, unit_text
 from tests.conftest import run_swarm
 
 TOKEN = "a" * 64
@@ -96,6 +96,7 @@ def test_a_jetson_gets_the_gpu_drop_in(tmp_path):
     (["--user", "no-such-user-here"], "there is no user 'no-such-user-here'"),
     (["--token-file", "/nonexistent/token"], "token file /nonexistent/token does not exist"),
     (["--gpu", "maybe"], "invalid choice"),
+    (["--memory", "lots"], "'lots' is not a size (e.g. 1G, 512M)"),
 ])
 def test_user_mistakes_are_one_line(tmp_path, args, words):
     r = install(tmp_path / "img", *args)
@@ -197,9 +198,24 @@ def test_join_with_a_missing_config_file_is_one_line(tmp_path):
 
 
 def test_unit_quotes_odd_paths():
-    text = unit_text(["/opt/my swarm/bin/swarm"], "pi")
+    text = unit_text(["/opt/my swarm/bin/swarm"], "pi", memory=2**30)
     assert 'ExecStart="/opt/my swarm/bin/swarm" join --config /etc/swarm/swarm.toml\n' in text
-    assert "ExecStart=/opt/50%%/swarm join" in unit_text(["/opt/50%/swarm"])
+    assert "ExecStart=/opt/50%%/swarm join" in unit_text(["/opt/50%/swarm"], memory=2**30)
+
+
+def test_memory_limit_is_this_systems_unless_given(tmp_path):
+    """A live install takes the memory from the system; an image needs --memory, or is told so."""
+    r = install(tmp_path / "img", "--gpu", "no")
+    assert r.returncode == 0, r.stderr
+    assert "the unit's memory limit is made for this system's" in r.stdout and "--memory SIZE" in r.stdout
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    unit = (tmp_path / "img/etc/systemd/system/swarm.service").read_text()
+    assert f"MemoryMax={memory_limits(total)[1] >> 20}M\n" in unit
+    r = install(tmp_path / "img", "--gpu", "no", "--memory", "2G")
+    assert r.returncode == 0 and "memory limit is made" not in r.stdout, r.stdout
+    assert f"+ write {tmp_path}/img/etc/systemd/system/swarm.service" in r.stdout
+    unit = (tmp_path / "img/etc/systemd/system/swarm.service").read_text()
+    assert "MemoryHigh=1680M\nMemoryMax=1792M\n" in unit and "2.0 GiB of memory" in unit
 
 
 def test_state_directory_is_handed_to_the_service_user(tmp_path):

@@ -31,6 +31,8 @@ HIDDEN_FROM_SERVICE = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")  # Pro
 
 
 def add_parser(sub) -> None:
+    from swarm.commands.testbed_cmd import memory_size
+
     p = sub.add_parser("service", help="run the agent at boot as a systemd service (install, uninstall)",
                        description="Install or remove the swarm systemd service, which runs `swarm join` at boot, "
                                    "restarts it when it fails and locks it down. See docs/deploy.md.")
@@ -50,6 +52,9 @@ def add_parser(sub) -> None:
     i.add_argument("--name", help="name shown by `swarm status` (written to the config file)")
     i.add_argument("--gpu", choices=("auto", "yes", "no"), default="auto",
                    help="give the agent the GPU's device nodes (default: auto, where a Jetson or NVIDIA GPU is found)")
+    i.add_argument("--memory", metavar="SIZE", type=memory_size,
+                   help="the device's memory (e.g. 1G, 8G), from which the unit's MemoryMax is computed "
+                        "(default: this system's; give it with --root for an image of another device)")
     _add_common(i)
     u = actions.add_parser("uninstall", help="stop, disable and remove the service", description=(
         "Stop and disable the service and remove its unit. The config file and the state directory "
@@ -185,7 +190,8 @@ def install_steps(args, target: Target) -> tuple[list[Step], list[str]]:
     unit_file = unit_dir / su.UNIT_NAME
     dropin = unit_dir / f"{su.UNIT_NAME}.d" / su.GPU_DROPIN
     units_before = len(steps)
-    write_step(steps, unit_file, su.unit_text(agent_command(target, notes), user))
+    write_step(steps, unit_file, su.unit_text(agent_command(target, notes), user,
+                                              memory=device_memory(args, target, notes)))
     gpu = args.gpu
     if gpu == "auto":
         sign = next((p for p in GPU_SIGNS if target.path(p).exists()), None)
@@ -263,6 +269,19 @@ def agent_command(target: Target, notes: list[str]) -> list[str]:
                          f"is: install swarm under /opt with deploy/install.sh")
             break
     return command
+
+
+def device_memory(args, target: Target, notes: list[str]) -> int:
+    """The memory (bytes) the unit's limits are made for: --memory, else this system's."""
+    if args.memory:
+        return args.memory
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")   # MemTotal
+    if not target.live:
+        from swarm.service_unit import size_text
+
+        notes.append(f"note: the unit's memory limit is made for this system's {size_text(total)}: for an image "
+                     f"of a device with other memory, give --memory SIZE")
+    return total
 
 
 # -- uninstall --------------------------------------------------------------------------
