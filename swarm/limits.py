@@ -28,3 +28,71 @@ PAYLOAD = 2 * GiB
 # check it, so this bounds that buffer; at 1 MiB the per-record cost (a 20-byte header and
 # tag, one AEAD call) is lost in the bytes, and a 100 Mbit/s link moves one in ~80 ms.
 SEAL_RECORD = 1 * MiB
+
+# -- connections being accepted (swarm/net/peer.py, serve_peers) ----------------------------
+
+# Handshakes in progress at once, from everyone. Each holds a descriptor and a buffer of at
+# most HANDSHAKE_FRAME bytes; a handshake on a LAN takes a few round trips (milliseconds),
+# so even a job starting on a few dozen devices, each opening its links at once, has far
+# fewer in flight. 128 leaves an agent with the default limit of 1024 descriptors nearly
+# 900 for its own connections, files and threads, however many connections arrive.
+HANDSHAKES = 128
+
+# Handshakes in progress at once from one address (a host's IP, whatever its port). A device
+# opens one connection per role it plays (its coordinator's, one per job link); 32 covers a
+# loopback testbed of a dozen devices on 127.0.0.1 connecting at once, and one neighbour
+# still takes no more than a quarter of HANDSHAKES.
+HANDSHAKES_PER_HOST = 32
+
+# Seconds from accepting a connection to the peer's whole Hello. A swarm client sends its
+# Hello as soon as its connect() returns, so the Hello arrives right behind the TCP
+# handshake's last packet: milliseconds, well under a second on a congested Wi-Fi link. A
+# connection that sends nothing, or half a Hello, gives its slot back after this. The rest
+# of the handshake (the client's proof) has the full handshake timeout of swarm/net/peer.py
+# (5 s), as a client has.
+HELLO_TIMEOUT = 2.0
+
+# Seconds to wait after accept() fails for want of descriptors or memory (EMFILE, ENFILE,
+# ENOBUFS, ENOMEM) before trying again: what trio's own listener waits, short enough that
+# a status probe is answered soon after descriptors free up.
+ACCEPT_RETRY = 0.1
+
+# -- log lines a remote side can cause (swarm/net/ratelimit.py) -----------------------------
+
+# Seconds between two log lines of one kind about what remote sides do (refusals, unknown
+# jobs, closed connections, protocol errors): the first is logged at once, the rest are
+# counted into one line per interval. At 1 s a flood costs at most a few hundred bytes of
+# log a second per kind, and a person reading the log still sees every kind as it starts.
+LOG_INTERVAL = 1.0
+
+# -- the agent (swarm/agent/agent.py) -------------------------------------------------------
+
+# Job messages held for an assignment that has not arrived yet. A device's peers may start
+# sending as soon as their own assignment lands, a few milliseconds before ours; what
+# arrives in that gap is a handful of messages per peer (activations, halos, a stage's
+# layers at a re-plan), never hundreds.
+EARLY_MESSAGES = 1024
+
+# Bytes (tensors, strings and a small overhead per value) of the messages held for an
+# assignment. A message is held only if it arrives whole before our assignment, which lands
+# milliseconds after the sender's; the largest that can is a stage's layers pushed by a peer
+# at a re-plan: 26 MiB for all of yolov2-16 with momentum, and a 1 GiB device's share of the
+# full yolov2 (389 MiB in all with momentum) is less than 256 MiB. No more than a quarter
+# of such a device goes to messages that no job has asked for yet.
+EARLY_BYTES = 256 * MiB
+
+# Seconds a message may wait for its job's assignment. The coordinator assigns devices one
+# after another and waits up to 30 s for each answer (swarm/cluster/jobs.py); twice that
+# covers one device that never answers before ours. Older ones are dropped.
+EARLY_AGE = 60.0
+
+# Replies (Pong, Info, JobState) queued for one connection. A peer gets one reply per request
+# and a coordinator sends a few requests a second at most; 256 waiting means the peer has
+# not read for a long while (its socket buffers are full too), and it is disconnected
+# rather than buffered for.
+OUTBOX = 256
+
+# Hosts whose refused connections are counted one by one between two log lines (the rest
+# are counted together): the line names the few that refused most, so 64 is plenty, and
+# a flood from many addresses costs a small fixed table.
+REFUSAL_HOSTS = 64

@@ -7,14 +7,19 @@ Job lifecycle (messages from the coordinator; each answered with JobState):
                      ^                      │
                      └─────── JobStop ──────┘ (stopped)          JobRelease: back to idle
     JobAssign of the same job at a newer epoch: the run is cancelled, the job re-assigned.
+
+What a remote side can make an agent hold is bounded (swarm/limits.py): job messages that
+arrive before their assignment by count, bytes and age; replies waiting for a peer that does
+not read by count (the peer is disconnected); log lines by kind and second.
 """
 from __future__ import annotations
 
 import gc
 import logging
-import math
+from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from typing import Callable
 
 import trio
 
@@ -22,17 +27,19 @@ from swarm import __version__, malloc
 from swarm.agent.device_info import accelerator
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.discovery import Advert, advertise, open_zeroconf
+from swarm.limits import EARLY_AGE, EARLY_BYTES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX
 from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection, connect_peer, parse_endpoint
 from swarm.net.peer import serve_peers
+from swarm.net.ratelimit import LogLimiter
 from swarm.wire import (PROTOCOL_VERSION, Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobStart, JobState,
-                        JobStop, Limits, Ping, Pong, RemoteProtocolError, Watch)
+                        JobStop, Limits, Ping, Pong, RemoteProtocolError, Tensor, Watch)
 
 log = logging.getLogger("swarm.agent")
 
 DEFAULT_PORT = 4750
 MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
-MAX_EARLY = 1024         # job messages held for an assignment that has not arrived yet
 MAX_NAME = 128           # longest job id or job kind
+VALUE_BYTES = 64         # what holding one decoded value costs besides its own bytes (CPython object, pointer)
 
 
 @dataclass
@@ -49,6 +56,10 @@ class AgentConfig:
     limits: Limits = Limits()
     cores: int | None = None
     memory: int | None = None
+    early_messages: int = EARLY_MESSAGES  # job messages held for an assignment not yet here
+    early_bytes: int = EARLY_BYTES        # ... and their bytes (held_bytes)
+    early_age: float = EARLY_AGE          # seconds one may wait before it is dropped
+    outbox: int = OUTBOX                  # replies queued for a peer before it is disconnected
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -58,13 +69,46 @@ def describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class Peer:
-    """One authenticated connection as the agent sees it: replies go through an outbox
-    (one sender task), so the reading task never blocks on a send."""
+def held_bytes(message) -> int:
+    """Roughly the memory a decoded message holds: its tensors' and strings' bytes, plus
+    VALUE_BYTES for every value in it (containers, numbers, keys)."""
+    total, values = 0, [getattr(message, name, None) for name in message.FIELDS]
+    while values:
+        value = values.pop()
+        total += VALUE_BYTES
+        if isinstance(value, Tensor):
+            total += value.nbytes
+        elif isinstance(value, (str, bytes, bytearray)):
+            total += len(value)
+        elif isinstance(value, dict):
+            values += value.keys()
+            values += value.values()
+        elif isinstance(value, (list, tuple)):
+            values += value
+    return total
 
-    def __init__(self, conn: PeerConnection):
+
+@dataclass
+class EarlyMessage:
+    """A job message held until its job is assigned here."""
+    arrived: float   # trio time
+    sender: str
+    message: object
+    nbytes: int      # held_bytes(message)
+
+
+class Peer:
+    """One authenticated connection as the agent sees it: replies go through an outbox of
+    `outbox` messages (one sender task), so the reading task never blocks on a send; when
+    it is full, `on_full(peer)` is called once (the agent disconnects the peer)."""
+
+    def __init__(self, conn: PeerConnection, outbox: int = OUTBOX,
+                 on_full: Callable[["Peer"], None] | None = None):
         self.conn = conn
-        self.outbox, self._outbox_out = trio.open_memory_channel(math.inf)
+        self.outbox, self._outbox_out = trio.open_memory_channel(outbox)
+        self.on_full = on_full
+        self.full = False
+        self.scope: trio.CancelScope | None = None  # the conversation's: cancelling it ends the connection
         self.watch_interval = 0.0
         self.watching = False
         self.heartbeat_seq = 0
@@ -74,7 +118,14 @@ class Peer:
         return self.conn.peer_id
 
     def reply(self, message) -> None:
-        self.outbox.send_nowait(message)
+        """Queue a reply; dropped (and on_full called, once) if the outbox is full."""
+        try:
+            self.outbox.send_nowait(message)
+        except trio.WouldBlock:
+            if not self.full:
+                self.full = True
+                if self.on_full is not None:
+                    self.on_full(self)
 
     async def send_replies(self) -> None:
         async for message in self._outbox_out:
@@ -118,10 +169,12 @@ class Agent:
         self.port: int | None = None
         self.job: AgentJob | None = None
         self.refused_messages = 0   # job messages refused (older epoch, no room), for tests and logs
+        self.expired_messages = 0   # job messages dropped after waiting config.early_age for their job
         self._peers: dict[str, list[Peer]] = {}
-        self._early: list[tuple[str, object]] = []
+        self._early: deque[EarlyMessage] = deque()  # in order of arrival
+        self._early_bytes = 0                       # sum of their nbytes
         self._nursery: trio.Nursery | None = None
-        self._stale_logged: set[tuple[str, str, int]] = set()
+        self._lines = LogLimiter(log, clock=trio.current_time)  # lines about what remote sides do
 
     @property
     def node_id(self) -> str:
@@ -142,6 +195,7 @@ class Agent:
             self._nursery = nursery
             self.port = await nursery.start(serve_peers, self._serve, self.credentials, network.listen_hosts,
                                             self.config.port)
+            nursery.start_soon(self._housekeeping)
             if zc is not None:
                 await nursery.start(advertise, zc, self.advert())
             log.info("agent %s (node %s) listening on %s port %d, %d cores, %.1f GiB, %s; discovery on %s%s",
@@ -163,13 +217,27 @@ class Agent:
 
     # -- connections ------------------------------------------------------------------
 
+    @property
+    def early(self) -> tuple[int, int]:
+        """(messages, bytes) held for an assignment that has not arrived yet."""
+        return len(self._early), self._early_bytes
+
+    async def _housekeeping(self) -> None:
+        """Now and then: drop early messages that waited too long, and log the lines held back."""
+        period = max(0.01, min(LOG_INTERVAL, self.config.early_age / 4))
+        while True:
+            await trio.sleep(period)
+            if self._expire_early(trio.current_time()):
+                malloc.give_back()  # a flood of them may have grown the heap
+            self._lines.flush()
+
     async def _serve(self, conn: PeerConnection) -> None:
-        log.info("connection from %s (node %s)", conn.address, conn.peer_id)
+        self._lines.log(logging.INFO, "connection", "connection from %s (node %s)", conn.address, conn.peer_id)
         await self._converse(conn)
 
     async def _converse(self, conn: PeerConnection, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read one connection until it ends, dispatching each message."""
-        peer = Peer(conn)
+        peer = Peer(conn, self.config.outbox, self._outbox_full)
         self._peers.setdefault(peer.node_id, []).append(peer)
         job = self.job
         if job is not None and peer.node_id == job.coordinator_id:
@@ -177,6 +245,7 @@ class Agent:
         task_status.started()
         try:
             async with trio.open_nursery() as nursery:
+                peer.scope = nursery.cancel_scope
                 nursery.start_soon(self._send_replies, peer, nursery.cancel_scope)
                 await self._read(peer, nursery)
                 nursery.cancel_scope.cancel()
@@ -196,9 +265,18 @@ class Agent:
             async for message in conn:
                 await self._dispatch(peer, message, nursery)
         except RemoteProtocolError as exc:
-            log.warning("closed connection with %s (node %s): %s", conn.address, peer.node_id, exc)
+            self._lines.log(logging.WARNING, "protocol", "closed connection with %s (node %s): %s", conn.address,
+                            peer.node_id, exc)
         except Exception:  # a bug must not take the agent down with it
-            log.exception("error on the connection with %s (node %s); closed", conn.address, peer.node_id)
+            self._lines.log(logging.ERROR, "bug", "error on the connection with %s (node %s); closed", conn.address,
+                            peer.node_id, exc_info=True)
+
+    def _outbox_full(self, peer: Peer) -> None:
+        """A peer that leaves our replies unread: disconnect it rather than buffer for it."""
+        self._lines.log(logging.WARNING, "outbox", "disconnected %s (node %s): it left %d replies unread",
+                        peer.conn.address, peer.node_id, self.config.outbox)
+        if peer.scope is not None:
+            peer.scope.cancel()
 
     async def _send_replies(self, peer: Peer, scope: trio.CancelScope) -> None:
         try:
@@ -308,6 +386,7 @@ class Agent:
                 job = None
         if not 0 < len(msg.job_id) <= MAX_NAME or not 0 < len(msg.kind) <= MAX_NAME or msg.epoch < 0:
             refuse = f"a job needs an id and a kind of 1-{MAX_NAME} characters and an epoch >= 0"
+            msg.job_id = msg.job_id[:MAX_NAME]  # the reply need not carry all of a megabyte-long id back
         elif job is not None and job.job_id != msg.job_id:
             refuse = f"busy with job {job.job_id} of coordinator {job.coordinator_id}"
         elif job is not None and msg.epoch < job.epoch:
@@ -315,7 +394,8 @@ class Agent:
         elif runner is None and refuse is None:
             refuse = f"unknown job kind '{msg.kind}' (this agent runs swarm {__version__})"
         if refuse:
-            log.warning("refused job %.40s epoch %d from node %s: %s", msg.job_id, msg.epoch, peer.node_id, refuse)
+            self._lines.log(logging.WARNING, "refused job", "refused job %.40s epoch %d from node %s: %s", msg.job_id,
+                            msg.epoch, peer.node_id, refuse)
             self._reply_state(peer, msg.job_id, msg.epoch, "refused", refuse)
             return
         interval = max(MIN_INTERVAL, msg.heartbeat_interval)
@@ -342,6 +422,10 @@ class Agent:
 
     def _lifecycle(self, peer: Peer, msg) -> None:
         job = self.job
+        if len(msg.job_id) > MAX_NAME:  # no job has such an id: not worth a reply that carries it back
+            self._lines.log(logging.WARNING, "long job id", "ignored %s from node %s: a job id of %d characters",
+                            type(msg).__name__, peer.node_id, len(msg.job_id))
+            return
         if job is None or job.job_id != msg.job_id or job.epoch != msg.epoch:
             held = f"job {job.job_id} epoch {job.epoch}" if job else "no job"
             self._reply_state(peer, msg.job_id, msg.epoch, "refused", f"this agent holds {held}")
@@ -374,7 +458,7 @@ class Agent:
         job.state = "released"
         if self.job is job:
             self.job = None
-        self._early = [(s, m) for s, m in self._early if m.job_id != job.job_id]
+        self._keep_early(lambda early: early.message.job_id != job.job_id)
 
     async def _job_lifetime(self, job: AgentJob, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Heartbeats to the coordinator and the orphan watch, from assignment to release."""
@@ -442,30 +526,69 @@ class Agent:
         """Route a job-data message to the current job's context, after the epoch check."""
         job = self.job
         if job is None or message.job_id != job.job_id or message.epoch > job.epoch:
-            if len(self._early) >= MAX_EARLY:
-                self._refuse(sender, message, f"more than {MAX_EARLY} messages wait for an assignment")
-            else:
-                self._early.append((sender, message))
+            self._hold_early(sender, message)
             return
         if message.epoch < job.epoch:
-            self._refuse(sender, message, f"epoch {message.epoch} is older than the job's epoch {job.epoch}")
+            self._refuse(sender, message, "stale", f"epoch {message.epoch} is older than the job's epoch {job.epoch}")
             return
         job.ctx.deliver(sender, message)
 
-    def _release_early(self, job: AgentJob) -> None:
-        keep = []
-        for sender, message in self._early:
-            if message.job_id != job.job_id or message.epoch > job.epoch:
-                keep.append((sender, message))
-            elif message.epoch == job.epoch:
-                job.ctx.deliver(sender, message)
-            else:
-                self._refuse(sender, message, f"epoch {message.epoch} is older than the job's epoch {job.epoch}")
-        self._early = keep
+    # -- messages that arrive before their job ------------------------------------------
+    # A peer's assignment may land a little before ours, and its messages with it. They wait
+    # here, within config.early_messages, config.early_bytes and config.early_age; what does
+    # not fit is refused, what waits too long is dropped.
 
-    def _refuse(self, sender: str, message, why: str) -> None:
+    def _hold_early(self, sender: str, message) -> None:
+        now = trio.current_time()
+        self._expire_early(now)
+        nbytes = held_bytes(message)
+        config = self.config
+        if len(self._early) >= config.early_messages:
+            self._refuse(sender, message, "no room", f"{config.early_messages} messages wait for an assignment")
+        elif self._early_bytes + nbytes > config.early_bytes:
+            self._refuse(sender, message, "no room",
+                         f"its {nbytes / 2**20:.1f} MiB would take the messages waiting for an assignment over "
+                         f"{config.early_bytes / 2**20:.0f} MiB ({self._early_bytes / 2**20:.1f} MiB now)")
+        else:
+            self._early.append(EarlyMessage(now, sender, message, nbytes))
+            self._early_bytes += nbytes
+
+    def _expire_early(self, now: float) -> int:
+        """Drop the early messages older than config.early_age; how many."""
+        dropped = dropped_bytes = 0
+        latest = None
+        while self._early and now - self._early[0].arrived > self.config.early_age:
+            latest = self._early.popleft()
+            dropped += 1
+            dropped_bytes += latest.nbytes
+        if dropped:
+            self._early_bytes -= dropped_bytes
+            self.expired_messages += dropped
+            self._lines.log(logging.WARNING, "expired", "dropped %d message%s (%.1f MiB) that waited more than %g s "
+                            "for their job (the last: %s of job %.40s epoch %s from node %s)", dropped,
+                            "" if dropped == 1 else "s", dropped_bytes / 2**20, self.config.early_age,
+                            type(latest.message).__name__, latest.message.job_id, latest.message.epoch,
+                            latest.sender)
+        return dropped
+
+    def _keep_early(self, keep: Callable[[EarlyMessage], bool]) -> list[EarlyMessage]:
+        """Keep the early messages `keep` accepts; the others, removed, in order of arrival."""
+        kept, taken = deque(), []
+        for early in self._early:
+            (kept if keep(early) else taken).append(early)
+        self._early = kept
+        self._early_bytes = sum(early.nbytes for early in kept)
+        return taken
+
+    def _release_early(self, job: AgentJob) -> None:
+        for early in self._keep_early(lambda e: e.message.job_id != job.job_id or e.message.epoch > job.epoch):
+            if early.message.epoch == job.epoch:
+                job.ctx.deliver(early.sender, early.message)
+            else:
+                self._refuse(early.sender, early.message, "stale",
+                             f"epoch {early.message.epoch} is older than the job's epoch {job.epoch}")
+
+    def _refuse(self, sender: str, message, kind: str, why: str) -> None:
         self.refused_messages += 1
-        key = (sender, message.job_id, message.epoch)
-        if key not in self._stale_logged:  # one line per sender and epoch, not per message
-            self._stale_logged.add(key)
-            log.warning("refused %s of job %s from node %s: %s", type(message).__name__, message.job_id, sender, why)
+        self._lines.log(logging.WARNING, f"refused {kind}", "refused %s of job %.40s epoch %s from node %s: %s",
+                        type(message).__name__, message.job_id, message.epoch, sender, why)

@@ -25,7 +25,10 @@ from typing import Awaitable, Callable
 
 import trio
 
+from swarm import limits
 from swarm.errors import SwarmError
+from swarm.net.gate import HandshakeGate, Ticket
+from swarm.net.ratelimit import LogLimiter
 from swarm.wire import (CLIENT, NEED_DATA, SERVER, Authenticated, Closed, Connection, Limits, LocalProtocolError,
                         RemoteProtocolError)
 
@@ -341,12 +344,22 @@ async def connect_peer(host: str, port: int, credentials: Credentials, *, source
 
 Handler = Callable[[PeerConnection], Awaitable[None]]
 
+# accept() errors that mean this process or the system is out of descriptors or memory
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
 
 async def serve_peers(handler: Handler, credentials: Credentials, hosts: list[str], port: int, *,
-                      handshake_timeout: float = HANDSHAKE_TIMEOUT, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                      handshake_timeout: float = HANDSHAKE_TIMEOUT, hello_timeout: float = limits.HELLO_TIMEOUT,
+                      gate: HandshakeGate | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Accept connections on `hosts`:`port`, authenticate each, and run `handler` on those
-    that pass. Strangers, wrong tokens and protocol errors are logged (one line) and closed;
-    the others are not affected. task_status.started(port actually bound)."""
+    that pass. Strangers, wrong tokens and protocol errors are logged (one line, at most one
+    a second of each kind) and closed; the others are not affected. task_status.started(port
+    actually bound).
+
+    Handshakes in progress are capped (`gate`: limits.HANDSHAKES, limits.HANDSHAKES_PER_HOST):
+    a connection over a cap is closed as soon as it is accepted, and the refusals are counted
+    into one log line a second. A connection whose Hello is not complete `hello_timeout`
+    seconds after it was accepted is closed; the whole handshake has `handshake_timeout`."""
     listeners: list[trio.SocketListener] = []
     try:
         for host in hosts:
@@ -357,34 +370,132 @@ async def serve_peers(handler: Handler, credentials: Credentials, hosts: list[st
             await listener.aclose()
         hint = " (is another swarm join running? pick another --port)" if exc.errno == errno.EADDRINUSE else ""
         raise SwarmError(f"cannot listen on {','.join(hosts)} port {port}: {exc.strerror or exc}{hint}") from None
+    gate = gate or HandshakeGate()
+    lines = LogLimiter(log, clock=trio.current_time)
 
-    async def accept(stream: trio.SocketStream) -> None:
-        address = _address_of(stream)
-        protocol = Connection(SERVER, credentials.node_id, credentials.token, limits=credentials.limits)
-        conn = PeerConnection(stream, protocol, address)
+    async def serve(stream: trio.SocketStream, ticket: Ticket) -> None:
+        conn = PeerConnection(stream, Connection(SERVER, credentials.node_id, credentials.token,
+                                                 limits=credentials.limits), _address_of(stream))
         try:
-            with trio.fail_after(handshake_timeout):
-                await conn.handshake()
-        except HandshakeFailed as exc:
-            log.warning("refused connection from %s: %s", address, exc)
-            return
-        except trio.TooSlowError:
-            log.warning("refused connection from %s: no handshake within %g s", address, handshake_timeout)
-            await conn.aclose()
-            return
-        except ConnectionLost as exc:
-            log.info("connection from %s ended during the handshake (%s)", address, exc)
-            return
-        try:
-            await handler(conn)
-        except RemoteProtocolError as exc:
-            log.warning("closed connection from %s (node %s): %s", address, conn.peer_id, exc)
-        except ConnectionLost:
-            pass
-        except Exception:  # a bug in a handler must not stop the others being served
-            log.exception("error serving %s (node %s); connection closed", address, conn.peer_id)
+            try:
+                authenticated = await _server_handshake(conn, ticket, handshake_timeout, hello_timeout, lines)
+            finally:
+                gate.release(ticket)
+            if authenticated:
+                await _run_handler(handler, conn, lines)
         finally:
-            await conn.aclose()
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
 
-    task_status.started(port)
-    await trio.serve_listeners(accept, listeners)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_end_missing_hellos, gate, hello_timeout)
+            nursery.start_soon(_report_refusals, gate, lines)
+            for listener in listeners:
+                nursery.start_soon(_accept_loop, listener, gate, nursery, serve, handshake_timeout, lines, port)
+            task_status.started(port)
+    finally:
+        with trio.CancelScope(shield=True):
+            for listener in listeners:
+                await listener.aclose()
+
+
+async def _accept_loop(listener: trio.SocketListener, gate: HandshakeGate, nursery: trio.Nursery, serve,
+                       handshake_timeout: float, lines: LogLimiter, port: int) -> None:
+    """Accept connections for ever: each one the gate admits is served in `nursery`, the others
+    are closed at once. Out of descriptors or memory (EMFILE and the like), wait a little and
+    try again, saying so in one line, not a traceback each time."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                raise
+            lines.log(logging.ERROR, "accept", "cannot accept connections on port %d: %s (%s); trying again "
+                      "every %g s", port, errno.errorcode[exc.errno], os.strerror(exc.errno), limits.ACCEPT_RETRY)
+            await trio.sleep(limits.ACCEPT_RETRY)
+            continue
+        now = trio.current_time()
+        ticket = gate.admit(_host_of(stream), now)
+        if ticket is None:  # counted by the gate, reported by _report_refusals
+            await trio.aclose_forcefully(stream)
+            continue
+        ticket.scope = trio.CancelScope(deadline=now + handshake_timeout)
+        nursery.start_soon(serve, stream, ticket)
+
+
+async def _server_handshake(conn: PeerConnection, ticket: Ticket, handshake_timeout: float,
+                            hello_timeout: float, lines: LogLimiter) -> bool:
+    """Whether the peer authenticated within the deadlines; if not, it is logged (rate-limited)
+    and the connection closed."""
+    ticket.conn = conn
+    address = conn.address
+    try:
+        with ticket.scope:
+            await conn.handshake()
+            return True
+    except HandshakeFailed as exc:
+        lines.log(logging.WARNING, f"handshake {exc.kind}", "refused connection from %s: %s", address, exc)
+        return False
+    except ConnectionLost as exc:
+        lines.log(logging.INFO, "handshake lost", "connection from %s ended during the handshake (%s)", address, exc)
+        return False
+    finally:
+        if ticket.scope is not None and ticket.scope.cancelled_caught:
+            if ticket.missed_hello:
+                lines.log(logging.WARNING, "no hello", "refused connection from %s: no Hello within %g s", address,
+                          hello_timeout)
+            else:
+                lines.log(logging.WARNING, "slow handshake", "refused connection from %s: no handshake within %g s",
+                          address, handshake_timeout)
+            await conn.aclose()
+    return False
+
+
+async def _run_handler(handler: Handler, conn: PeerConnection, lines: LogLimiter) -> None:
+    """handler(conn), which ends only this connection whatever it raises; then close it."""
+    try:
+        await handler(conn)
+    except RemoteProtocolError as exc:
+        lines.log(logging.WARNING, "protocol", "closed connection from %s (node %s): %s", conn.address, conn.peer_id,
+                  exc)
+    except ConnectionLost:
+        pass
+    except Exception:  # a bug in a handler must not stop the others being served
+        lines.log(logging.ERROR, "handler", "error serving %s (node %s); connection closed", conn.address,
+                  conn.peer_id, exc_info=True)
+    finally:
+        await conn.aclose()
+
+
+async def _end_missing_hellos(gate: HandshakeGate, hello_timeout: float) -> None:
+    """Cancel each handshake whose Hello is not complete `hello_timeout` after it was admitted.
+    A ticket admitted after this goes to sleep is due no sooner than it wakes up."""
+    while True:
+        for ticket in gate.hello_due(trio.current_time() - hello_timeout):
+            if ticket.conn is None or ticket.conn.peer_id is None:
+                ticket.missed_hello = True
+                ticket.scope.cancel()
+        oldest = gate.next_hello_admitted_at()
+        await trio.sleep_until((trio.current_time() if oldest is None else oldest) + hello_timeout)
+
+
+async def _report_refusals(gate: HandshakeGate, lines: LogLimiter) -> None:
+    """Once a second: one line for the connections the gate refused, and the held lines of
+    each kind."""
+    while True:
+        await trio.sleep(limits.LOG_INTERVAL)
+        count, hosts = gate.take_refusals()
+        if count:
+            top = ", ".join(f"{host}: {n}" for host, n in hosts[:3])
+            log.warning("refused %d connection%s in the last %g s: too many handshakes in progress (%d at most, "
+                        "%d from one host; from %s)", count, "" if count == 1 else "s", limits.LOG_INTERVAL,
+                        gate.total, gate.per_host, top)
+        lines.flush()
+
+
+def _host_of(stream: trio.SocketStream) -> str:
+    try:
+        return str(stream.socket.getpeername()[0])
+    except (AttributeError, OSError):
+        return "?"
