@@ -14,7 +14,7 @@ from swarm.agent import Agent, AgentConfig, JobContext, register_job_kind
 from swarm.agent.bandwidth_job import measure_bandwidth
 from swarm.cluster import JobError, open_cluster
 from swarm.net import Credentials, connect_peer, resolve_network
-from swarm.wire import JobData, Ping, Pong
+from swarm.wire import PROTOCOL_VERSION, JobData, Ping, Pong
 from swarm.wire.frames import LENGTH
 
 pytestmark = pytest.mark.trio
@@ -234,7 +234,8 @@ async def test_nothing_a_stranger_sends_is_acted_on(caplog, recorder):
         raw = await trio.open_tcp_stream("127.0.0.1", agent.port)
         for buf in encode_frame([1, "swarm", 99, "future-node", b"n" * 32], 1 << 20):
             await raw.send_all(buf)
-        assert b"version mismatch: we speak 1, the peer speaks 99" in await read_until_closed(raw)
+        assert f"version mismatch: we speak {PROTOCOL_VERSION}, the peer speaks 99".encode() in \
+            await read_until_closed(raw)
         # 4. garbage, an HTTP request, an oversized frame
         rng = random.Random(4)
         garbage = bytes(rng.randrange(256) for _ in range(5000))

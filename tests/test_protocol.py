@@ -142,6 +142,17 @@ def test_version_mismatch_is_refused_with_both_versions_named():
     assert goodbye[0] == Goodbye.CODE and "version mismatch" in goodbye[1]
 
 
+def test_a_peer_of_the_release_before_sealing_is_told_to_upgrade():
+    server = Connection(SERVER, "agent", TOKEN)
+    server.receive_data(frame([1, MAGIC, 1, "old-node", b"n" * 32]))
+    with pytest.raises(RemoteProtocolError, match=f"we speak {PROTOCOL_VERSION}, the peer speaks 1; run the same "
+                                                  f"swarm release on every device") as info:
+        server.next_event()
+    assert info.value.kind == "version"
+    (goodbye,) = sent_messages(server)[1:]  # after our Hello, in the clear: the old peer can read it
+    assert goodbye[0] == Goodbye.CODE and "version mismatch" in goodbye[1]
+
+
 def test_messages_before_authentication_are_refused():
     server = Connection(SERVER, "agent", TOKEN)
     server.receive_data(frame([JobAssign.CODE, "j", 1, "bandwidth", {}, 0.25]))

@@ -62,6 +62,7 @@ class Closed:
 HANDSHAKE_CODES = frozenset({Hello.CODE, Goodbye.CODE})
 AUTH_CODES = frozenset({Auth.CODE, Goodbye.CODE})
 MAX_REASON = 200
+AUTH_FAILED = "authentication failed"  # all a side that failed our check is told
 
 
 class Connection:
@@ -169,6 +170,9 @@ class Connection:
             elif self.state == "auth":
                 msg = from_wire(body, AUTH_CODES)
                 if isinstance(msg, Goodbye):
+                    if msg.reason == AUTH_FAILED:  # it checked our proof first, and refused it
+                        raise RemoteProtocolError("authentication failed: the peer does not hold our cluster token "
+                                                  "(it refused our proof)", "refused")
                     raise RemoteProtocolError(f"refused during the handshake: {msg.reason}", "refused")
                 self._on_auth(msg)
                 return Authenticated(self.peer_id, self.peer_version)
@@ -269,6 +273,6 @@ class Connection:
 
     def _fail(self, exc: RemoteProtocolError) -> None:
         if exc.kind not in ("closed", "refused"):
-            told = "authentication failed" if exc.kind == "auth" else str(exc)
+            told = AUTH_FAILED if exc.kind == "auth" else str(exc)
             self._queue(Goodbye(told[:MAX_REASON]), self.limits.handshake_frame)
         self.state = "failed"
