@@ -3,9 +3,9 @@
 # (a development container): boots a throwaway copy of this machine's OS with systemd-nspawn
 # (an overlay on tmpfs, so nothing is written to the machine; a network namespace with only
 # lo), runs deploy/install.sh in it twice, and checks what a device would do: READY=1 with
-# its status text, `swarm status`, the state directory handed to the service user, a token
-# replaced by a re-install, a frozen agent killed by the watchdog and restarted, a clean stop
-# (exit 0), and uninstall.
+# its status text, `swarm status`, the state directory handed to the service user, the
+# resource limits, a token replaced by a re-install, a frozen agent killed by the watchdog
+# and restarted, a clean stop (exit 0), and uninstall.
 #
 #   sudo deploy/check-in-container.sh [--wheelhouse DIR] [--python PY] [--pip-args ARGS]
 #
@@ -60,13 +60,15 @@ install >/results/first; cat /results/first
 expect "first install enables and starts the service" grep -q "enable and start the service" /results/first
 expect "READY=1 and the status text" test "$(prop ActiveState)/$(prop StatusText)" = "active/serving on port 4750"
 expect "the state directory belongs to the service user" test "$(stat -c %U /var/lib/swarm/token)" = swarm
+expect "the resource limits are in force" \
+    test "$(prop LimitNOFILE)/$(prop TasksMax)" = 16384/512 -a "$(prop MemoryMax)" != infinity
 expect "swarm status finds the agent" bash -c 'SWARM_INTERFACE=lo swarm status --wait 3 | grep -q "box1 .* alive"'
 install >/results/second; cat /results/second
 expect "a second install has nothing to do" grep -q "^nothing to do" /results/second
-echo "b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2" >/root/token.txt
+swarm token --new >/root/token.txt
 install --token-file /root/token.txt >/results/token; cat /results/token
 expect "a new token is installed and the agent restarted" grep -q "restart the service" /results/token
-expect "swarm token prints it" test "$(swarm token)" = "b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2b2"
+expect "swarm token prints it" test "$(swarm token)" = "$(cat /root/token.txt)"
 pid=$(prop MainPID)
 if [ "$pid" -gt 0 ]; then kill -STOP "$pid"; sleep 45; fi   # (never kill 0: that is this script's group)
 expect "the watchdog restarts a frozen agent" test "$(prop NRestarts)/$(prop ActiveState)" = "1/active"

@@ -15,7 +15,8 @@ from swarm.errors import SwarmError
 from swarm.service_unit import memory_limits, unit_text
 from tests.conftest import run_swarm
 
-TOKEN = "a" * 64
+TOKEN = "b3238c5af2a7521fd00b7e9827cf381978753eb45723f66a9196dbe8889d6953"        # strong tokens, fixed
+OTHER_TOKEN = "4beadeaefeeb0fe39f98b64f0df63847addcde669cdf7e3ded910a082e96dd36"  # so that runs repeat
 
 
 def install(root, *args):
@@ -66,7 +67,7 @@ def test_reinstall_keeps_edited_settings_and_changes_only_what_differs(tmp_path)
     dropin = (root / "etc/systemd/system/swarm.service.d/gpu.conf").read_text()
     assert "PrivateDevices=no" in dropin
     assert "token" not in r.stdout
-    (tmp_path / "other").write_text("b" * 64)
+    (tmp_path / "other").write_text(OTHER_TOKEN)
     r = install(root, "--token-file", tmp_path / "other", "--user", "nobody", "--gpu", "no")
     assert f"+ replace the cluster token in {root}/var/lib/swarm/token" in r.stdout
     assert f"+ remove {root}/etc/systemd/system/swarm.service.d/gpu.conf" in r.stdout
@@ -102,6 +103,25 @@ def test_user_mistakes_are_one_line(tmp_path, args, words):
     r = install(tmp_path / "img", *args)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "img").exists()
+
+
+def test_a_weak_token_is_refused_until_a_strong_one_replaces_it(tmp_path):
+    root = tmp_path / "img"
+    (tmp_path / "weak").write_text("secret" * 6 + "\n")
+    r = install(root, "--token-file", tmp_path / "weak")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not root.exists()
+    assert r.stderr.strip() == f"swarm service: error: the cluster token from {tmp_path}/weak is too easy to guess " \
+                               f"(a 6-character piece repeated): make one with `swarm token --new` and give it to " \
+                               f"every device of the cluster"
+    (root / "var/lib/swarm").mkdir(parents=True)          # one installed before tokens were checked
+    (root / "var/lib/swarm/token").write_text("secret" * 6 + "\n")
+    r = install(root, "--gpu", "no")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert f"token from {root}/var/lib/swarm/token is too easy to guess" in r.stderr
+    (tmp_path / "strong").write_text(TOKEN)
+    r = install(root, "--gpu", "no", "--token-file", tmp_path / "strong")
+    assert r.returncode == 0 and f"+ replace the cluster token in {root}/var/lib/swarm/token" in r.stdout, r.stderr
+    assert (root / "var/lib/swarm/token").read_text() == TOKEN + "\n"
 
 
 def test_without_root_it_asks_for_sudo(monkeypatch, capsys):
@@ -163,10 +183,10 @@ def test_join_takes_its_settings_from_the_file_and_flags_win(tmp_path, monkeypat
     agent, _, _ = agent_config(join_args(port=0, name="from-flag", no_mdns=None))
     assert (agent.port, agent.name) == (0, "from-flag")
 
-    monkeypatch.setenv("SWARM_TOKEN", "b" * 32)          # an environment variable beats the file
+    monkeypatch.setenv("SWARM_TOKEN", OTHER_TOKEN)       # an environment variable beats the file
     monkeypatch.setenv("SWARM_STATE_DIR", str(tmp_path / "env-state"))
     agent, state_dir, token_from = agent_config(join_args())
-    assert agent.token == "b" * 32 and token_from == "SWARM_TOKEN" and state_dir == tmp_path / "env-state"
+    assert agent.token == OTHER_TOKEN and token_from == "SWARM_TOKEN" and state_dir == tmp_path / "env-state"
 
 
 def test_no_file_means_the_defaults(tmp_path, monkeypatch):

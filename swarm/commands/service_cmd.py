@@ -242,11 +242,10 @@ def token_steps(steps, notes, target: Target, token_file: Path, new_token: str |
         try:
             current = read_token_file(token_file)
         except SwarmError:
-            if new_token is None:
-                raise SwarmError(f"the installed cluster token {token_file} is unreadable or malformed: "
-                                 f"pass the right one with --token-file FILE") from None
+            if new_token is None:   # (says what is wrong with it and how to make a good one)
+                raise
     if new_token is not None and new_token != current:
-        what = "replace the cluster token in" if current else "install the cluster token in"
+        what = "replace the cluster token in" if token_file.is_file() else "install the cluster token in"
         steps.append(Step(f"{what} {token_file}", lambda: write_secret(token_file, new_token)))
     elif new_token is None and current is None:
         steps.append(Step(f"create a new cluster token in {token_file} (the first device of a cluster)",
