@@ -164,12 +164,12 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
     from swarm.agent import DEFAULT_PORT
     from swarm.commands.runtime_common import run_trio
     from swarm.net import Credentials, parse_peers, resolve_network
-    from swarm.state import find_token, process_id, state_dir_from
+    from swarm.state import NoToken, find_token, process_id, state_dir_from
 
     state_dir = state_dir_from(args.state_dir)
     try:
         token, _ = find_token(args.token_file, state_dir, create=False)
-    except SwarmError:
+    except NoToken:
         return None, None, "no cluster token here (so no swarm to ask)"
     network = resolve_network(args.interface)
     peers = parse_peers(args.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
