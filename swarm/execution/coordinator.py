@@ -118,7 +118,9 @@ class TrainingCoordinator:
         self.checkpoint_every = checkpoint_every
         self.save_hook = save_hook  # called after the trainer received a checkpoint's weights
         self.log = log
-        self.max_recoveries = max_recoveries
+        self.max_recoveries = max_recoveries  # in a row without getting past the furthest step reached
+        self.furthest = trainer.step_count  # the most steps ever committed
+        self.recoveries_in_a_row = 0  # losses since `furthest` last moved
         # auto: shift the plan when that is nearly as good as a fresh one; light: always shift;
         # heavy: stop, plan again, and reload the last checkpoint (the coordinator's copy)
         self.recovery = recovery
@@ -223,6 +225,11 @@ class TrainingCoordinator:
                 nursery.cancel_scope.cancel()
             if not lost:
                 break
+            if self.should_stop():  # asked to stop: not worth a re-plan; the last weights collected stand
+                self.log(f"lost {', '.join(sorted(lost))} while stopping; stopping at step {self.own_step}, the "
+                         f"last one whose weights were collected")
+                self.stopped_early = True
+                break
             await self.recover(lost)
         self.pool.shutdown(wait=False)
 
@@ -253,6 +260,8 @@ class TrainingCoordinator:
                 await self.ep.send(device, ("decide", step), {"commit": True, "last": is_last,
                                                               "checkpoint": checkpoint, "backup": backup})
             self.committed = step + 1
+            if self.committed > self.furthest:
+                self.furthest, self.recoveries_in_a_row = self.committed, 0
             if backup:
                 self.pending_backups[self.committed] = set(self.plan.used_devices())
                 self.backup_started[self.committed] = trio.current_time()
@@ -331,10 +340,13 @@ class TrainingCoordinator:
     async def recover(self, lost: set[str]) -> None:
         """Roll back to the newest complete backup, re-plan without `lost`, start a new epoch."""
         detected = trio.current_time()
-        if len(self.recoveries) >= self.max_recoveries:
-            raise SwarmError(f"lost {', '.join(sorted(lost))} after {len(self.recoveries)} recoveries; giving up")
+        if self.recoveries_in_a_row >= self.max_recoveries:
+            raise SwarmError(f"lost {', '.join(sorted(lost))} after {self.recoveries_in_a_row} recoveries that never "
+                             f"got past step {self.furthest}; giving up")
+        self.recoveries_in_a_row += 1
         alive = set(self.control.alive())
         dead = (set(self.plan.used_devices()) - alive) | lost
+        self.joined |= lost & alive  # lost for a broken link, it still answers: taken in again at a backup step
         survivors = [d for d in self.plan.used_devices() if d not in dead]
         if not survivors:
             raise SwarmError(f"lost every device of the plan ({', '.join(sorted(dead))}); training stopped after "

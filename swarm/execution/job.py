@@ -7,6 +7,8 @@ tensors that wrap the received buffers without a copy.
 """
 from __future__ import annotations
 
+import gc
+import logging
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -14,13 +16,17 @@ import torch
 import trio
 
 from planner.plan import Plan
-from swarm.execution.mailbox import Mailbox
+from swarm import malloc
+from swarm.execution.links import LINK_ERRORS, RunLinks
+from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replan import Move
 from swarm.execution.store import DeviceStore
 from swarm.execution.worker import COORDINATOR, DeviceWorker, JobSpec
 from swarm.trainer import TrainConfig
 
 CHANNEL = "x"
+
+log = logging.getLogger("swarm.execution")
 
 
 def to_wire(value):
@@ -52,15 +58,14 @@ class WireEndpoint:
     """An Endpoint whose messages go through a send function (agent or coordinator side).
 
     `send_to(node_id, body)` sends one JobData body; `node_of` maps device names (and
-    "coordinator") to node ids."""
+    "coordinator") to node ids. Incoming messages whose key starts with a name in `routes`
+    go to that function, (key, payload), instead of the mailbox."""
 
-    def __init__(self, name: str, node_of: dict[str, str], send_to, connect=None):
+    def __init__(self, name: str, node_of: dict[str, str], send_to, routes: dict | None = None):
         self.name = name
         self.node_of = node_of
         self._send_to = send_to
-        self._connect = connect  # async (device name) -> None: make sure a link exists
-        self._connected: set[str] = {name, COORDINATOR}
-        self._locks: dict[str, trio.Lock] = {}
+        self.routes = routes or {}
         self.mailbox = Mailbox()
         self.bytes_sent = 0
 
@@ -69,12 +74,6 @@ class WireEndpoint:
             await trio.lowlevel.checkpoint()
             self.mailbox.put(key, payload)
             return
-        if dst not in self._connected and self._connect is not None:
-            lock = self._locks.setdefault(dst, trio.Lock())
-            async with lock:
-                if dst not in self._connected:
-                    await self._connect(dst)
-                    self._connected.add(dst)
         body = {"k": list(key), "p": to_wire(payload)}
         for a in body["p"].get("arrays", []) if isinstance(body["p"], dict) else []:
             self.bytes_sent += a.nbytes
@@ -82,7 +81,11 @@ class WireEndpoint:
 
     def deliver(self, body: dict) -> None:
         key = tuple(body["k"])
-        self.mailbox.put(key, from_wire(body["p"]))
+        route = self.routes.get(key[0]) if key else None
+        if route is not None:
+            route(key, from_wire(body["p"]))
+        else:
+            self.mailbox.put(key, from_wire(body["p"]))
 
     async def pump(self, receive) -> None:
         """Deliver everything `receive()` yields ((sender, JobData) pairs) into the mailbox."""
@@ -118,6 +121,7 @@ async def run_train_job(ctx) -> dict:
     """The `train` job kind: this agent's part of a plan, until the coordinator says stop."""
     from swarm.device import usable_cores
 
+    await trio.to_thread.run_sync(release_memory)
     spec = ctx.spec
     plan = Plan.from_dict(spec["plan"])
     cfg = _train_config(spec["cfg"])
@@ -126,23 +130,48 @@ async def run_train_job(ctx) -> dict:
     node_of = {name: d["node_id"] for name, d in devices.items()}
     node_of[COORDINATOR] = ctx.coordinator_id
 
+    name_of = {node: name for name, node in node_of.items()}
+    coordinator_lost = False
+
+    async def report(name: str, why: str) -> None:
+        await endpoint.send(COORDINATOR, ("link", me, name), {"reason": why})
+
+    links = RunLinks(devices, ctx.connect, report)
+
     async def send_to(node_id: str, body: dict) -> None:
-        if node_id == ctx.coordinator_id:
+        nonlocal coordinator_lost
+        if node_id != ctx.coordinator_id:
+            await links.send(name_of[node_id], ctx.data(CHANNEL, body))
+            return
+        try:
             await ctx.send_to_coordinator(ctx.data(CHANNEL, body))
-        else:
-            await ctx.send(node_id, ctx.data(CHANNEL, body))
+        except LINK_ERRORS as exc:  # the coordinator sees its broken link itself, and re-plans
+            if not coordinator_lost:
+                coordinator_lost = True
+                log.warning("cannot reach the coordinator (%s); dropping what goes to it", exc)
 
-    async def connect(name: str) -> None:
-        await ctx.connect(devices[name]["address"], devices[name]["node_id"])
-
-    endpoint = WireEndpoint(me, node_of, send_to, connect)
+    endpoint = WireEndpoint(me, node_of, send_to)
     job = JobSpec(plan, cfg, spec.get("cfg_text"), timeout_s=float(spec.get("timeout_s", 120.0)),
                   threads=usable_cores(), epoch=int(spec.get("epoch", 0)), start_step=int(spec.get("start_step", 0)),
                   moves=[Move.from_dict(m) for m in spec.get("moves", [])])
     worker = DeviceWorker(endpoint, job, store_for(ctx.job_id))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(endpoint.pump, lambda: ctx.receive(CHANNEL))
-        await worker.run()
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(endpoint.pump, lambda: ctx.receive(CHANNEL))
+            nursery.start_soon(links.watch)
+            await worker.run()
+            nursery.cancel_scope.cancel()
+    finally:
+        await links.aclose()
+        endpoint.mailbox.close(Closed("the run ended"))
     STORES.pop(ctx.job_id, None)  # the job is over
     return {"device": me, "busy_s": worker.busy_s, "bytes_sent": endpoint.bytes_sent}
+
+
+def release_memory() -> None:
+    """Before a run (an epoch) starts: collect what the runs before it left (autograd graphs,
+    modules in reference cycles) and return the heap's free pages to the system (swarm.malloc
+    keeps them otherwise), so that a device's memory follows its current stages, not the
+    largest it ever had. (At the end of a cancelled run its traceback still holds it.)"""
+    gc.collect()
+    malloc.give_back()

@@ -12,6 +12,7 @@ import torch
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
 from swarm.execution.group_bn import GroupBatchNorm, replace_batchnorm
+from swarm.execution.threads import stop_if_cancelled
 from swarm.trainer import TrainConfig, make_optimizer, set_lr, torch_dtype
 from swarm.zoo import build_model
 from swarm.zoo.loss import make_loss
@@ -49,6 +50,8 @@ class StageCopy:
         net.to(torch_dtype(cfg.dtype))
         net.train()
         group_bns = replace_batchnorm(net) if stage.mode == "dp" and group_size > 1 else []
+        for i in range(stage.first, stage.last):  # a cancelled job stops its forward at the next layer
+            net.layers[i].register_forward_pre_hook(stop_if_cancelled)
         optimizer = make_optimizer(net.named_parameters(), cfg)
         return cls(plan, p, desc, cfg, net, optimizer, group_bns)
 

@@ -24,6 +24,11 @@ from swarm.execution.worker import COORDINATOR, JobSpec
 from swarm.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.net import ConnectionLost
 
+# After a stop signal, how long the step under way may take to commit, and then its weights to
+# come back, before the run stops without them.
+STOP_GRACE_S = 5.0
+RELEASE_S = 3.0
+LINK_WATCH_S = 0.2  # how often the coordinator looks at its connections to the epoch's devices  # how long the devices have to confirm they let go of the job at the end
 
 @dataclass
 class SwarmOptions:
@@ -80,7 +85,11 @@ class SwarmRunner:
         self.log = log
         self.fallback = fallback  # run_steps to use when no other device is found
         self.plan: Plan | None = None
-        self.stopping = False
+        self.coordinator: TrainingCoordinator | None = None
+        self.stopping = False  # a stop signal came: end the run after the step under way
+        self.interrupted = False  # the run was cut short without waiting for a step
+        self.run_scope = trio.CancelScope()  # the whole run, cancelled when a stop cannot wait
+        self.stop_deadline = math.inf  # when the run is cut short if it has not stopped by itself
 
     def __call__(self, trainer, train_set, start: int, total: int, report) -> None:
         from swarm.commands.runtime_common import run_trio
@@ -91,6 +100,19 @@ class SwarmRunner:
             self.fallback(trainer, train_set, start, total, report)
 
     async def _main(self, trainer, train_set, start: int, total: int, report) -> bool:
+        """The run across the swarm, ended early by a stop signal (KeyboardInterrupt); True
+        if no other device is found and the run should stay on this machine."""
+        went_local = False
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_signals)
+            with self.run_scope:
+                went_local = await self._discover_and_run(trainer, train_set, start, total, report)
+            nursery.cancel_scope.cancel()
+        if self.interrupted or (self.coordinator is not None and self.coordinator.stopped_early):
+            raise KeyboardInterrupt
+        return went_local
+
+    async def _discover_and_run(self, trainer, train_set, start: int, total: int, report) -> bool:
         from swarm.agent import DEFAULT_PORT
         from swarm.cluster import open_cluster
         from swarm.net import Credentials, parse_peers, resolve_network
@@ -242,6 +264,8 @@ class SwarmRunner:
             self.coordinator = coordinator
 
             def on_step(r: StepReport) -> None:
+                if self.stopping:  # the stopping step committed: its weights come back before the run ends
+                    self.stop_deadline = trio.current_time() + STOP_GRACE_S
                 used = coordinator.plan.used_devices()
                 util = "/".join(f"{100 * r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9):.0f}" for n in used)
                 replay = "  (replayed)" if r.replayed else ""
@@ -250,15 +274,12 @@ class SwarmRunner:
                         "device_times": {n: {"busy_s": r.busy_s.get(n, 0.0), **r.times.get(n, {})} for n in used},
                         "epoch": r.epoch, "replayed": r.replayed, "devices": len(used)})
 
-            nursery.start_soon(self._watch_signals)
             try:
                 await coordinator.run(total, on_step)
             finally:
                 with trio.CancelScope(shield=True):
                     await control.release()
             nursery.cancel_scope.cancel()
-        if coordinator.stopped_early:
-            raise KeyboardInterrupt
 
     def _save_hook(self, trainer):
         """Writes the checkpoint once the coordinator holds the collected weights (or None)."""
@@ -276,12 +297,30 @@ class SwarmRunner:
         return "tiles" if self.plan and any(st.mode == "tiles" for st in self.plan.stages) else "pp"
 
     async def _watch_signals(self) -> None:
+        """SIGINT or SIGTERM: before training, stop at once; during it, let the step under way
+        commit and its weights come back (a checkpoint at that step) if each takes no more
+        than STOP_GRACE_S, else stop without them (the checkpoint then holds the last weights
+        collected). A second signal stops at once."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                if self.stopping:
-                    raise KeyboardInterrupt  # a second Ctrl-C: stop now
-                self.stopping = True
-                self.log("stopping after this step (Ctrl-C again to stop at once)")
+            async with trio.open_nursery() as nursery:
+                async for _ in signals:
+                    if self.stopping or self.coordinator is None:
+                        self._stop_now()
+                        continue
+                    self.stopping = True
+                    self.stop_deadline = trio.current_time() + STOP_GRACE_S
+                    self.log("stopping after this step (Ctrl-C again to stop at once)")
+                    nursery.start_soon(self._stop_at_deadline)
+
+    async def _stop_at_deadline(self) -> None:
+        while trio.current_time() < self.stop_deadline:  # moved on when the stopping step commits
+            await trio.sleep_until(self.stop_deadline)
+        self.log(f"the run did not stop within {STOP_GRACE_S:g} s; stopping without the step under way")
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        self.interrupted = True
+        self.run_scope.cancel()
 
 
 def busy_hint(reasons) -> str:
@@ -310,6 +349,7 @@ class ClusterControl:
         self._loss_send, self._loss_recv = trio.open_memory_channel(math.inf)
         self._join_send, self._join_recv = trio.open_memory_channel(math.inf)
         self.in_plan: set[str] = set()
+        self.epoch = 0  # the epoch under way
         self.failure_grace_s = 10.0  # how long a failed part waits for a death that explains it
         nursery.start_soon(self._watch_membership, cluster.subscribe())
 
@@ -325,7 +365,10 @@ class ClusterControl:
         return sorted(out)
 
     async def next_loss(self) -> set[str]:
-        return await self._loss_recv.receive()
+        while True:
+            epoch, names = await self._loss_recv.receive()
+            if epoch is None or epoch >= self.epoch:
+                return names
 
     async def next_join(self) -> set[str]:
         return await self._join_recv.receive()
@@ -336,7 +379,7 @@ class ClusterControl:
             name = by_node.get(event.node_id)
             if event.kind in ("dead", "left") and name in self.in_plan:
                 self.log(f"{name} is {event.kind} ({event.reason or 'no answer'})")
-                self._loss_send.send_nowait({name})
+                self._lose({name})
             elif event.kind in ("joined", "recovered"):
                 device = self.cluster.device(event.node_id)
                 if device is None:
@@ -362,6 +405,7 @@ class ClusterControl:
         return (returning + [d for d in joined if d not in returning])[:max(0, self.limit - in_use)]
 
     async def start_epoch(self, epoch: int, job: JobSpec):
+        self.epoch = epoch
         used = job.plan.used_devices()
         self.in_plan = set(used)
         self.ever_in_plan |= self.in_plan
@@ -388,14 +432,23 @@ class ClusterControl:
                 if name not in unreachable:
                     unreachable.add(name)
                     self.log(f"{name} cannot be reached ({exc})")
-                    self._loss_send.send_nowait({name})
+                    self._lose({name}, epoch)
 
-        endpoint = WireEndpoint(COORDINATOR, node_of, send_to)
-        lost, why = set(), {}
+        def link_broke(key: tuple, payload: dict) -> None:
+            """A device lost its link to another ("link", device, far end): the far end is lost."""
+            reporter, far = key[1], key[2]
+            if far not in unreachable:
+                unreachable.add(far)
+                self.log(f"{reporter} lost its link to {far} ({payload.get('reason', '?')})")
+                self._lose({far}, epoch)
+
+        endpoint = WireEndpoint(COORDINATOR, node_of, send_to, routes={"link": link_broke})
+        lost, why, conns = set(), {}, {}
         for n in used:  # a device that refuses or cannot be reached counts as lost
             try:
                 await handle.assign(node_of[n], "train", spec)
                 await handle.start(node_of[n])
+                conns[n] = getattr(self.cluster.device(node_of[n]), "conn", None)
             except (SwarmError, trio.TooSlowError) as exc:
                 why[n] = str(exc) or "no answer in time"
                 self.log(f"{n} could not take its part: {why[n]}")
@@ -405,22 +458,41 @@ class ClusterControl:
                              + "; ".join(f"{n}: {why[n]}" for n in sorted(lost))
                              + busy_hint(why.values()))
         if lost:
-            self._loss_send.send_nowait(lost)
+            self._lose(lost, epoch)
         scope = trio.CancelScope()
         self.epoch_scope = scope
         self.nursery.start_soon(self._epoch_tasks, scope, endpoint, handle,
-                                [(n, node_of[n]) for n in used if n not in lost])
+                                [(n, node_of[n]) for n in used if n not in lost], conns, epoch)
         return endpoint
 
-    async def _epoch_tasks(self, scope, endpoint, handle, parts) -> None:
+    async def _epoch_tasks(self, scope, endpoint, handle, parts, conns: dict, epoch: int) -> None:
         """This epoch's message pump and watch on every part, until the next epoch."""
         with scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(endpoint.pump, lambda: handle.receive(CHANNEL))
+                nursery.start_soon(self._watch_links, {n: c for n, c in conns.items() if c is not None}, epoch)
                 for name, node_id in parts:
-                    nursery.start_soon(self._watch_job, handle, name, node_id)
+                    nursery.start_soon(self._watch_job, handle, name, node_id, epoch)
 
-    async def _watch_job(self, handle, name: str, node_id: str) -> None:
+    async def _watch_links(self, conns: dict, epoch: int) -> None:
+        """A device whose connection with us closed or was replaced by a new one during the
+        epoch may have lost messages either way: it counts as lost (and, if it answers, is
+        taken in again at a later backup step)."""
+        while conns:
+            for name, conn in list(conns.items()):
+                device = self.cluster.device(self.node_of(name))
+                if getattr(device, "conn", None) is not conn or conn.closed:
+                    del conns[name]
+                    self.log(f"the connection to {name} broke")
+                    self._lose({name}, epoch)
+            await trio.sleep(LINK_WATCH_S)
+
+    def _lose(self, names: set[str], epoch: int | None = None) -> None:
+        """Report lost devices; `epoch`: a loss that only concerns that epoch's run (a broken
+        link), news to no later one."""
+        self._loss_send.send_nowait((epoch, set(names)))
+
+    async def _watch_job(self, handle, name: str, node_id: str, epoch: int) -> None:
         """A part whose device is gone is a loss. A part that fails while its device is fine
         has usually lost a peer that is dying too: if no device is declared lost within the
         grace period (which cancels this watch with a new epoch), the run stops with its error."""
@@ -431,20 +503,29 @@ class ClusterControl:
         except JobError as exc:
             device = self.cluster.device(node_id)
             if device is None or device.health in ("dead", "left"):
-                self._loss_send.send_nowait({name})
+                self._lose({name}, epoch)
                 return
             await trio.sleep(self.failure_grace_s)
             raise SwarmError(f"{name} failed: {exc}") from None
 
     async def release(self) -> None:
+        """Let go of every device of the job, all at once and within RELEASE_S (a device that
+        does not answer in time lets go by itself once this coordinator is gone)."""
         if self.epoch_scope is not None:
             self.epoch_scope.cancel()
-        if self.handle is not None:
-            with trio.move_on_after(10):
-                try:
-                    await self.handle.release_all()
-                except SwarmError:
-                    pass  # a device that is gone has nothing to release
+        if self.handle is None:
+            return
+
+        async def release(node_id: str) -> None:
+            try:
+                await self.handle.release(node_id, timeout=RELEASE_S)
+            except (SwarmError, trio.TooSlowError):
+                pass  # a device that is gone has nothing to release
+
+        with trio.move_on_after(RELEASE_S):
+            async with trio.open_nursery() as nursery:
+                for node_id in sorted(self.handle.nodes):
+                    nursery.start_soon(release, node_id)
 
 
 def describe_plan(plan: Plan) -> str:

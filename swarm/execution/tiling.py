@@ -2,8 +2,6 @@
 and a driver that runs one device's tiles, doing the tiles' collectives over endpoints."""
 from __future__ import annotations
 
-from functools import lru_cache
-
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
 from tiles.collectives import ChannelSums
@@ -34,20 +32,22 @@ class TileGeometry:
         self.plan = plan
         self.desc = desc
         self.layouts: dict[int, StageLayout] = {}
+        self.regions: dict[int, tuple] = {}  # per instance: a cache on the method would keep every plan's
 
     def layout(self, p: int) -> StageLayout:
         if p not in self.layouts:
             self.layouts[p] = stage_layout(self.plan, self.desc, p)
         return self.layouts[p]
 
-    @lru_cache(maxsize=None)
     def __call__(self, p: int):
-        lay = self.layout(p)
-        n = lay.n_tiles
-        needed = [spans(lay.input_rect(k)) for k in range(n)]
-        owned = [spans(lay.output_rect(k)) for k in range(n)]
-        returned = [spans(lay.delta_out_rect(k)) if lay.input_delta else ((0, 0), (0, 0)) for k in range(n)]
-        return needed, owned, returned
+        if p not in self.regions:
+            lay = self.layout(p)
+            n = lay.n_tiles
+            needed = [spans(lay.input_rect(k)) for k in range(n)]
+            owned = [spans(lay.output_rect(k)) for k in range(n)]
+            returned = [spans(lay.delta_out_rect(k)) if lay.input_delta else ((0, 0), (0, 0)) for k in range(n)]
+            self.regions[p] = needed, owned, returned
+        return self.regions[p]
 
 
 class DeviceTiles:

@@ -45,6 +45,7 @@ from swarm.execution.endpoint import Endpoint
 from swarm.execution.routing import Layout, Part, parts_on, runs, stage_parts
 from swarm.execution.store import DeviceStore, cut_states, join_states
 from swarm.execution.stage import StageCopy
+from swarm.execution.threads import ComputeLock, call_in_loop
 from swarm.execution.tiling import DeviceTiles, TileGeometry
 from swarm.trainer import TrainConfig
 
@@ -65,32 +66,6 @@ class JobSpec:
 
     def spec_fields(self) -> dict:
         return {"epoch": self.epoch, "start_step": self.start_step, "moves": [m.to_dict() for m in self.moves]}
-
-
-class ComputeLock:
-    """One stage computes at a time on a device; a thread waiting on the network lets go,
-    so two stages on one device cannot block each other."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def __enter__(self):
-        self._lock.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self._lock.release()
-
-    def released(self):
-        lock = self._lock
-
-        class _Released:
-            def __enter__(self_inner):
-                lock.release()
-
-            def __exit__(self_inner, *exc):
-                lock.acquire()
-        return _Released()
 
 
 class DeviceWorker:
@@ -133,14 +108,14 @@ class DeviceWorker:
 
     def bn_exchange(self, step: int, p: int, m: int, layer: str):
         """The group BatchNorm exchange for one layer of one micro-batch (called from the
-        compute thread; blocks it, with the compute lock released, until the group answers)."""
+        compute thread; blocks it, with the compute lock released, until the group answers or
+        the job is cancelled)."""
         group = self.group_of(p)
 
         def exchange(tag: str, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             key = ("bn", step, p, m, layer, tag)
             with self.compute_lock.released():
-                return trio.from_thread.run(allgather, self.ep, group, key, tensors, self.job.timeout_s,
-                                            trio_token=self.token)
+                return call_in_loop(allgather, self.ep, group, key, tensors, self.job.timeout_s, token=self.token)
         return exchange
 
     # ---- the job ---------------------------------------------------------------------

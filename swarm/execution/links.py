@@ -1,0 +1,95 @@
+"""A train run's own connections to the other devices of its epoch.
+
+Each run (one device, one epoch) opens a connection of its own to each device it sends to,
+on first use, sends that device's messages on it and nothing else, and closes it when the
+run ends. So a run never inherits a connection of an older epoch: a device that was cut off
+and comes back, whose old connections may have been closed at the other end while it could
+not hear, starts from clean ones, and so do its peers.
+
+A link that breaks while the run goes on (a send fails, a connection cannot be made, or one
+of ours is closed by anything but us) may have lost messages the schedule waits for: the run
+reports it to the coordinator, ("link", device, far end) {"reason"}, which handles it as the
+loss of the far end, and drops what it would send there until the re-plan cancels the run.
+Messages to the coordinator go over the agent's connection to it; if that breaks, the
+coordinator sees it itself (ClusterControl), and they are dropped too.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Awaitable, Callable
+
+import trio
+
+from swarm.errors import SwarmError
+from swarm.net import ConnectionLost, PeerConnection, PeerUnavailable
+
+log = logging.getLogger("swarm.execution")
+
+LINK_ERRORS = (ConnectionLost, SwarmError, OSError)  # a send or a connection attempt that failed
+WATCH_S = 0.2  # how often the run looks for connections of its own that were closed
+
+
+class RunLinks:
+    """`devices`: name -> {"node_id", "address"} of the epoch's devices. `connect(address)`
+    opens a new connection (JobContext.connect without a node id never reuses one);
+    `report(name, why)` tells the coordinator that the link to `name` broke."""
+
+    def __init__(self, devices: dict[str, dict], connect: Callable[[str], Awaitable[PeerConnection]],
+                 report: Callable[[str, str], Awaitable[None]]):
+        self.devices = devices
+        self._connect = connect
+        self._report = report
+        self.conns: dict[str, PeerConnection] = {}
+        self.broken: dict[str, str] = {}  # name -> why its link broke
+        self._locks: dict[str, trio.Lock] = {}
+        self._closing = False
+
+    async def send(self, name: str, message) -> None:
+        """Send on our connection to `name` (made on first use); a failure is reported, once,
+        and the message dropped."""
+        if name in self.broken:
+            return
+        try:
+            conn = await self._conn(name)
+            await conn.send(message)
+        except LINK_ERRORS as exc:
+            await self._broke(name, f"{type(exc).__name__}: {exc}")
+
+    async def _conn(self, name: str) -> PeerConnection:
+        conn = self.conns.get(name)
+        if conn is not None:
+            return conn
+        async with self._locks.setdefault(name, trio.Lock()):
+            if name not in self.conns:
+                device = self.devices[name]
+                conn = await self._connect(device["address"])
+                if conn.peer_id != device["node_id"]:
+                    await conn.aclose("not the device the plan names")
+                    raise PeerUnavailable(f"{device['address']} is node {conn.peer_id}, not {name} "
+                                          f"(node {device['node_id']})")
+                self.conns[name] = conn
+        return self.conns[name]
+
+    async def watch(self) -> None:
+        """Report our connections that were closed under us (by the far end, or broken)."""
+        while True:
+            for name, conn in list(self.conns.items()):
+                if conn.closed and name not in self.broken and not self._closing:
+                    await self._broke(name, f"the connection to {conn.address} closed")
+            await trio.sleep(WATCH_S)
+
+    async def _broke(self, name: str, why: str) -> None:
+        if name in self.broken or self._closing:
+            return
+        self.broken[name] = why
+        log.warning("link to %s broke (%s); telling the coordinator", name, why)
+        await self._report(name, why)
+
+    async def aclose(self) -> None:
+        """Close every connection of ours (each says goodbye within a second, all at once)."""
+        self._closing = True
+        conns, self.conns = list(self.conns.values()), {}
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                for conn in conns:
+                    nursery.start_soon(conn.aclose, "the run ended")
