@@ -52,6 +52,13 @@ HANDSHAKES_PER_HOST = 32
 # (5 s), as a client has.
 HELLO_TIMEOUT = 2.0
 
+# Seconds a handshake keeps its place without a Hello when the caps are reached: after this
+# a newcomer takes the place of the oldest such one. A Hello that is coming arrives within
+# milliseconds of the connection; a burst of idle connections then holds the caps for half
+# a second, not for all of HELLO_TIMEOUT, and `swarm status` from the same host gets in on
+# its first retries.
+HELLO_GRACE = 0.5
+
 # Seconds to wait after accept() fails for want of descriptors or memory (EMFILE, ENFILE,
 # ENOBUFS, ENOMEM) before trying again: what trio's own listener waits, short enough that
 # a status probe is answered soon after descriptors free up.

@@ -357,7 +357,8 @@ async def serve_peers(handler: Handler, credentials: Credentials, hosts: list[st
     actually bound).
 
     Handshakes in progress are capped (`gate`: limits.HANDSHAKES, limits.HANDSHAKES_PER_HOST):
-    a connection over a cap is closed as soon as it is accepted, and the refusals are counted
+    a connection over a cap takes the place of one that has sent no Hello for
+    limits.HELLO_GRACE, or else is closed as soon as it is accepted; the refusals are counted
     into one log line a second. A connection whose Hello is not complete `hello_timeout`
     seconds after it was accepted is closed; the whole handshake has `handshake_timeout`."""
     listeners: list[trio.SocketListener] = []
@@ -416,8 +417,10 @@ async def _accept_loop(listener: trio.SocketListener, gate: HandshakeGate, nurse
             await trio.sleep(limits.ACCEPT_RETRY)
             continue
         now = trio.current_time()
-        ticket = gate.admit(_host_of(stream), now)
-        if ticket is None:  # counted by the gate, reported by _report_refusals
+        ticket, evicted = gate.admit(_host_of(stream), now)
+        if evicted is not None:  # counted by the gate, reported by _report_refusals
+            evicted.scope.cancel()
+        if ticket is None:  # likewise
             await trio.aclose_forcefully(stream)
             continue
         ticket.scope = trio.CancelScope(deadline=now + handshake_timeout)
@@ -442,7 +445,9 @@ async def _server_handshake(conn: PeerConnection, ticket: Ticket, handshake_time
         return False
     finally:
         if ticket.scope is not None and ticket.scope.cancelled_caught:
-            if ticket.missed_hello:
+            if ticket.evicted:  # counted by the gate, reported by _report_refusals
+                pass
+            elif ticket.missed_hello:
                 lines.log(logging.WARNING, "no hello", "refused connection from %s: no Hello within %g s", address,
                           hello_timeout)
             else:
@@ -485,12 +490,16 @@ async def _report_refusals(gate: HandshakeGate, lines: LogLimiter) -> None:
     each kind."""
     while True:
         await trio.sleep(limits.LOG_INTERVAL)
-        count, hosts = gate.take_refusals()
+        count, hosts, evicted = gate.take_refusals()
         if count:
             top = ", ".join(f"{host}: {n}" for host, n in hosts[:3])
             log.warning("refused %d connection%s in the last %g s: too many handshakes in progress (%d at most, "
-                        "%d from one host; from %s)", count, "" if count == 1 else "s", limits.LOG_INTERVAL,
-                        gate.total, gate.per_host, top)
+                        "%d from one host; from %s)%s", count, "" if count == 1 else "s", limits.LOG_INTERVAL,
+                        gate.total, gate.per_host, top,
+                        f"; closed {evicted} without a Hello to make room" if evicted else "")
+        elif evicted:
+            log.warning("closed %d connection%s in the last %g s that sent no Hello for %g s, to make room for "
+                        "others", evicted, "" if evicted == 1 else "s", limits.LOG_INTERVAL, gate.hello_grace)
         lines.flush()
 
 
