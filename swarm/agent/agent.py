@@ -300,7 +300,7 @@ class Agent:
         elif getattr(message, "JOB_DATA", False):
             self._deliver(peer.node_id, message)
         else:
-            log.debug("ignoring %s from node %s", type(message).__name__, peer.node_id)
+            self._lines.log(logging.DEBUG, "ignored", "ignoring %s from node %s", type(message).__name__, peer.node_id)
 
     def _heartbeat(self, seq: int) -> Heartbeat:
         job = self.job
@@ -376,7 +376,7 @@ class Agent:
         try:  # a kind's module may be slow to import (torch): not on the event loop
             runner = await trio.to_thread.run_sync(job_runner, msg.kind)
         except Exception as exc:  # noqa: BLE001 - a broken job module refuses the job, not the agent
-            log.exception("cannot load job kind %s", msg.kind)
+            self._lines.log(logging.ERROR, "job kind", "cannot load job kind %s", msg.kind, exc_info=True)
             runner, refuse = None, f"job kind '{msg.kind}' cannot be loaded here: {type(exc).__name__}: {exc}"
         job = self.job
         if job is not None and job.job_id != msg.job_id and refuse is None:
@@ -416,7 +416,8 @@ class Agent:
             job.ctx, job.coordinator_id, job.kind, job.heartbeat_interval = ctx, peer.node_id, msg.kind, interval
             job.coordinator_changed.set()
         job.state, job.detail, job.result, job.run_scope = "assigned", "", None, None
-        log.info("assigned job %s epoch %d (%s) by node %s", msg.job_id, msg.epoch, msg.kind, peer.node_id)
+        self._lines.log(logging.INFO, "assigned", "assigned job %s epoch %d (%s) by node %s", msg.job_id, msg.epoch,
+                        msg.kind, peer.node_id)
         self._reply_state(peer, msg.job_id, msg.epoch, "assigned")
         self._release_early(job)
 
@@ -453,7 +454,7 @@ class Agent:
             self._reply_state(peer, job.job_id, job.epoch, "released")
 
     def _release(self, job: AgentJob, why: str) -> None:
-        log.info("left job %s epoch %d: %s", job.job_id, job.epoch, why)
+        self._lines.log(logging.INFO, "left", "left job %s epoch %d: %s", job.job_id, job.epoch, why)
         job.scope.cancel()
         job.state = "released"
         if self.job is job:
@@ -494,8 +495,8 @@ class Agent:
                 await job.coordinator_changed.wait()
                 job.coordinator_changed = trio.Event()
                 continue
-            log.warning("coordinator %s of job %s disconnected; waiting %g s for it to come back",
-                        job.coordinator_id, job.job_id, self.config.orphan_timeout)
+            self._lines.log(logging.WARNING, "orphan", "coordinator %s of job %s disconnected; waiting %g s for it to "
+                            "come back", job.coordinator_id, job.job_id, self.config.orphan_timeout)
             with trio.move_on_after(self.config.orphan_timeout):
                 while self._coordinator(job) is None:
                     await job.coordinator_changed.wait()
@@ -512,14 +513,16 @@ class Agent:
                 value = await runner(ctx)
                 result = value if isinstance(value, dict) or value is None else {"value": value}
         except Exception as exc:  # the job's own failure: reported, the agent goes on
-            log.exception("job %s epoch %d (%s) failed", ctx.job_id, ctx.epoch, ctx.kind)
+            self._lines.log(logging.ERROR, "job failed", "job %s epoch %d (%s) failed", ctx.job_id, ctx.epoch, ctx.kind,
+                            exc_info=True)
             state, detail = "failed", describe_failure(exc)
         if scope.cancelled_caught:
             state, detail = "stopped", job.detail
         if job.ctx is not ctx or self.job is not job:  # a newer epoch or a release took over
             return
         job.state, job.detail, job.result, job.run_scope = state, detail, result, None
-        log.info("job %s epoch %d %s%s", ctx.job_id, ctx.epoch, state, f": {detail}" if detail else "")
+        self._lines.log(logging.INFO, "job ended", "job %s epoch %d %s%s", ctx.job_id, ctx.epoch, state,
+                        f": {detail}" if detail else "")
         self._reply_state(self._coordinator(job), ctx.job_id, ctx.epoch, state, detail, result)
 
     def _deliver(self, sender: str, message) -> None:
