@@ -494,4 +494,5 @@ async def test_a_peer_that_never_reads_is_disconnected(tmp_path):
     print(f"agent RSS: {idle / MiB:.0f} MiB idle, {most / MiB:.0f} MiB after {sent} unread requests")
     assert not waited.cancelled_caught, f"still connected after {sent} requests"
     assert re.search(rf"disconnected 127\.0\.0\.1:\d+ \(node deaf\): it left {limits.OUTBOX} replies unread", log)
+    assert "Traceback" not in log
     assert most - idle < 32 * MiB
