@@ -167,12 +167,12 @@ class Relay:
         self.meddle, self.at = meddle, at
 
     async def run(self, listener: trio.SocketListener, server_port: int) -> None:
-        client = await listener.accept()
-        server = await trio.open_tcp_stream("127.0.0.1", server_port)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._pass, server, client)
-            await self._meddle(client, server)
-            nursery.cancel_scope.cancel()
+        async with listener, await listener.accept() as client, \
+                await trio.open_tcp_stream("127.0.0.1", server_port) as server:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pass, server, client)
+                await self._meddle(client, server)
+                nursery.cancel_scope.cancel()
 
     @staticmethod
     async def _pass(src, dst) -> None:

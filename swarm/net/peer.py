@@ -73,7 +73,8 @@ class PeerConnection:
         self.stream = stream
         self.protocol = protocol
         self.address = address
-        self.closed = False
+        self.closed = False  # no more sends
+        self._released = False  # the stream closed by aclose()
         self.last_received = trio.current_time()
         self.last_sent = trio.current_time()  # when the last whole message went out
         self.on_activity: Callable[[], None] | None = None  # called whenever bytes arrive
@@ -154,17 +155,20 @@ class PeerConnection:
             raise StopAsyncIteration from None
 
     async def aclose(self, reason: str = "closing") -> None:
-        """Say Goodbye (if we can within a second) and close the stream."""
-        if self.closed:
+        """Say Goodbye (if we can within a second) and close the stream (also after a send
+        broke, which stops sending but leaves the descriptor to this)."""
+        if self._released:
             return
-        self.closed = True
-        with trio.CancelScope(shield=True), trio.move_on_after(1):
-            try:
-                async with self._send_lock:
-                    self.protocol.close(reason)
-                    await self._flush()
-            except ConnectionLost:  # the peer is gone already: nothing to say goodbye to
-                pass
+        self._released = True
+        if not self.closed:
+            self.closed = True
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    async with self._send_lock:
+                        self.protocol.close(reason)
+                        await self._flush()
+                except ConnectionLost:  # the peer is gone already: nothing to say goodbye to
+                    pass
         if self._socket is not None:
             try:  # ends the connection for every descriptor, so bulk threads return at once
                 self._socket.shutdown(socket.SHUT_RDWR)
