@@ -180,18 +180,17 @@ class PeerConnection:
     # -- inside -----------------------------------------------------------------------
 
     async def _flush(self) -> None:
-        buffers = self.protocol.data_to_send()
+        buffers = iter(self.protocol.data_to_send())
         started = False
         try:
             for buffer in buffers:
                 started = True
                 if self._socket is not None and len(buffer) >= BULK_BYTES:
-                    with memoryview(buffer) as view:
-                        sent = 0
-                        while sent < len(view):
-                            sent += await self._bulk(_send_blocking, "out", view[sent:])
-                else:
-                    await self.stream.send_all(buffer)
+                    rest = memoryview(buffer)
+                    while rest is not None:  # the thread sends this and then the rest of `buffers`
+                        rest = await self._bulk(_send_blocking, "out", rest, buffers)
+                    break
+                await self.stream.send_all(buffer)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self.closed = True
             raise ConnectionLost(f"connection to {self.address} broke: {exc}") from None
@@ -209,9 +208,7 @@ class PeerConnection:
             self._lowat = _set_lowat(self._socket, self._lowat, 0 if view is None else len(view))
         try:
             if view is not None and self._socket is not None and len(view) >= BULK_BYTES:
-                count, ended, self._lowat = await self._bulk(_receive_blocking, "in", view, self._lowat)
-                if count:
-                    self.protocol.payload_received(count)
+                count, ended, self._lowat = await self._bulk(_receive_blocking, "in", self.protocol, self._lowat)
                 if ended:
                     self.protocol.receive_data(b"")
             elif view is not None and self._socket is not None:
@@ -228,8 +225,8 @@ class PeerConnection:
             if self.on_activity is not None:
                 self.on_activity()
 
-    async def _bulk(self, move, direction: str, view: memoryview, *args):
-        """move(socket, view, *args) in a worker thread, on a duplicate of our socket descriptor."""
+    async def _bulk(self, move, direction: str, *args):
+        """move(socket, *args) in a worker thread, on a duplicate of our socket descriptor."""
         if self.closed and direction == "out":
             raise ConnectionLost(f"connection to {self.address} is closed")
         sock = self._bulk_sockets.get(direction)
@@ -237,7 +234,7 @@ class PeerConnection:
             sock = self._bulk_sockets[direction] = socket.socket(fileno=os.dup(self._socket.fileno()))
         self._bulk_running += 1
         try:
-            return await trio.to_thread.run_sync(move, sock, view, *args)
+            return await trio.to_thread.run_sync(move, sock, *args)
         finally:
             self._bulk_running -= 1
             if self.closed:
@@ -276,43 +273,52 @@ def _set_lowat(sock: socket.socket, current: int, remaining: int) -> int:
     return want
 
 
-def _receive_blocking(sock: socket.socket, view: memoryview, lowat: int | None) -> tuple[int, bool, int | None]:
-    """(bytes received into view, whether the peer closed, the low-water mark now), stopping
-    when view is full or after BULK_SLICE seconds. Runs in a worker thread. `lowat` is the
-    socket's receive low-water mark (None: not used); it is lowered when fewer bytes than it
-    are still to come, so that the last piece does not wait for bytes that are not coming."""
+def _receive_blocking(sock: socket.socket, protocol: Connection, lowat: int | None) -> tuple[int, bool, int | None]:
+    """(bytes received, whether the peer closed, the low-water mark now): receives straight
+    into the views protocol.payload_buffer(more=True) gives — the records of a large tensor,
+    one after another, each opened as it completes (the AEAD leaves the GIL, so the event
+    loop runs meanwhile) — until none is next or BULK_SLICE seconds have passed. Runs in a
+    worker thread while the reading task waits for it. `lowat` is the socket's receive
+    low-water mark (None: not used), set for the bytes each view still wants."""
     done, end = 0, time.monotonic() + BULK_SLICE
-    while done < len(view):
+    while (view := protocol.payload_buffer(more=True)) is not None:
         left = end - time.monotonic()
         if left <= 0:
             break
-        if lowat is not None and len(view) - done < lowat:
-            lowat = _set_lowat(sock, lowat, len(view) - done)
+        if lowat is not None:
+            lowat = _set_lowat(sock, lowat, len(view))
         sock.settimeout(left)
         try:
-            count = sock.recv_into(view[done:])
+            count = sock.recv_into(view)
         except (TimeoutError, BlockingIOError):
             break
         if count == 0:
             return done, True, lowat
+        protocol.payload_received(count)
         done += count
     return done, False, lowat
 
 
-def _send_blocking(sock: socket.socket, view: memoryview) -> int:
-    """Bytes of view sent, stopping when all are or after BULK_SLICE seconds. Runs in a
-    worker thread."""
-    done, end = 0, time.monotonic() + BULK_SLICE
-    while done < len(view):
-        left = end - time.monotonic()
-        if left <= 0:
-            break
-        sock.settimeout(left)
-        try:
-            done += sock.send(view[done:])
-        except (TimeoutError, BlockingIOError):
-            break
-    return done
+def _send_blocking(sock: socket.socket, view: memoryview, more) -> memoryview | None:
+    """Sends view, then each buffer of the iterator `more` (sealed records, made as they are
+    taken: the AEAD leaves the GIL), until all are sent (None) or BULK_SLICE seconds have
+    passed (what is left of the buffer under way). Runs in a worker thread."""
+    end = time.monotonic() + BULK_SLICE
+    while True:
+        done = 0
+        while done < len(view):
+            left = end - time.monotonic()
+            if left <= 0:
+                return view[done:]
+            sock.settimeout(left)
+            try:
+                done += sock.send(view[done:])
+            except (TimeoutError, BlockingIOError):
+                return view[done:]
+        following = next(more, None)
+        if following is None:
+            return None
+        view = memoryview(following)
 
 
 def _address_of(stream: trio.abc.Stream) -> str:

@@ -92,6 +92,7 @@ class Connection:
         self._decoder = FrameDecoder(limits.handshake_frame)
         self._sealer: seal.Sealer | None = None  # ours and the peer's direction, once open
         self._opener: seal.Opener | None = None
+        self._pending_error: RemoteProtocolError | None = None  # found by payload_received
         self._queue(Hello(MAGIC, PROTOCOL_VERSION, node_id, self._nonce), limits.handshake_frame)
 
     @property
@@ -123,15 +124,27 @@ class Connection:
         else:
             self._decoder.feed(data)
 
-    def payload_buffer(self) -> memoryview | None:
-        """A view to recv_into() directly when the rest of a large sealed record is next."""
-        return self._opener.record_buffer() if self._opener is not None and self.state == "open" else None
+    def payload_buffer(self, *, more: bool = False) -> memoryview | None:
+        """A view to recv_into() directly when the rest of a sealed record is next; with
+        `more`, also the next record's header while a tensor is being filled, so that a
+        worker thread may receive a large tensor record after record, decrypted as each
+        completes (payload_received), without coming back for each."""
+        if self._opener is None or self.state != "open" or self._pending_error is not None:
+            return None
+        return self._opener.record_buffer(more and self._decoder.payload_buffer() is not None)
 
     def payload_received(self, count: int) -> None:
+        """`count` bytes were written into the view payload_buffer() returned (0: end of
+        stream). A record this completes is opened at once; what is wrong with it is raised
+        by the next next_event()."""
         if count == 0:
             self.receive_data(b"")
-        else:
-            self._opener.record_received(count)
+            return
+        self._opener.record_received(count)
+        try:
+            self._open_records()
+        except RemoteProtocolError as exc:
+            self._pending_error = exc
 
     # -- events -----------------------------------------------------------------------
 
@@ -148,6 +161,8 @@ class Connection:
             raise
 
     def _next_event(self):
+        if self._pending_error is not None:
+            raise self._pending_error
         while True:
             if self._opener is not None:
                 self._open_records()

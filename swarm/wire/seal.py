@@ -96,8 +96,9 @@ class Opener:
     """The peer's direction: sealed bytes in, checked plaintext out.
 
     feed() takes bytes as they arrive; open_next() gives each whole record's plaintext in
-    turn. While the rest of a record is awaited and nothing else is buffered,
-    record_buffer() is where the I/O layer may receive it directly.
+    turn. While the rest of a record (or, if asked, the next header) is awaited and nothing
+    else is buffered, record_buffer() is where the I/O layer may receive it directly, telling
+    record_received() how much came.
     """
 
     def __init__(self, key: bytes, max_record: int = SEAL_RECORD):
@@ -110,24 +111,36 @@ class Opener:
         self._record = bytearray()  # its ciphertext and tag, when received straight into it
         self._size = 0  # bytes the record has (ciphertext and tag)
         self._filled = 0  # of them received into _record
+        self._head = bytearray(HEADER.size)  # the next header, when received straight into it
+        self._head_filled = 0
 
     @property
     def in_record(self) -> bool:
         """True while part of a record has arrived but not all of it."""
-        return self._header is not None or self._start < len(self._buffer)
+        return self._header is not None or self._start < len(self._buffer) or self._head_filled > 0
 
     def feed(self, data) -> None:
         self._buffer += data
 
-    def record_buffer(self) -> memoryview | None:
-        if self._header is None or self._start < len(self._buffer):
+    def record_buffer(self, headers: bool = False) -> memoryview | None:
+        """Where the next bytes go when nothing is buffered: the rest of the record under way,
+        or with `headers` the next record's header."""
+        if self._start < len(self._buffer):
             return None
+        if self._header is None:
+            return memoryview(self._head)[self._head_filled:] if headers else None
         if len(self._record) < self._size:
             self._record = bytearray(self._size)
         return memoryview(self._record)[self._filled:self._size]
 
     def record_received(self, count: int) -> None:
-        self._filled += count
+        if self._header is not None:
+            self._filled += count
+            return
+        self._head_filled += count
+        if self._head_filled == HEADER.size:  # a whole header: read like any buffered one
+            self._buffer += self._head
+            self._head_filled = 0
 
     def open_next(self, target: memoryview | None = None):
         """The next record's plaintext: written into `target` when it fits there (returns how
