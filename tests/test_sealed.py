@@ -15,12 +15,14 @@ from swarm.wire import (CLIENT, NEED_DATA, SERVER, Closed, Connection, JobAssign
                         RemoteProtocolError, encode_frame, to_wire)
 from swarm.wire.frames import LENGTH
 from swarm.wire.seal import HEADER, Opener, Sealer, session_keys
+from tests.test_protocol import events
 
 TOKEN = b"2f0c9b7e41d35a86c1e04b9d7a62f5e3"
 
 
-def open_pair(token: bytes = TOKEN, client_id: str = "a", server_id: str = "b") -> tuple[Connection, Connection]:
-    client, server = Connection(CLIENT, client_id, token), Connection(SERVER, server_id, token)
+def open_pair(limits: Limits = Limits()) -> tuple[Connection, Connection]:
+    client = Connection(CLIENT, "a", TOKEN, limits=limits)
+    server = Connection(SERVER, "b", TOKEN, limits=limits)
     for _ in range(3):
         for src, dst in ((client, server), (server, client)):
             for buf in src.data_to_send():
@@ -50,12 +52,7 @@ def sent(conn: Connection, *messages) -> list[bytes]:
 
 def delivered(conn: Connection, data: bytes) -> list:
     conn.receive_data(data)
-    out = []
-    while (event := conn.next_event()) is not NEED_DATA:
-        out.append(event)
-        if isinstance(event, Closed):
-            break
-    return out
+    return events(conn)
 
 
 MESSAGES = [Ping(1), JobData("job", 3, "act", np.arange(1000, dtype=np.float32)), Ping(2), Ping(3)]
@@ -140,16 +137,7 @@ def test_a_record_bigger_than_the_limit_is_refused_before_it_is_buffered():
 
 
 def test_large_tensors_are_split_into_records_and_decrypted_in_place():
-    limits = Limits(frame=1 << 20, payload=1 << 26, record=1 << 16)
-    client = Connection(CLIENT, "a", TOKEN, limits=limits)
-    server = Connection(SERVER, "b", TOKEN, limits=limits)
-    for _ in range(3):
-        for src, dst in ((client, server), (server, client)):
-            for buf in src.data_to_send():
-                dst.receive_data(bytes(buf))
-        for conn in (server, client):
-            while conn.next_event() is not NEED_DATA:
-                pass
+    client, server = open_pair(Limits(frame=1 << 20, payload=1 << 26, record=1 << 16))
     big = np.random.default_rng(0).random(300_000)  # 2.4 MB: 37 records of 64 KiB
     stream = sent(client, JobData("job", 1, "weights", big))
     assert len(stream) == 1 + -(-big.nbytes // (1 << 16))

@@ -203,9 +203,16 @@ class FrameDecoder:
             self._filled = 0
 
     def _compact(self) -> None:
-        if self._start == len(self._buffer):
-            self._buffer.clear()
-            self._start = 0
-        elif self._start > 65536 and self._start * 2 > len(self._buffer):
-            del self._buffer[:self._start]
-            self._start = 0
+        self._start = compact(self._buffer, self._start)
+
+
+def compact(buffer: bytearray, start: int) -> int:
+    """Drop the read bytes before `start` from `buffer` when that is cheap or worth it (all
+    of it read, or more than half and over 64 KiB); the new start."""
+    if start == len(buffer):
+        buffer.clear()
+        return 0
+    if start > 65536 and start * 2 > len(buffer):
+        del buffer[:start]
+        return 0
+    return start

@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from swarm.limits import SEAL_RECORD
 from swarm.wire.errors import RemoteProtocolError
+from swarm.wire.frames import compact
 
 HEADER = struct.Struct(">IQ")  # ciphertext-and-tag length, record number
 TAG = 16
@@ -203,9 +204,4 @@ class Opener:
         return plain
 
     def _compact(self) -> None:
-        if self._start == len(self._buffer):
-            self._buffer.clear()
-            self._start = 0
-        elif self._start > 65536 and self._start * 2 > len(self._buffer):
-            del self._buffer[:self._start]
-            self._start = 0
+        self._start = compact(self._buffer, self._start)
