@@ -150,7 +150,8 @@ class TrainingCoordinator:
         self.job = replace(self.job, plan=plan, epoch=self.epoch, start_step=start, moves=moves)
         self.layout = Layout(plan, self.trainer.desc, TileGeometry(plan, self.trainer.desc))
         self.pending_backups = {start: set(plan.used_devices())}
-        self.backup_started = {start: trio.current_time()}
+        self.backup_started = {}  # the epoch's first snapshot is timed from its first step (_steps), not
+        # from here: building the stages and moving layers is no part of what a backup costs
         self.ep = await self.control.start_epoch(self.epoch, self.job)
         own = [m for m in moves if m.src == COORDINATOR]
         if own:
@@ -241,6 +242,8 @@ class TrainingCoordinator:
         step = self.committed
         next_batch = await trio.to_thread.run_sync(self.load_batch, step) if step < total_steps else None
         while step < total_steps:
+            if step in self.pending_backups:  # an epoch's first snapshot, timed from its first step
+                self.backup_started.setdefault(step, trio.current_time())
             t0 = time.monotonic()
             await self.feed(step, next_batch)
             pending = self.pool.submit(self.load_batch, step + 1) if step + 1 < total_steps else None
@@ -288,10 +291,11 @@ class TrainingCoordinator:
 
     def _backup_due(self, committed: int) -> bool:
         """Back up after this commit? Every `backup_interval` steps, or (0) by time: when no
-        backup is under way and the last one's quiet period is over."""
+        backup is under way and the last one's quiet period is over, or a device waits to be
+        taken in (which needs a backup step)."""
         if self.job.backup_interval:
             return committed % self.job.backup_interval == 0
-        return not self.pending_backups and trio.current_time() >= self.next_backup_at
+        return not self.pending_backups and (bool(self.joined) or trio.current_time() >= self.next_backup_at)
 
     async def _take_backup_acks(self) -> None:
         """Note the backup steps every device has confirmed (without waiting for more)."""

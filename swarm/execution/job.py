@@ -154,7 +154,10 @@ async def run_train_job(ctx) -> dict:
     job = JobSpec(plan, cfg, spec.get("cfg_text"), timeout_s=float(spec.get("timeout_s", 120.0)),
                   threads=usable_cores(), epoch=int(spec.get("epoch", 0)), start_step=int(spec.get("start_step", 0)),
                   moves=[Move.from_dict(m) for m in spec.get("moves", [])])
-    worker = DeviceWorker(endpoint, job, store_for(ctx.job_id))
+    store = store_for(ctx.job_id)
+    log.info("job %s epoch %d: %.0f MiB resident, %.0f MiB of it snapshots and backups", ctx.job_id, ctx.epoch,
+             resident_bytes() / 2**20, store.nbytes() / 2**20)
+    worker = DeviceWorker(endpoint, job, store)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(endpoint.pump, lambda: ctx.receive(CHANNEL))
@@ -164,14 +167,30 @@ async def run_train_job(ctx) -> dict:
     finally:
         await links.aclose()
         endpoint.mailbox.close(Closed("the run ended"))
+        trio.lowlevel.spawn_system_task(release_memory_soon)  # once this run's traceback lets go of it
     STORES.pop(ctx.job_id, None)  # the job is over
     return {"device": me, "busy_s": worker.busy_s, "bytes_sent": endpoint.bytes_sent}
 
 
+def resident_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def release_memory() -> None:
-    """Before a run (an epoch) starts: collect what the runs before it left (autograd graphs,
-    modules in reference cycles) and return the heap's free pages to the system (swarm.malloc
-    keeps them otherwise), so that a device's memory follows its current stages, not the
-    largest it ever had. (At the end of a cancelled run its traceback still holds it.)"""
+    """Collect what ended runs left (autograd graphs, modules in reference cycles) and return
+    the heap's free pages to the system (swarm.malloc keeps them otherwise), so that a
+    device's memory follows its current stages, not the largest it ever had. Done when a run
+    starts and shortly after one ends (not at once: a cancelled run's traceback holds it
+    until the cancellation has gone by)."""
     gc.collect()
     malloc.give_back()
+
+
+RELEASE_AFTER_S = 1.0
+
+
+async def release_memory_soon() -> None:
+    await trio.sleep(RELEASE_AFTER_S)
+    await trio.to_thread.run_sync(release_memory)

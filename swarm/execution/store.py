@@ -120,6 +120,11 @@ class DeviceStore:
         found.update(select(self.held.get(step, {}), layers))
         return found
 
+    def nbytes(self) -> int:
+        """Bytes of tensors kept: snapshots and held backups."""
+        kept = [s.states for s in self.snapshots] + list(self.held.values())
+        return sum(v.numel() * v.element_size() for states in kept for v in states.values())
+
     def layers_at(self, step: int) -> set[int]:
         have = set()
         for snap in self.snapshots:

@@ -1,0 +1,202 @@
+"""A run's own links (swarm/execution/links.py): made on first use, one per device; a send that
+fails, a connection that cannot be made or one closed under the run is reported once and what
+would go there dropped; they all close when the run ends. Fake connections, virtual time."""
+from __future__ import annotations
+
+import pytest
+import trio
+
+from swarm.execution.links import RunLinks
+from swarm.net import ConnectionLost, PeerUnavailable
+
+pytestmark = pytest.mark.trio
+
+DEVICES = {"dev1": {"node_id": "n1", "address": "10.0.0.1:4750"},
+           "dev2": {"node_id": "n2", "address": "10.0.0.2:4750"}}
+
+
+class FakeConn:
+    def __init__(self, peer_id: str, address: str):
+        self.peer_id, self.address = peer_id, address
+        self.closed = False
+        self.sent: list = []
+        self.fail = False
+
+    async def send(self, message) -> None:
+        await trio.lowlevel.checkpoint()
+        if self.fail or self.closed:
+            raise ConnectionLost(f"connection to {self.address} broke: reset")
+        self.sent.append(message)
+
+    async def aclose(self, reason: str = "") -> None:
+        self.closed = True
+
+
+class Agent:
+    """ctx.connect without a node id: always a new connection (unreachable: PeerUnavailable)."""
+
+    def __init__(self, peer_ids=None):
+        self.opened: list[FakeConn] = []
+        self.peer_ids = peer_ids or {d["address"]: d["node_id"] for d in DEVICES.values()}
+        self.unreachable: set[str] = set()
+
+    async def connect(self, address: str) -> FakeConn:
+        await trio.lowlevel.checkpoint()
+        if address in self.unreachable:
+            raise PeerUnavailable(f"cannot reach {address}")
+        conn = FakeConn(self.peer_ids[address], address)
+        self.opened.append(conn)
+        return conn
+
+
+def links_of(agent: Agent):
+    reports: list[tuple[str, str]] = []
+
+    async def report(name: str, why: str) -> None:
+        reports.append((name, why))
+    return RunLinks(DEVICES, agent.connect, report), reports
+
+
+async def test_one_new_connection_per_device_closed_when_the_run_ends():
+    agent = Agent()
+    links, reports = links_of(agent)
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(links.send, "dev1", f"a{i}")
+            nursery.start_soon(links.send, "dev2", f"b{i}")
+    assert [c.peer_id for c in agent.opened] == ["n1", "n2"] or [c.peer_id for c in agent.opened] == ["n2", "n1"]
+    assert sorted(m for c in agent.opened for m in c.sent) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    await links.aclose()
+    assert all(c.closed for c in agent.opened) and reports == []
+
+
+async def test_a_failed_send_is_reported_once_and_later_messages_dropped():
+    agent = Agent()
+    links, reports = links_of(agent)
+    await links.send("dev1", "first")
+    agent.opened[0].fail = True
+    await links.send("dev1", "lost")
+    await links.send("dev1", "dropped")
+    assert reports == [("dev1", "ConnectionLost: connection to 10.0.0.1:4750 broke: reset")]
+    assert agent.opened[0].sent == ["first"] and len(agent.opened) == 1  # no second connection in this run
+
+
+async def test_an_unreachable_or_wrong_device_is_reported():
+    agent = Agent(peer_ids={"10.0.0.1:4750": "n1", "10.0.0.2:4750": "someone-else"})
+    agent.unreachable.add("10.0.0.1:4750")
+    links, reports = links_of(agent)
+    await links.send("dev1", "x")
+    await links.send("dev2", "y")
+    assert [name for name, _ in reports] == ["dev1", "dev2"]
+    assert "cannot reach" in reports[0][1] and "not dev2" in reports[1][1]
+    assert all(c.closed for c in agent.opened)  # the wrong one is closed at once
+
+
+async def test_a_connection_closed_under_the_run_is_reported(autojump_clock):
+    agent = Agent()
+    links, reports = links_of(agent)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(links.watch)
+        await links.send("dev2", "x")
+        await trio.sleep(1)
+        assert reports == []
+        agent.opened[0].closed = True  # the far end closed it, or it broke
+        await trio.sleep(1)
+        assert reports == [("dev2", "the connection to 10.0.0.2:4750 closed")]
+        await links.aclose()  # closing our own is no news
+        await trio.sleep(1)
+        assert len(reports) == 1
+        nursery.cancel_scope.cancel()
+
+
+# ---- the coordinator's side: ClusterControl --------------------------------------------------
+
+class _Events:
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await trio.sleep_forever()
+
+
+class _Handle:
+    async def assign(self, node_id, kind, spec):
+        pass
+
+    async def start(self, node_id):
+        pass
+
+    def data(self, channel, body):
+        return body
+
+    async def wait_done(self, node_id):
+        await trio.sleep_forever()
+
+    async def receive(self, channel):
+        await trio.sleep_forever()
+
+
+class _Cluster:
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.credentials = SimpleNamespace(node_id="coordinator")
+        self.devices = {f"n{i}": SimpleNamespace(health="alive", conn=FakeConn(f"n{i}", "?")) for i in range(3)}
+
+    def subscribe(self):
+        return _Events()
+
+    def job(self, job_id, epoch=0):
+        return _Handle()
+
+    def device(self, node_id):
+        return self.devices[node_id]
+
+
+async def _started(nursery, monkeypatch, epoch: int = 0):
+    from types import SimpleNamespace
+
+    from swarm.execution import swarm_train
+    from swarm.execution.swarm_train import ClusterControl
+
+    monkeypatch.setattr(swarm_train, "job_spec_dict", lambda job, devices: {})
+    cluster = _Cluster()
+    names = {f"dev{i}": SimpleNamespace(node_id=f"n{i}", address="127.0.0.1", port=4750 + i) for i in range(3)}
+    control = ClusterControl(cluster, "run", names, nursery, lambda text: None)
+    job = SimpleNamespace(plan=SimpleNamespace(used_devices=lambda: ["dev0", "dev1", "dev2"]))
+    endpoint = await control.start_epoch(epoch, job)
+    return control, cluster, endpoint, job
+
+
+async def test_a_reported_link_is_the_loss_of_its_far_end(monkeypatch, autojump_clock):
+    async with trio.open_nursery() as nursery:
+        control, _, endpoint, _ = await _started(nursery, monkeypatch)
+        endpoint.deliver({"k": ["link", "dev0", "dev2"], "p": {"reason": "reset"}})
+        endpoint.deliver({"k": ["link", "dev1", "dev2"], "p": {"reason": "reset"}})  # the same news
+        assert await control.next_loss() == {"dev2"}
+        with trio.move_on_after(0.5) as waited:
+            await control.next_loss()
+        assert waited.cancelled_caught
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_broken_or_replaced_connection_to_a_device_is_its_loss(monkeypatch, autojump_clock):
+    async with trio.open_nursery() as nursery:
+        control, cluster, _, _ = await _started(nursery, monkeypatch)
+        await trio.sleep(1)
+        cluster.devices["n1"].conn = FakeConn("n1", "?")  # the cluster reconnected: messages may be lost
+        assert await control.next_loss() == {"dev1"}
+        cluster.devices["n2"].conn.closed = True
+        assert await control.next_loss() == {"dev2"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_broken_link_is_no_news_to_a_later_epoch(monkeypatch, autojump_clock):
+    async with trio.open_nursery() as nursery:
+        control, _, endpoint, job = await _started(nursery, monkeypatch)
+        endpoint.deliver({"k": ["link", "dev0", "dev2"], "p": {"reason": "reset"}})
+        await control.start_epoch(1, job)  # a re-plan for another reason came first
+        with trio.move_on_after(0.5) as waited:
+            await control.next_loss()
+        assert waited.cancelled_caught
+        nursery.cancel_scope.cancel()
