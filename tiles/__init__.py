@@ -1,9 +1,10 @@
-"""tiles: spatial tiling of conv/pool/BN layers: regions, halos, fused tile stacks (imports torch, numpy; never swarm or trio).
+"""tiles: spatial tiling of conv/pool/BN layers: regions, halos, fused tile stacks (imports torch, numpy; never swarm, trio or planner).
 
 Exact fused tiled training, forward and backward, with layer grouping (Rama et al.).
 
 Pure modules (no torch; the planner imports them):
-    tiles.regions      Span, Rect, AxisWindow, LayerGeometry: what a window layer reads and touches
+    tiles.regions      Span, Rect, AxisWindow, LayerGeometry: what a window layer reads and touches;
+                       LayerSpec: what tiling reads of a layer's description (tiles import no planner)
     tiles.grouping     Grouping (forward/backward sync boundaries), parse_grid
     tiles.layout       build_layout -> StageLayout: every tile's regions and halo transfers; tileable_prefix
     tiles.cost         stage_cost, choose_grouping: bytes, redundant FLOPs, memory, time

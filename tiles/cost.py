@@ -16,7 +16,7 @@ from the same StageLayout the executor runs, so the model counts what is execute
 
 Signatures:
     stage_cost(layout: StageLayout) -> StageCost
-    choose_grouping(layers: Sequence[LayerDesc | LayerGeometry], grid: (rows, cols), *,
+    choose_grouping(layers: Sequence[LayerSpec | LayerGeometry], grid: (rows, cols), *,
                     flops_per_s: float, bytes_per_s: float, latency_s: float = 0.0,
                     samples: int = 1, input_delta: bool = False,
                     row_cuts=None, col_cuts=None) -> GroupingChoice
@@ -41,11 +41,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from planner.model_desc import BYTES_PER_FLOAT, LayerDesc
 from tiles.grouping import Grouping
 from tiles.layout import StageLayout, build_layout
-from tiles.regions import LayerGeometry, Rect
+from tiles.regions import LayerGeometry, LayerSpec, Rect
 
+BYTES_PER_FLOAT = 4  # maps and their gradients are float32, as the planner's model description counts them
 INDEX_BYTES = 1  # max-pool selections are uint8 window positions
 SUM_BYTES = 8  # BatchNorm sums travel as float64
 
@@ -183,11 +183,11 @@ class GroupingChoice:
     cost: StageCost
 
 
-def _geometries(layers: Sequence[LayerDesc | LayerGeometry]) -> list[LayerGeometry]:
+def _geometries(layers: Sequence[LayerSpec | LayerGeometry]) -> list[LayerGeometry]:
     return [g if isinstance(g, LayerGeometry) else LayerGeometry.from_desc(g) for g in layers]
 
 
-def choose_grouping(layers: Sequence[LayerDesc | LayerGeometry], grid: tuple[int, int], *, flops_per_s: float,
+def choose_grouping(layers: Sequence[LayerSpec | LayerGeometry], grid: tuple[int, int], *, flops_per_s: float,
                     bytes_per_s: float, latency_s: float = 0.0, samples: int = 1, input_delta: bool = False,
                     row_cuts: list[int] | None = None, col_cuts: list[int] | None = None) -> GroupingChoice:
     """The (mirrored) grouping with the least predicted time per micro-batch."""

@@ -40,12 +40,24 @@ Forward:
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from planner.model_desc import ModelDesc
 from tiles.grouping import Grouping
-from tiles.regions import (EMPTY_RECT, WINDOW_KINDS, LayerGeometry, Padding, Rect, TilingError, cut_spans,
-                           even_cuts)
+from tiles.regions import (EMPTY_RECT, WINDOW_KINDS, LayerGeometry, LayerSpec, Padding, Rect, TilingError,
+                           cut_spans, even_cuts)
+
+
+class NetworkSpec(Protocol):
+    """What `tileable_prefix` reads of a whole network (the planner's ModelDesc is one)."""
+
+    @property
+    def layers(self) -> Sequence[LayerSpec]: ...  # in execution order
+
+    def live_after(self, boundary: int) -> tuple[int, ...]:
+        """Layers (or the image, -1) produced before `boundary` and read at or after it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -158,7 +170,7 @@ class StageLayout:
                 "selection_transfers": transfers(self.selection_transfers)}
 
 
-def tileable_prefix(desc: ModelDesc) -> int:
+def tileable_prefix(desc: NetworkSpec) -> int:
     """The end (exclusive) of the longest run of layers from 0 that one tiles stage can take:
     window layers each reading the one before, whose maps nothing after the stage reads
     except its output. 0 when the first layer cannot be tiled."""

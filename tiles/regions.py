@@ -1,8 +1,10 @@
 """Region arithmetic for tiling: spans, rectangles, and what a layer's window needs and touches.
 
-Pure Python (no torch): the planner imports it. Coordinates are pixels of one feature
-map, half-open: a Span [lo, hi) on one axis, a Rect = rows x cols. The map at boundary b
-is the one entering layer b (the image is boundary 0).
+Pure Python (no torch): the planner imports it, never the other way; what tiling reads of
+a layer's description is declared here (`LayerSpec`), and the planner's LayerDesc has all
+of it. Coordinates are pixels of one feature map, half-open: a Span [lo, hi) on one axis, a
+Rect = rows x cols. The map at boundary b is the one entering layer b (the image is
+boundary 0).
 
 For a window layer (convolution or pooling) with kernel k, stride s and padding
 (before, after) on one axis, output pixel o reads input pixels [o*s - before, o*s - before + k).
@@ -17,11 +19,37 @@ with clipping at the real border of the map instead of padding the map out):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
-
-from planner.model_desc import LayerDesc
+from typing import NamedTuple, Protocol
 
 WINDOW_KINDS = ("conv", "maxpool", "avgpool")
+
+
+class LayerSpec(Protocol):
+    """What tiling reads of one layer's description, for one sample (read-only; the
+    planner's LayerDesc, built by the model zoo, is one)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def kind(self) -> str: ...  # a window layer is conv | maxpool | avgpool
+    @property
+    def in_shape(self) -> tuple[int, int, int]: ...  # (C, H, W) of its (first) input
+    @property
+    def out_shape(self) -> tuple[int, int, int]: ...  # (C, H, W)
+    @property
+    def inputs(self) -> tuple[int, ...]: ...  # the layers whose outputs it reads; -1 = the image
+    @property
+    def kernel(self) -> int: ...
+    @property
+    def stride(self) -> int: ...
+    @property
+    def padding(self) -> tuple[int, int, int, int]: ...  # (left, right, top, bottom)
+    @property
+    def batch_normalize(self) -> bool: ...
+    @property
+    def activation(self) -> str: ...
+    @property
+    def flops(self) -> int: ...  # forward FLOPs per sample (a multiply-add is 2)
 
 
 class TilingError(ValueError):
@@ -208,7 +236,7 @@ class LayerGeometry:
     flops: int  # forward FLOPs per sample over the whole map
 
     @classmethod
-    def from_desc(cls, d: LayerDesc) -> "LayerGeometry":
+    def from_desc(cls, d: LayerSpec) -> "LayerGeometry":
         if d.kind not in WINDOW_KINDS or d.kernel <= 0:
             raise TilingError(f"layer {d.index} ({d.kind}) cannot be tiled; tiles take convolution and "
                               "local pooling layers only")
