@@ -31,10 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.allocation import memory_aware_allocation
 from planner.asteroid_tables import AsteroidTables
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, Stage
 from planner.simulator import Timeline
+from planner.units import format_bytes
 
 
 MAX_CUTS = 64  # candidate stage boundaries for deep models (every boundary when there are fewer)
@@ -187,8 +189,6 @@ class AsteroidDP:
 def pipeline_estimate(inputs: PlanInputs, order: list[str], stages: list[tuple[int, int, int, int]]) -> float:
     """D + A of one pipeline, step by step with the scalar Alg. 1 (the reference the DP must
     match). stages: (first layer, last layer, first device, end device) in `order`."""
-    from planner.allocation import memory_aware_allocation
-
     cl, mem, M, B = inputs.cluster, inputs.mem, inputs.microbatches, inputs.microbatch
     P, L = len(stages), inputs.num_layers
     steps = []  # (E_f, E_b, T_a)
@@ -295,8 +295,6 @@ def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None) -> Plan:
 
 def memory_shortfall(inputs: PlanInputs, dp: AsteroidDP) -> str:
     """Why nothing fits: the stage that needs least memory still overflows somewhere."""
-    from planner.units import format_bytes
-
     mem = inputs.mem
     worst = None
     for layer in range(inputs.num_layers):

@@ -28,6 +28,7 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
+from planner.asteroid import MAX_CUTS, candidate_cuts
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, Stage
 from planner.stage_work import IMAGE_BYTES_PER_VALUE
@@ -242,8 +243,6 @@ def solve_mapping_arrays(model: HierTrainModel, ms: np.ndarray, ml: np.ndarray) 
 
 def hiertrain_search(inputs: PlanInputs, workers: list[str]) -> Schedule:
     """Algorithm 1 over the given (up to three) devices."""
-    from planner.asteroid import MAX_CUTS, candidate_cuts
-
     cuts = np.array(candidate_cuts(inputs, MAX_CUTS))
     ms, ml = (a.ravel() for a in np.meshgrid(cuts, cuts, indexing="ij"))
     keep = ms <= ml

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, Stage
@@ -150,8 +151,6 @@ def merge_groups(groups: list[tuple[int, int, int]]) -> list[tuple[int, int, int
 def constrained_path(c: TwoPartyCosts, objective: str, budget: float) -> tuple[float, list[tuple[int, int, int]]]:
     """JointDNN's constrained scenarios as a MILP over the layer graph (nodes (b, X); run edges
     (b, X) -> (b + 1, X); switch edges (b, X) -> (b, Y) at inner boundaries)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
     L = c.num_layers
     edges = []  # (kind, b, x, y): "start" (0, x), "run" layer b on x, "switch" at boundary b from x to y
     for x in (0, 1):

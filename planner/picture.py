@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planner.plan import Plan
 from planner.simulator import Timeline
+from planner.tiles_work import tiles_cost
 from planner.units import format_bytes, format_seconds
 
 STAGE_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
@@ -18,6 +19,7 @@ def _lighter(hex_colour: str, amount: float = 0.45) -> tuple[float, float, float
 
 
 def draw_plan(plan: Plan, timeline: Timeline, desc, path: str, title: str | None = None) -> None:
+    # matplotlib is optional (the "plot" extra): only drawing a picture needs it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,9 +96,7 @@ def draw_plan(plan: Plan, timeline: Timeline, desc, path: str, title: str | None
 
 def _draw_tiles(fig, plan: Plan, timeline: Timeline, desc, stages: list[int], devices: list[str],
                 height: float) -> None:
-    from matplotlib.patches import Rectangle
-
-    from planner.tiles_work import tiles_cost
+    from matplotlib.patches import Rectangle  # optional, as in draw_plan
 
     n = len(stages)
     for k, p in enumerate(stages):

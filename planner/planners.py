@@ -19,7 +19,7 @@ from planner.hiertrain import plan_hiertrain
 from planner.inputs import NoPlan, PlanInputs
 from planner.jointdnn import plan_jointdnn
 from planner.plan import Plan, PlanError, Stage
-from planner.tiles_planner import grids_for, plan_tiles
+from planner.tiles_planner import grids_for, plan_tiles, tiles_end
 
 HYBRID_CANDIDATES = 2  # Asteroid pipelines tried after each tiles front
 
@@ -31,8 +31,6 @@ def _fits_then_time(plan: Plan) -> tuple[bool, float]:
 def plan_hybrids(inputs: PlanInputs, tiles_plan: Plan | None) -> list[Plan]:
     """Tiles front + Asteroid pipeline on the remaining devices: the front on as many of the
     fastest devices as the tiles planner chose (if that leaves some), and on half of them."""
-    from planner.tiles_planner import tiles_end
-
     end = tiles_end(inputs)
     cl = inputs.cluster
     n = len(cl.names)

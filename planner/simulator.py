@@ -33,8 +33,9 @@ from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
 from planner.schedule import stage_schedule
-from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, gradient_buckets, ring_allreduce_time,
-                                stage_works)
+from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, gradient_buckets, microbatch_sizes,
+                                ring_allreduce_time, split_stage_work)
+from planner.tiles_work import tiles_stage_work
 from planner.units import format_bytes
 
 EPS = 1e-12
@@ -100,6 +101,23 @@ class Timeline:
         return {"step_time_s": self.step_time, "throughput": self.throughput,
                 "peak_memory": {d: int(v) for d, v in self.peak_memory.items()},
                 "busy_s": {d: v for d, v in self.busy.items()}, "fits": self.fits}
+
+
+def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster) -> list[StageWork]:
+    """What each stage asks of its devices, by its mode: planner/tiles_work.py for tiles,
+    planner/stage_work.py for single and dp."""
+    sizes = microbatch_sizes(plan.batch_size, plan.microbatches)
+    for s in plan.stages:
+        for d in s.devices:
+            cluster.index(d)  # raises a clear error for a device the cluster lacks
+    last_stage = len(plan.stages) - 1
+    works = []
+    for p, stage in enumerate(plan.stages):
+        if stage.mode == "tiles":
+            works.append(tiles_stage_work(p, stage, plan, desc, mem, cluster, sizes, p == last_stage))
+        else:
+            works.append(split_stage_work(p, stage, desc, mem, cluster, sizes, p == last_stage))
+    return works
 
 
 def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, validate: bool = True) -> Timeline:

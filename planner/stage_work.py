@@ -8,8 +8,9 @@ planner's estimate and the simulator's prediction come from one cost model.
   first gets samples [0, y_a) by its `allocation`, the next the following y_b, ...). With BatchNorm the group
   exchanges per-channel sums at every BN layer, forward and backward, so its devices move
   in step: the stage is a gang whose duration is, per BN segment, the slowest device.
-- tiles: every device works on its tiles of every sample (see planner/tiles_work.py).
-After the last backward, groups of two or more all-reduce their weight gradients (ring,
+- tiles: every device works on its tiles of every sample (planner/tiles_work.py, which
+  builds on the shares, works and collective times here).
+The simulator's `stage_works` picks by each stage's mode. After the last backward, groups of two or more all-reduce their weight gradients (ring,
 Asteroid eq. 5), then every device applies the optimizer to the stage's layers.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
-from planner.plan import Plan, PlanError, Stage
+from planner.plan import PlanError, Stage
 
 IMAGE_BYTES_PER_VALUE = 1  # samples travel as uint8 images
 
@@ -127,25 +128,9 @@ class StageWork:
         return self.stage.devices
 
 
-def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster) -> list[StageWork]:
-    sizes = microbatch_sizes(plan.batch_size, plan.microbatches)
-    for s in plan.stages:
-        for d in s.devices:
-            cluster.index(d)  # raises a clear error for a device the cluster lacks
-    last_stage = len(plan.stages) - 1
-    works = []
-    for p, stage in enumerate(plan.stages):
-        if stage.mode == "tiles":
-            from planner.tiles_work import tiles_stage_work
-
-            works.append(tiles_stage_work(p, stage, plan, desc, mem, cluster, sizes, p == last_stage))
-        else:
-            works.append(_split_stage_work(p, stage, desc, mem, cluster, sizes, p == last_stage))
-    return works
-
-
-def _split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cluster: Cluster,
-                      sizes: list[int], is_last: bool) -> StageWork:
+def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cluster: Cluster,
+                     sizes: list[int], is_last: bool) -> StageWork:
+    """The work of a single or dp stage: whole samples per device."""
     first, last = stage.first, stage.last
     if stage.mode == "single":
         alloc = None

@@ -15,9 +15,13 @@ stage is the whole network, as many micro-batches run through it as one block as
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, PlanError, Stage
+from tiles.cost import choose_grouping
+from tiles.layout import tileable_prefix
+from tiles.regions import TilingError
 
 
 SYNC_SHARE_WORTH_GROUPING = 0.02  # below this share of the step, fewer syncs cannot pay for recomputation
@@ -33,8 +37,6 @@ def grids_for(k: int, rows: int = 1, cols: int = 1) -> list[tuple[int, int]]:
 def tiles_end(inputs: PlanInputs) -> int:
     """Where the tiles stage ends: the tileable front, or for deep networks the boundary
     with the smallest activation among the first MAX_TILES_LAYERS (the latest of equals)."""
-    from tiles.layout import tileable_prefix
-
     end = tileable_prefix(inputs.desc)
     if end <= MAX_TILES_LAYERS:
         return end
@@ -67,9 +69,6 @@ def tiles_stages(inputs: PlanInputs, group: list[str], grid: tuple[int, int], en
 
 
 def plan_tiles(inputs: PlanInputs) -> Plan:
-    from tiles.cost import choose_grouping
-    from tiles.regions import TilingError
-
     end = tiles_end(inputs)
     if end == 0:
         raise NoPlan(f"{inputs.desc.name} cannot be tiled: its first layer is not a convolution or local pooling")
@@ -122,8 +121,6 @@ def run_together(inputs: PlanInputs, plan: Plan, timeline):
     it does not count what each exchange costs a device's CPU; on the testbed (0.2 core,
     100 Mbit/s, yolov2-16 at 416, batch 8 in 8) the same 2x2 plan ran at 0.65-0.68
     samples/s one micro-batch at a time and 0.77-1.02 with all 8 as one block."""
-    from dataclasses import replace
-
     m = inputs.microbatches
     for size in sorted((d for d in range(2, m + 1) if m % d == 0), reverse=True):
         together = inputs.plan([replace(plan.stages[0], together=size)], plan.planner)

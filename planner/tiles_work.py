@@ -21,23 +21,22 @@ from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError, Stage
 from planner.stage_work import Share, StageWork, allgather_time, gradient_buckets, ring_allreduce_time
+from tiles.cost import StageCost, stage_cost
+from tiles.grouping import Grouping
+from tiles.layout import build_layout
+from tiles.regions import LayerGeometry, TilingError
 
 
 _COSTS: dict = {}  # (id(desc), first, last, grid, syncs, back_syncs) -> (desc, StageCost)
 
 
 def _stage_cost(desc: ModelDesc, first: int, last: int, grid: tuple[int, int], forward: tuple[int, ...],
-                backward: tuple[int, ...]):
+                backward: tuple[int, ...]) -> StageCost:
     key = (id(desc), first, last, grid, forward, backward)
     if key in _COSTS and _COSTS[key][0] is desc:
         return _COSTS[key][1]
     if len(_COSTS) > 512:
         _COSTS.clear()
-    from tiles.cost import stage_cost
-    from tiles.grouping import Grouping
-    from tiles.layout import build_layout
-    from tiles.regions import LayerGeometry, TilingError
-
     try:
         geoms = [LayerGeometry.from_desc(d) for d in desc.layers[first:last]]
         layout = build_layout(geoms, grid, Grouping(first, last, forward, backward), first > 0)
@@ -47,7 +46,7 @@ def _stage_cost(desc: ModelDesc, first: int, last: int, grid: tuple[int, int], f
     return _COSTS[key][1]
 
 
-def tiles_cost(desc: ModelDesc, stage: Stage):
+def tiles_cost(desc: ModelDesc, stage: Stage) -> StageCost:
     """The tiles cost model's StageCost of a plan's tiles stage."""
     return _stage_cost(desc, stage.first, stage.last, tuple(stage.grid), tuple(stage.forward_syncs()),
                        tuple(stage.backward_syncs()))

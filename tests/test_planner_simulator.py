@@ -222,7 +222,7 @@ def test_the_cpu_transfers_take_is_paid_by_a_busy_device_not_an_idle_one(lenet):
 def test_a_tiles_stage_pays_each_devices_tiles_overhead(lenet):
     """A tile's share of a layer's time is scaled by its device's tiles overhead (the
     executor's time over autograd's, profiled); the syncs are not."""
-    from planner.stage_work import stage_works
+    from planner.simulator import stage_works
     from tiles.layout import tileable_prefix
 
     desc, mem = lenet
