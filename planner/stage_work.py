@@ -10,8 +10,9 @@ planner's estimate and the simulator's prediction come from one cost model.
   in step: the stage is a gang whose duration is, per BN segment, the slowest device.
 - tiles: every device works on its tiles of every sample (planner/tiles_work.py, which
   builds on the shares, works and collective times here).
-The simulator's `stage_works` picks by each stage's mode. After the last backward, groups of two or more all-reduce their weight gradients (ring,
-Asteroid eq. 5), then every device applies the optimizer to the stage's layers.
+The simulator's `stage_works` picks by each stage's mode. After the last backward, groups
+of two or more all-reduce their weight gradients (ring, Asteroid eq. 5), then every device
+applies the optimizer to the stage's layers.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from swarm.zoo import describe_model
 from tests.conftest import ROOT
 from tiles.grouping import Grouping, parse_grid
-from tiles.layout import build_layout, tileable_prefix
-from tiles.regions import AxisWindow, LayerGeometry, Rect, Span, TilingError
+from tiles.layout import NetworkSpec, build_layout, tileable_prefix
+from tiles.regions import AxisWindow, LayerGeometry, LayerSpec, Rect, Span, TilingError
 
 
 def _window(kernel, stride, before, after, size_in):
@@ -179,6 +179,15 @@ def test_tileable_prefix_of_the_zoo():
     assert tileable_prefix(describe_model("vgg16")) == 18
     with pytest.raises(TilingError, match="cannot be tiled"):
         LayerGeometry.from_desc(describe_model("yolov2").layers[25])
+
+
+def test_the_planners_descriptions_have_what_tiling_reads():
+    """Tiles import nothing of the planner: its LayerDesc and ModelDesc must carry every member
+    of LayerSpec and NetworkSpec."""
+    desc = describe_model("yolov2-16")
+    for spec, instance in ((LayerSpec, desc.layers[0]), (NetworkSpec, desc)):
+        members = [name for name in vars(spec) if not name.startswith("_")]
+        assert members and all(hasattr(instance, name) for name in members), (spec.__name__, members)
 
 
 def test_pure_modules_do_not_import_torch():
