@@ -11,25 +11,6 @@ from swarm.errors import SwarmError
 COMMANDS = ("train", "eval", "join", "status", "token", "testbed", "plan", "profile", "service")
 
 
-def _number(kind, noun: str, ok, rule: str):
-    """An argparse type: `kind` of the text, checked by `ok`, with messages a user can act on."""
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not {noun}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{rule}, got {value}")
-        return value
-    return convert
-
-
-positive_int = _number(int, "a whole number", lambda v: v >= 1, "must be at least 1")
-non_negative_int = _number(int, "a whole number", lambda v: v >= 0, "must not be negative")
-positive_float = _number(float, "a number", lambda v: v > 0, "must be positive")
-non_negative_float = _number(float, "a number", lambda v: v >= 0, "must not be negative")
-
-
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 

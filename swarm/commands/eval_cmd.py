@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.cli import positive_int
+from swarm.commands.flags import positive_int
 
 
 def add_parser(sub) -> None:

@@ -6,7 +6,8 @@ import os
 import signal
 import socket
 
-from swarm.commands.runtime_common import add_network_args, add_token_args, port_number, run_trio, setup_logging
+from swarm.commands.flags import add_network_args, add_token_args, port_number
+from swarm.commands.runtime_common import run_trio, setup_logging
 
 log = logging.getLogger("swarm.agent")
 

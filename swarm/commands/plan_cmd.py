@@ -6,8 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from swarm.cli import non_negative_float, positive_int
-from swarm.commands.runtime_common import add_network_args
+from swarm.commands.flags import add_network_args, non_negative_float, positive_int
 from swarm.errors import SwarmError
 
 STRATEGY_HELP = ("local, dp, pp, tiles, jointdnn, hiertrain, asteroid, or auto (default: the best predicted of all, "

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from swarm.cli import positive_int
+from swarm.commands.flags import positive_int
 from swarm.errors import SwarmError
 
 

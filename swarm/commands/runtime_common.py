@@ -1,7 +1,6 @@
-"""What the runtime commands (join, status, token, testbed) share: flags, logging, running trio."""
+"""What the runtime commands (join, status, train) share: their log lines, and running trio."""
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
@@ -9,32 +8,6 @@ from swarm.errors import SwarmError
 
 LOG_FORMAT = "%(asctime)s.%(msecs)03d {who} %(levelname)s %(message)s"
 LOG_DATE = "%Y-%m-%d %H:%M:%S"
-
-
-def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
-    if not 0 <= value < 65536:
-        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {value}")
-    return value
-
-
-def add_network_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--interface", metavar="NAME|ADDRESS",
-                        help="network interface (or one of its addresses) for discovery and connections "
-                             "(default: $SWARM_INTERFACE, else the default route's)")
-    parser.add_argument("--peers", metavar="HOST:PORT,...",
-                        help="agents to reach directly, where mDNS does not get through (default: $SWARM_PEERS)")
-
-
-def add_token_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", metavar="DIR",
-                        help="state directory (default: $SWARM_STATE_DIR, /var/lib/swarm as root, "
-                             "else ~/.local/share/swarm)")
-    parser.add_argument("--token-file", metavar="FILE",
-                        help="file holding the cluster token (default: $SWARM_TOKEN, else STATE_DIR/token)")
 
 
 def setup_logging(who: str, verbose: bool = False) -> None:

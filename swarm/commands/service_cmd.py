@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from swarm.commands.runtime_common import port_number
+from swarm.commands.flags import port_number
 from swarm.errors import SwarmError
 
 CONFIG_HEADER = """\

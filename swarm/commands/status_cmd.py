@@ -6,8 +6,8 @@ import os
 import sys
 import time
 
-from swarm.cli import positive_int
-from swarm.commands.runtime_common import add_network_args, add_token_args, run_trio, setup_logging
+from swarm.commands.flags import add_network_args, add_token_args, positive_int
+from swarm.commands.runtime_common import run_trio, setup_logging
 
 COLUMNS = ("NAME", "ADDRESS", "CORES", "MEMORY", "ACCEL", "VERSION", "LAST SEEN", "HEALTH", "JOB")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from swarm.cli import positive_float, positive_int
+from swarm.commands.flags import positive_float, positive_int
 
 UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 

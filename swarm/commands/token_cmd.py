@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from swarm.commands.runtime_common import add_token_args
+from swarm.commands.flags import add_token_args
 
 
 def add_parser(sub) -> None:

@@ -6,7 +6,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from swarm.cli import non_negative_float, non_negative_int, positive_float, positive_int
+from swarm.commands.flags import (add_network_args, add_token_args, non_negative_float, non_negative_int,
+                                  positive_float, positive_int)
 from swarm.errors import SwarmError
 from swarm.progress import format_seconds
 
@@ -85,8 +86,6 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; flags not given are taken from it")
     p.add_argument("--metrics", metavar="FILE", help="append one JSON object per step to FILE")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
-    from swarm.commands.runtime_common import add_network_args, add_token_args
-
     add_network_args(p)
     add_token_args(p)
     p.set_defaults(run=run)

@@ -1,0 +1,50 @@
+"""Flags and argument types the subcommands share: numbers a user can get wrong, ports, and the
+network and cluster-token flags, each with a message a user can act on."""
+from __future__ import annotations
+
+import argparse
+
+
+def _number(kind, noun: str, ok, rule: str):
+    """An argparse type: `kind` of the text, checked by `ok`, with messages a user can act on."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not {noun}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{rule}, got {value}")
+        return value
+    return convert
+
+
+positive_int = _number(int, "a whole number", lambda v: v >= 1, "must be at least 1")
+non_negative_int = _number(int, "a whole number", lambda v: v >= 0, "must not be negative")
+positive_float = _number(float, "a number", lambda v: v > 0, "must be positive")
+non_negative_float = _number(float, "a number", lambda v: v >= 0, "must not be negative")
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {value}")
+    return value
+
+
+def add_network_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--interface", metavar="NAME|ADDRESS",
+                        help="network interface (or one of its addresses) for discovery and connections "
+                             "(default: $SWARM_INTERFACE, else the default route's)")
+    parser.add_argument("--peers", metavar="HOST:PORT,...",
+                        help="agents to reach directly, where mDNS does not get through (default: $SWARM_PEERS)")
+
+
+def add_token_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", metavar="DIR",
+                        help="state directory (default: $SWARM_STATE_DIR, /var/lib/swarm as root, "
+                             "else ~/.local/share/swarm)")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="file holding the cluster token (default: $SWARM_TOKEN, else STATE_DIR/token)")
