@@ -111,6 +111,12 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+def keep(rss: dict[str, list[float]], sample: dict[str, float | None]) -> None:
+    for device, value in sample.items():
+        if value is not None:
+            rss[device].append(round(value, 1))
+
+
 class Faults(threading.Thread):
     """First kill dev0's agent (the coordinator, a process of its own in dev0's namespace,
     goes on); then every PERIOD_S cut the next of dev1-dev4 off for CUT_S and heal it, until
@@ -154,27 +160,25 @@ def test_soak_flapping_links_and_a_killed_device(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "SWARM_PROGRESS_SECONDS": "0"}
     faults = Faults()
     rss: dict[str, list[float]] = {d: [] for d in pids}
-    lines, measure_in, started = [], None, time.monotonic()
+    lines, started = [], time.monotonic()
+    recovered, sample = False, {}  # a recovery came; the agents' RSS at the last step line
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
         for line in proc.stderr:
             lines.append(f"[{time.monotonic() - started:7.1f}] {line}")
             if line.startswith("step "):
                 faults.step = int(line.split()[1].split("/")[0])
+                sample = {device: rss_mib(pid) for device, pid in pids.items()}
             if line.startswith("step 2/") and not faults.is_alive() and not faults.events:
                 faults.start()
-            if RECOVERED.search(line):
-                measure_in = 3  # steps into the new epoch: its stages are built and have run
-            elif line.startswith("step ") and measure_in is not None:
-                measure_in -= 1
-                if measure_in == 0:
-                    measure_in = None
-                    for device, pid in pids.items():
-                        value = rss_mib(pid)
-                        if value is not None:
-                            rss[device].append(round(value, 1))
+            if RECOVERED.search(line):  # the RSS an epoch ended with is what its recovery left
+                if recovered:
+                    keep(rss, sample)
+                recovered = True
             assert time.monotonic() - started < 3600, "".join(lines)
         proc.wait(timeout=120)
+        if recovered:
+            keep(rss, sample)
     finally:
         faults.done.set()
         if proc.poll() is None:

@@ -26,7 +26,7 @@ from planner.plan import Plan, PlanError
 from swarm.data import class_targets, make_batch, microbatch_bounds, step_indices
 from swarm.errors import SwarmError
 from swarm.execution.blocks import cut
-from swarm.execution.replan import Move, backup_holders, layer_sources, replan
+from swarm.execution.replan import Move, backup_holders, holdings, layer_sources, replan
 from swarm.execution.routing import Block, Layout, runs, stage_parts
 from swarm.execution.tiling import TileGeometry
 from swarm.execution.worker import COORDINATOR, JobSpec
@@ -84,19 +84,6 @@ def load_states(trainer: LocalTrainer, states: dict[str, torch.Tensor]) -> None:
         if "|" in key:
             name, slot = key.split("|", 1)
             trainer.optimizer.state[params[name]][slot] = value.clone()
-
-
-def holdings(plan: Plan) -> dict[str, set[int]]:
-    """Which layers each device has once a backup step of `plan` is complete: its stages'
-    layers (its snapshot) and the stages it backs up."""
-    have: dict[str, set[int]] = {}
-    for p, s in enumerate(plan.stages):
-        for d in s.devices:
-            have.setdefault(d, set()).update(range(s.first, s.last))
-        holder = plan.backups.get(p)
-        if holder is not None:
-            have.setdefault(holder, set()).update(range(s.first, s.last))
-    return have
 
 
 class DeviceLost(Exception):
@@ -312,13 +299,10 @@ class TrainingCoordinator:
                 took = trio.current_time() - self.backup_started.pop(step, trio.current_time())
                 self.next_backup_at = trio.current_time() + took * (1 / BACKUP_SHARE - 1)
                 if self.backup_step is None or step >= self.backup_step:
-                    same = self.backup_step == step
+                    # also a second snapshot of the same step (an epoch's first, after a re-plan): the
+                    # devices now keep only what the plan has them keep (the worker's _hold_backups)
                     self.backup_step = step
-                    new = holdings(self.plan)
-                    if same:  # a second snapshot of the same step (after a re-plan): both count
-                        for d, layers in self.backup_holdings.items():
-                            new.setdefault(d, set()).update(layers)
-                    self.backup_holdings = new
+                    self.backup_holdings = holdings(self.plan)
                 for device in self.plan.used_devices():
                     await self.ep.send(device, ("forget", step), {})
 

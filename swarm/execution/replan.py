@@ -61,6 +61,19 @@ def bottleneck(plan: Plan, desc: ModelDesc, speed: dict[str, float] | None = Non
     return max(v / (speed or {}).get(d, 1.0) for d, v in load.items())
 
 
+def holdings(plan: Plan) -> dict[str, set[int]]:
+    """Which layers each device has once a backup step of `plan` is complete: its stages'
+    layers (its snapshot) and the stages it backs up."""
+    have: dict[str, set[int]] = {}
+    for p, s in enumerate(plan.stages):
+        for d in s.devices:
+            have.setdefault(d, set()).update(range(s.first, s.last))
+        holder = plan.backups.get(p)
+        if holder is not None:
+            have.setdefault(holder, set()).update(range(s.first, s.last))
+    return have
+
+
 def backup_holders(plan: Plan) -> dict[int, str]:
     """Topology-driven backups: a stage on one device is copied to a device of the next stage
     (the last to the first stage); a stage on several devices needs none, its survivors

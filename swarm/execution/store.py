@@ -8,6 +8,7 @@ them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,23 +31,21 @@ def layers_in(states: LayerStates) -> set[int]:
     return {layer_of(k) for k in states}
 
 
-def clone(states: LayerStates) -> LayerStates:
-    return {k: v.detach().clone() for k, v in states.items()}
-
-
 PIECE_BYTES = 1 << 20
 
 
 def cut_states(states: LayerStates, limit: int = PIECE_BYTES) -> list[list]:
     """States cut into pieces of about `limit` bytes (a big tensor spans several), to travel
-    as separate messages: [[key, shape, offset, flat slice], ...] per piece; at least one."""
+    as separate messages: [[key, shape, offset, flat slice], ...] per piece; at least one.
+    The slices are views of the states' own memory (no copies): the states must not change
+    while the pieces are in use."""
     pieces, piece, room = [], [], limit
     for key, value in states.items():
         flat, offset = value.detach().reshape(-1), 0
         per = max(1, limit // max(1, value.element_size()))
         while True:
             take = min(flat.numel() - offset, max(1, room // value.element_size()), per)
-            piece.append([key, list(value.shape), offset, flat[offset:offset + take].clone()])
+            piece.append([key, list(value.shape), offset, flat[offset:offset + take]])
             offset += take
             room -= take * value.element_size()
             if room <= 0:
@@ -57,18 +56,34 @@ def cut_states(states: LayerStates, limit: int = PIECE_BYTES) -> list[list]:
     return pieces + [piece] if piece or not pieces else pieces
 
 
+class Assembly:
+    """States put back together from the pieces `cut_states` cut, as they come (in any order):
+    each piece is copied into its place and can be let go at once, so that no more than the
+    states and one piece are held."""
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+        self._shapes: dict[str, list[int]] = {}
+
+    def add(self, piece: list) -> None:
+        for key, shape, offset, chunk in piece:
+            flat = self._flat.get(key)
+            if flat is None:
+                self._shapes[key] = [int(n) for n in shape]
+                flat = self._flat[key] = torch.empty(math.prod(self._shapes[key]), dtype=chunk.dtype)
+            at = int(offset)
+            flat[at:at + chunk.numel()].copy_(chunk.reshape(-1))
+
+    def states(self) -> LayerStates:
+        return {key: flat.reshape(self._shapes[key]) for key, flat in self._flat.items()}
+
+
 def join_states(pieces: list[list]) -> LayerStates:
     """The states `cut_states` cut, from all its pieces (in any order)."""
-    parts: dict[str, list] = {}
+    assembly = Assembly()
     for piece in pieces:
-        for key, shape, offset, chunk in piece:
-            parts.setdefault(key, []).append((int(offset), shape, chunk))
-    states = {}
-    for key, chunks in parts.items():
-        chunks.sort(key=lambda c: c[0])
-        flat = torch.cat([c[2].reshape(-1) for c in chunks])
-        states[key] = flat.reshape([int(n) for n in chunks[0][1]])
-    return states
+        assembly.add(piece)
+    return assembly.states()
 
 
 @dataclass
@@ -87,15 +102,17 @@ class DeviceStore:
     held: dict[int, LayerStates] = field(default_factory=dict)
 
     def snapshot(self, step: int, states: LayerStates) -> None:
-        """Keep `states` as our layers at `step` (added to what we kept at that step)."""
+        """Keep `states` as our layers at `step` (added to what we kept at that step). The
+        tensors are kept as they are: they must be the caller's own copies, never changed."""
         for snap in self.snapshots:
             if snap.step == step:
-                snap.states.update(clone(states))
+                snap.states.update(states)
                 return
-        self.snapshots = sorted(self.snapshots, key=lambda s: s.step)[-1:] + [Snapshot(step, clone(states))]
+        self.snapshots = sorted(self.snapshots, key=lambda s: s.step)[-1:] + [Snapshot(step, dict(states))]
 
     def hold(self, step: int, states: LayerStates) -> None:
-        self.held.setdefault(step, {}).update(clone(states))
+        """Keep another device's `states` at `step` (kept as they are, as in snapshot())."""
+        self.held.setdefault(step, {}).update(states)
         for old in sorted(self.held)[:-2]:  # the newest two backup steps are enough
             del self.held[old]
 
@@ -110,6 +127,15 @@ class DeviceStore:
         self.snapshots = [s for s in self.snapshots if s.step >= step]
         for old in [s for s in self.held if s < step]:
             del self.held[old]
+
+    def keep_only(self, step: int, layers) -> None:
+        """At `step`, keep only `layers` (what the plan now has us keep): after a re-plan, the
+        layers we kept for the old one go once the new one's backup at that step is complete."""
+        for snap in self.snapshots:
+            if snap.step == step:
+                snap.states = select(snap.states, layers)
+        if step in self.held:
+            self.held[step] = select(self.held[step], layers)
 
     def states_at(self, step: int, layers) -> LayerStates:
         """This device's knowledge of `layers` at `step`: its own snapshot and what it holds."""

@@ -27,8 +27,9 @@ from swarm.net import ConnectionLost
 # After a stop signal, how long the step under way may take to commit, and then its weights to
 # come back, before the run stops without them.
 STOP_GRACE_S = 5.0
-RELEASE_S = 3.0
-LINK_WATCH_S = 0.2  # how often the coordinator looks at its connections to the epoch's devices  # how long the devices have to confirm they let go of the job at the end
+RELEASE_S = 3.0  # how long the devices have to confirm they let go of the job at the end
+LINK_WATCH_S = 0.2  # how often the coordinator looks at its connections to the epoch's devices
+
 
 @dataclass
 class SwarmOptions:

@@ -37,13 +37,15 @@ import trio
 
 from planner.plan import Plan
 from planner.schedule import stage_schedule
+from swarm import malloc
 from swarm.data import microbatch_bounds, sample_keys
 from swarm.execution.blocks import assemble, cut, map_shape
 from swarm.execution.collectives import allgather
 from swarm.execution.reduce import GradReducer
+from swarm.execution.replan import holdings
 from swarm.execution.endpoint import Endpoint
 from swarm.execution.routing import Layout, Part, parts_on, runs, stage_parts
-from swarm.execution.store import DeviceStore, cut_states, join_states
+from swarm.execution.store import Assembly, DeviceStore, cut_states
 from swarm.execution.stage import StageCopy
 from swarm.execution.threads import ComputeLock, call_in_loop
 from swarm.execution.tiling import DeviceTiles, TileGeometry
@@ -176,8 +178,9 @@ class DeviceWorker:
         stages to their holders (in pieces, so that the next step's messages to the same
         device pass between them) and take in what we hold for others, then tell the
         coordinator. The next step starts at once: a backup counts once its holders have it."""
-        states = {p: await trio.to_thread.run_sync(copy.states) for p, copy in self.copies.items()}
-        await trio.to_thread.run_sync(self.store.snapshot, step, {k: v for s in states.values() for k, v in s.items()})
+        states = {p: await trio.to_thread.run_sync(copy.states) for p, copy in self.copies.items()}  # our own copies:
+        # kept as the snapshot and sent from (cut_states' pieces are views of them), never changed
+        self.store.snapshot(step, {k: v for s in states.values() for k, v in s.items()})
         for p, holder in self.plan.backups.items():
             if self.plan.stages[p].devices == [self.device] and holder != self.device:
                 self.nursery.start_soon(self._send_backup, holder, step, p, states[p])
@@ -192,14 +195,19 @@ class DeviceWorker:
 
     async def _hold_backups(self, step: int, stages: list[int]) -> None:
         for p in stages:
+            assembly = Assembly()
             first = await self.get(("backup", step, p, 0))
-            pieces = [first["piece"]] + [(await self.get(("backup", step, p, i)))["piece"]
-                                         for i in range(1, first["pieces"])]
-            await trio.to_thread.run_sync(self.store.hold, step, join_states(pieces))
+            count = first["pieces"]
+            assembly.add(first.pop("piece"))
+            for i in range(1, count):
+                assembly.add((await self.get(("backup", step, p, i)))["piece"])
+            self.store.hold(step, assembly.states())
         await self.ep.send(COORDINATOR, ("backup_ready", step, self.device), {})
         forget = await self.ep.mailbox.get(("forget", step), math.inf)
         del forget
         self.store.forget_before(step)
+        self.store.keep_only(step, holdings(self.plan).get(self.device, set()))
+        await trio.to_thread.run_sync(malloc.give_back)  # the older backup's memory, and the copies that moved it
 
     def make_tile_workers(self, copy: StageCopy) -> dict:
         from tiles.executor import TileWorker
