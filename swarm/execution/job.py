@@ -121,7 +121,6 @@ async def run_train_job(ctx) -> dict:
     """The `train` job kind: this agent's part of a plan, until the coordinator says stop."""
     from swarm.device import usable_cores
 
-    await trio.to_thread.run_sync(release_memory)
     spec = ctx.spec
     plan = Plan.from_dict(spec["plan"])
     cfg = _train_config(spec["cfg"])
@@ -181,9 +180,9 @@ def resident_bytes() -> int:
 def release_memory() -> None:
     """Collect what ended runs left (autograd graphs, modules in reference cycles) and return
     the heap's free pages to the system (swarm.malloc keeps them otherwise), so that a
-    device's memory follows its current stages, not the largest it ever had. Done when a run
-    starts and shortly after one ends (not at once: a cancelled run's traceback holds it
-    until the cancellation has gone by)."""
+    device's memory follows its current stages, not the largest it ever had. Done shortly
+    after a run ends (not at once: a cancelled run's traceback holds it until the
+    cancellation has gone by)."""
     gc.collect()
     malloc.give_back()
 
