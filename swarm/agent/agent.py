@@ -356,8 +356,8 @@ class Agent:
         host, port = parse_endpoint(address, DEFAULT_PORT) if isinstance(address, str) else address
         conn = await connect_peer(host, port, self.credentials, source_address=self.config.network.source_address,
                                   expected_peer_id=node_id)
-        if self.job is not None:
-            self.job.links.append(conn)
+        if self.job is not None:  # (those a run closed itself go: one job opens a few every epoch)
+            self.job.links = [link for link in self.job.links if not link.released] + [conn]
         await self._nursery.start(self._converse, conn)
         return conn
 
@@ -471,9 +471,10 @@ class Agent:
                     nursery.start_soon(self._orphan_watch, job)
                     task_status.started()
         finally:
-            with trio.CancelScope(shield=True):
-                for link in job.links:
-                    await link.aclose("job released")
+            with trio.CancelScope(shield=True):  # all at once: each may wait up to a second on a cut peer
+                async with trio.open_nursery() as closing:
+                    for link in job.links:
+                        closing.start_soon(link.aclose, "job released")
             gc.collect()  # the job's activations stayed in the heap for reuse until now
             malloc.give_back()
 

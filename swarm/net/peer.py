@@ -85,6 +85,11 @@ class PeerConnection:
         self._lowat = _prime_lowat(self._socket)  # None: the socket has no usable SO_RCVLOWAT
 
     @property
+    def released(self) -> bool:
+        """aclose() has closed the stream."""
+        return self._released
+
+    @property
     def peer_id(self) -> str | None:
         return self.protocol.peer_id
 
