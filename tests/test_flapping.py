@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -206,7 +207,12 @@ def test_soak_flapping_links_and_a_killed_device(tmp_path):
     assert "Traceback" not in log and "error:" not in log, log
     assert cuts >= min(CUTS, 4) and killed, (faults.events, log)
     assert diff < 1e-9, diff
+    # Memory does not grow with the number of re-plans. One reading swings by up to a fifth
+    # with the stage and backups a device happens to hold at that step, so the readings after
+    # the later half of the recoveries are held against those after the earlier half (medians).
     for device, values in rss.items():
-        if device in killed or len(values) < 2:
+        if device in killed or len(values) < 4:
             continue
-        assert values[-1] <= 1.10 * values[0], (device, values)
+        half = len(values) // 2
+        early, late = statistics.median(values[:half]), statistics.median(values[-half:])
+        assert late <= 1.10 * early, (device, values)

@@ -361,7 +361,8 @@ class ClusterControl:
         out = []
         for name, d in self.names.items():
             now = self.cluster.device(d.node_id)
-            if now is not None and now.health not in ("dead", "left", "unreachable", "refused"):
+            connected = getattr(now, "conn", None) is not None and not now.conn.closed
+            if now is not None and connected and now.health not in ("dead", "left", "unreachable", "refused"):
                 out.append(name)  # a suspect device is busy, not gone, until its probe fails
         return sorted(out)
 
