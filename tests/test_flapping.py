@@ -25,16 +25,7 @@ import torch
 
 from tests.conftest import ROOT, namespace_testbed, run_swarm
 from tests.test_clean_stop import FLAGS, loopback_testbed, train_in
-
-
-def worst(a: dict, b: dict) -> float:
-    out = 0.0
-    for k in a:
-        if a[k].is_floating_point():
-            out = max(out, float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)))
-        else:
-            assert torch.equal(a[k], b[k]), k
-    return out
+from tests.test_swarm_replay import worst
 
 
 def local_weights(path, flags) -> dict:
