@@ -108,7 +108,7 @@ def run_round(args, work: Path, fresh: bool, errors: dict) -> None:
     from planner.planners import make_plan
     from planner.report import table
     from swarm.commands.plan_cmd import cluster_from_live
-    from swarm.commands.runtime_common import run_trio
+    from swarm.errors import run_trio
     from swarm.profiler import read_profile
     from swarm.zoo import describe_model
 

@@ -7,7 +7,8 @@ import signal
 import socket
 
 from swarm.commands.flags import add_network_args, add_token_args, port_number
-from swarm.commands.runtime_common import run_trio, setup_logging
+from swarm.commands.logs import setup_logging
+from swarm.errors import run_trio
 
 log = logging.getLogger("swarm.agent")
 

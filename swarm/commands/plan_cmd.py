@@ -161,7 +161,7 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
     import os
 
     from swarm.agent import DEFAULT_PORT
-    from swarm.commands.runtime_common import run_trio
+    from swarm.errors import run_trio
     from swarm.net import Credentials, parse_peers, resolve_network
     from swarm.state import NoToken, find_token, process_id, state_dir_from
 

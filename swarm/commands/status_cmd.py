@@ -7,7 +7,8 @@ import sys
 import time
 
 from swarm.commands.flags import add_network_args, add_token_args, positive_int
-from swarm.commands.runtime_common import run_trio, setup_logging
+from swarm.commands.logs import setup_logging
+from swarm.errors import run_trio
 
 COLUMNS = ("NAME", "ADDRESS", "CORES", "MEMORY", "ACCEL", "VERSION", "LAST SEEN", "HEALTH", "JOB")
 

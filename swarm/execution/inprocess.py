@@ -111,7 +111,7 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
             nursery.cancel_scope.cancel()
             return coordinator
 
-    from swarm.commands.runtime_common import run_trio
+    from swarm.errors import run_trio
 
     return run_trio(main)
 

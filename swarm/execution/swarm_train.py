@@ -93,7 +93,7 @@ class SwarmRunner:
         self.stop_deadline = math.inf  # when the run is cut short if it has not stopped by itself
 
     def __call__(self, trainer, train_set, start: int, total: int, report) -> None:
-        from swarm.commands.runtime_common import run_trio
+        from swarm.errors import run_trio
 
         went_local = run_trio(self._main, trainer, train_set, start, total, report)
         if went_local:
