@@ -52,11 +52,11 @@ def cpu_between(before: list[dict[int, float]], after: list[dict[int, float]]) -
 
 
 async def measure(peers: list[tuple[str, int]], token: str, pids: list[int], seconds: float, interval: float):
-    from swarm.cluster import open_cluster
+    from swarm.cluster import open_roster
     from swarm.net import Credentials, resolve_network
     from swarm.wire import Heartbeat, Watch
 
-    async with open_cluster(Credentials("bench-coordinator", token), resolve_network("lo"), peers=peers,
+    async with open_roster(Credentials("bench-coordinator", token), resolve_network("lo"), peers=peers,
                             discover=False, heartbeat_interval=interval) as cluster:
         devices = await cluster.wait_for(len(peers), timeout=30)
         assert len(devices) == len(peers), f"only {len(devices)} of {len(peers)} agents answered"

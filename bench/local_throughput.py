@@ -28,9 +28,9 @@ def child(args) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from swarm import malloc
+    from swarm.host import malloc
     from swarm.data import make_batch, open_datasets, step_indices
-    from swarm.trainer import LocalTrainer, TrainConfig
+    from swarm.local.trainer import LocalTrainer, TrainConfig
 
     malloc.tune()  # as `swarm train` does
     torch.set_num_threads(args.threads_one)

@@ -31,8 +31,8 @@ def main() -> None:
     from swarm.data import open_datasets
     from swarm.execution import endpoint
     from swarm.execution.inprocess import train_plan_in_process
-    from swarm.execution.strategies import simple_plan
-    from swarm.trainer import LocalTrainer, TrainConfig
+    from planner.simple import simple_plan
+    from swarm.local.trainer import LocalTrainer, TrainConfig
 
     counts: collections.Counter = collections.Counter()
     sizes: collections.Counter = collections.Counter()

@@ -31,8 +31,8 @@ def child(args) -> None:
     import torch
 
     from swarm.data import make_batch, open_datasets, step_indices
-    from swarm.profiler import OPTIMIZER_COPIES, _PeakRSS, settled_rss
-    from swarm.trainer import LocalTrainer, TrainConfig
+    from swarm.profiling.profiler import OPTIMIZER_COPIES, _PeakRSS, settled_rss
+    from swarm.local.trainer import LocalTrainer, TrainConfig
 
     torch.set_num_threads(args.threads)
     data, _ = open_datasets(None, args.img, 3)
@@ -90,7 +90,7 @@ def main() -> None:
     from planner.plan import Plan, Stage
     from planner.report import table
     from planner.units import format_bytes
-    from swarm.profiler import load_or_profile
+    from swarm.profiling.profiler import load_or_profile
     from swarm.zoo import describe_model
 
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]

@@ -36,7 +36,7 @@ async def survey(spec: dict, wait: float):
     from swarm.agent import DEFAULT_PORT
     from swarm.commands.plan_cmd import gather_live
     from swarm.net import Credentials, parse_peers, resolve_network
-    from swarm.state import default_state_dir, find_token, process_id
+    from swarm.host.state import default_state_dir, find_token, process_id
 
     state = default_state_dir()
     token, _ = find_token(None, state, create=False)
@@ -109,7 +109,7 @@ def run_round(args, work: Path, fresh: bool, errors: dict) -> None:
     from planner.report import table
     from swarm.commands.plan_cmd import cluster_from_live
     from swarm.errors import run_trio
-    from swarm.profiler import read_profile
+    from swarm.profiling.profiler import read_profile
     from swarm.zoo import describe_model
 
     desc = describe_model(args.model, args.img_size)

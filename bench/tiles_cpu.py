@@ -34,7 +34,7 @@ def main() -> None:
 
     import torch
 
-    from swarm import malloc
+    from swarm.host import malloc
     from swarm.zoo import build_model
     from tiles.grouping import Grouping, parse_grid
     from tiles.stage import InProcessStage

@@ -29,7 +29,7 @@ def main() -> None:
 
     import torch
 
-    from swarm import malloc
+    from swarm.host import malloc
     from swarm.zoo import build_model
     from tests.test_tiles_ops import reference_forward, reference_input_grad
     from tiles import ops

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from swarm import __version__, malloc
+from swarm import __version__
+from swarm.host import malloc
 from swarm.errors import SwarmError
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> exit status.

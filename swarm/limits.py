@@ -89,7 +89,7 @@ EARLY_MESSAGES = 1024
 EARLY_BYTES = 256 * MiB
 
 # Seconds a message may wait for its job's assignment. The coordinator assigns devices one
-# after another and waits up to 30 s for each answer (swarm/cluster/jobs.py); twice that
+# after another and waits up to 30 s for each answer (swarm/cluster/remote_job.py); twice that
 # covers one device that never answers before ours. Older ones are dropped.
 EARLY_AGE = 60.0
 

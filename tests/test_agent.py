@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from swarm.agent import Agent, AgentConfig, JobContext, register_job_kind
-from swarm.agent.bandwidth_job import measure_bandwidth
-from swarm.cluster import JobError, open_cluster
+from swarm.profiling.bandwidth import measure_bandwidth
+from swarm.cluster import JobError, open_roster
 from swarm.net import Credentials, connect_peer, resolve_network
 from swarm.wire import PROTOCOL_VERSION, JobData, Ping, Pong
 from swarm.wire.frames import LENGTH
@@ -36,7 +36,7 @@ async def swarm_of(n: int, *, tokens=None, orphan_timeout=30.0, **cluster_option
                                      advertise=False, orphan_timeout=orphan_timeout)
                 agents.append(await nursery.start(Agent(config).run))
             peers = [("127.0.0.1", a.port) for a in agents]
-            async with open_cluster(Credentials("coordinator", TOKEN), network, peers=peers, discover=False,
+            async with open_roster(Credentials("coordinator", TOKEN), network, peers=peers, discover=False,
                                     **cluster_options) as cluster:
                 await cluster.wait_for(sum(t == TOKEN for t in tokens), timeout=10)
                 yield agents, cluster
@@ -180,7 +180,7 @@ async def test_older_epochs_are_refused_and_newer_ones_wait_for_their_assignment
         with pytest.raises(JobError, match="superseded by epoch 2"):
             await old.assign(node, recorder.kind, {})
         # a coordinator that missed the re-plan cannot take the agent back to epoch 1
-        async with open_cluster(Credentials("stale-coordinator", TOKEN), cluster.network,
+        async with open_roster(Credentials("stale-coordinator", TOKEN), cluster.network,
                                 peers=[("127.0.0.1", agent.port)], discover=False) as stale:
             await stale.wait_for(1, 10)
             with pytest.raises(JobError, match="older than the job's epoch 2"):
@@ -193,7 +193,7 @@ async def test_job_is_released_when_its_coordinator_stays_away(recorder):
         async with trio.open_nursery() as nursery:
             agent = await nursery.start(Agent(AgentConfig("a", "node-a", TOKEN, network, port=0, advertise=False,
                                                           orphan_timeout=0.3)).run)
-            async with open_cluster(Credentials("coordinator", TOKEN), network, peers=[("127.0.0.1", agent.port)],
+            async with open_roster(Credentials("coordinator", TOKEN), network, peers=[("127.0.0.1", agent.port)],
                                     discover=False) as cluster:
                 await cluster.wait_for(1, 10)
                 await cluster.job("j").assign("node-a", recorder.kind, {})
@@ -283,7 +283,7 @@ async def test_killed_connection_makes_the_device_dead_quickly():
                         task_status=task_status)
 
             agent = await nursery.start(doomed_agent)
-            async with open_cluster(Credentials("c", TOKEN), network, peers=[("127.0.0.1", agent.port)],
+            async with open_roster(Credentials("c", TOKEN), network, peers=[("127.0.0.1", agent.port)],
                                     discover=False, probe_timeout=0.5) as cluster:
                 await cluster.wait_for(1, 10)
                 register_job_kind("forever-test", lambda ctx: trio.sleep_forever())

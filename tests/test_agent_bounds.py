@@ -27,7 +27,7 @@ import trio
 from swarm import limits
 from swarm.agent import Agent, AgentConfig
 from swarm.agent.agent import held_bytes
-from swarm.cluster import open_cluster
+from swarm.cluster import open_roster
 from swarm.net import ConnectionLost, Credentials, PeerConnection, connect_peer, resolve_network, serve_peers
 from swarm.net.gate import HandshakeGate
 from swarm.net.peer import _accept_loop
@@ -401,7 +401,7 @@ async def status_finds(agent: RealAgent, timeout: float = 3.0) -> float:
     """What `swarm status --no-mdns --peers 127.0.0.1:PORT --expect 1 --wait 3` does; seconds until it
     found the device alive (AssertionError if it does not within `timeout`)."""
     started = trio.current_time()
-    async with open_cluster(Credentials(f"status-{time.monotonic_ns()}", agent.token), resolve_network("lo"),
+    async with open_roster(Credentials(f"status-{time.monotonic_ns()}", agent.token), resolve_network("lo"),
                             peers=[("127.0.0.1", agent.port)], discover=False) as cluster:
         devices = await cluster.wait_for(1, timeout)
         assert [d.name for d in devices] == ["bounds"] and devices[0].health == "alive"

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from swarm.errors import SwarmError
-from swarm.state import NoToken, check_token, find_token, new_token, node_id, process_id, token_bits, token_pattern
+from swarm.host.state import NoToken, check_token, find_token, new_token, node_id, process_id, token_bits, token_pattern
 from tests.conftest import ROOT, run_swarm
 
 # strong tokens, fixed so that a failing run can be repeated
@@ -218,7 +218,7 @@ def test_join_runs_until_sigterm_and_says_goodbye(tmp_path):
 def test_the_agent_starts_without_torch():
     """`swarm join` on a Raspberry Pi must not pay for importing torch until a job needs it."""
     code = ("import sys; from swarm.cli import build_parser; build_parser(); "
-            "import swarm.agent, swarm.cluster, swarm.agent.bandwidth_job, swarm.testbed.testbed; "
+            "import swarm.agent, swarm.cluster, swarm.profiling.bandwidth, swarm.testbed.testbed; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -10,14 +10,14 @@ import time
 
 import torch
 
-from swarm.checkpoint import load_checkpoint, save_checkpoint
+from swarm.local.checkpoint import load_checkpoint, save_checkpoint
 from tests.conftest import ROOT
 
 STATE = {"model": {"w": torch.ones(2)}, "optimizer": {}, "step": 1, "model_name": "m", "img_size": 8}
 
 KILLED_SAVE = """
 import os, sys
-from swarm.checkpoint import atomic_write
+from swarm.local.checkpoint import atomic_write
 
 def killed(f):
     f.write(b"x" * 1_000_000)

@@ -19,8 +19,8 @@ import pytest
 import torch
 import trio
 
-from swarm.execution import swarm_train
-from swarm.execution.swarm_train import STOP_GRACE_S, SwarmOptions, SwarmRunner
+from swarm.execution import launch
+from swarm.execution.launch import STOP_GRACE_S, SwarmOptions, SwarmRunner
 from tests.conftest import ROOT, run_swarm
 
 FLAGS = ["--model", "yolov2-16", "--img-size", "64", "--batch-size", "8", "--microbatches", "2", "--seed", "3",
@@ -190,7 +190,7 @@ def _runner(monkeypatch, stuck: bool):
 def test_a_stop_signal_ends_the_run_even_when_its_step_cannot(monkeypatch, stuck):
     """The step under way gets STOP_GRACE_S to commit; a run not training yet stops at once."""
     grace = 1.0
-    monkeypatch.setattr(swarm_train, "STOP_GRACE_S", grace)
+    monkeypatch.setattr(launch, "STOP_GRACE_S", grace)
     runner, logged = _runner(monkeypatch, stuck)
 
     async def main():

@@ -7,7 +7,7 @@ from PIL import Image
 
 from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datasets, step_indices,
                         steps_per_epoch)
-from swarm.data.synthetic import SyntheticShapes
+from swarm.data.shapes import SyntheticShapes
 from swarm.errors import SwarmError
 
 

@@ -7,11 +7,12 @@ import pytest
 
 from planner.plan import PlanError
 from swarm.errors import SwarmError
-from swarm.execution.fit import RUNTIME_FLOOR, describe, memory_overflows
-from swarm.execution.replan import backup_holders, replan
-from swarm.execution.strategies import simple_plan
-from swarm.execution.swarm_train import SwarmOptions, SwarmRunner
-from swarm.trainer import TrainConfig
+from planner.fit import RUNTIME_FLOOR, describe, memory_overflows
+from planner.backups import backup_holders
+from planner.replan import replan
+from planner.simple import simple_plan
+from swarm.execution.launch import SwarmOptions, SwarmRunner
+from swarm.local.trainer import TrainConfig
 from swarm.zoo import describe_model
 
 GIB = 2**30

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.evaluate import evaluate
-from swarm.trainer import LocalTrainer, TrainConfig, train
+from swarm.local.evaluate import evaluate
+from swarm.local.trainer import LocalTrainer, TrainConfig, train
 
 
 @pytest.mark.slow

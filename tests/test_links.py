@@ -109,7 +109,7 @@ async def test_a_connection_closed_under_the_run_is_reported(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
-# ---- the coordinator's side: ClusterControl --------------------------------------------------
+# ---- the coordinator's side: RosterControl --------------------------------------------------
 
 class _Events:
     def __aiter__(self):
@@ -156,13 +156,13 @@ class _Cluster:
 async def _started(nursery, monkeypatch, epoch: int = 0):
     from types import SimpleNamespace
 
-    from swarm.execution import swarm_train
-    from swarm.execution.swarm_train import ClusterControl
+    from swarm.execution import launch
+    from swarm.execution.launch import RosterControl
 
-    monkeypatch.setattr(swarm_train, "job_spec_dict", lambda job, devices: {})
+    monkeypatch.setattr(launch, "job_spec_dict", lambda job, devices: {})
     cluster = _Cluster()
     names = {f"dev{i}": SimpleNamespace(node_id=f"n{i}", address="127.0.0.1", port=4750 + i) for i in range(3)}
-    control = ClusterControl(cluster, "run", names, nursery, lambda text: None)
+    control = RosterControl(cluster, "run", names, nursery, lambda text: None)
     job = SimpleNamespace(plan=SimpleNamespace(used_devices=lambda: ["dev0", "dev1", "dev2"]))
     endpoint = await control.start_epoch(epoch, job)
     return control, cluster, endpoint, job

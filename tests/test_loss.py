@@ -6,7 +6,7 @@ import math
 import numpy as np
 import torch
 
-from swarm.evaluate import average_precision, mean_average_precision
+from swarm.local.evaluate import average_precision, mean_average_precision
 from swarm.zoo import describe_model
 from swarm.zoo.loss import RegionLoss, box_iou_cxcywh, nms
 

@@ -1,4 +1,4 @@
-"""swarm.malloc: freed activations are reused without the kernel faulting their pages in again."""
+"""swarm.host.malloc: freed activations are reused without the kernel faulting their pages in again."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """
 import resource, sys, torch
-from swarm import malloc
+from swarm.host import malloc
 malloc.tune()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

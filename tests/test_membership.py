@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from swarm.membership import Membership
+from swarm.cluster.membership import Membership
 
 pytestmark = pytest.mark.trio
 

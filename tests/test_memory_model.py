@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGE = textwrap.dedent("""
     import json, sys
     import torch
-    from swarm import malloc
-    from swarm.profiler import _PeakRSS, settled_rss
+    from swarm.host import malloc
+    from swarm.profiling.profiler import _PeakRSS, settled_rss
     from swarm.zoo import build_model
     malloc.tune()
     torch.set_num_threads(1)

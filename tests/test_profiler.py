@@ -8,7 +8,7 @@ import pytest
 
 from planner.memory import MemoryModel
 from planner.profile import DeviceProfile
-from swarm.profiler import device_facts, load_or_profile, profile_model, read_profile
+from swarm.profiling.profiler import device_facts, load_or_profile, profile_model, read_profile
 from swarm.zoo import describe_model
 
 
@@ -54,7 +54,7 @@ def test_batch_sizes_that_would_outgrow_the_memory_are_not_run(monkeypatch):
     """On a device whose memory a large batch would exceed, the profile stops at the sizes
     that fit (the cost table extends past them); when not even the smallest fits, a clear
     error rather than an agent killed by the kernel."""
-    import swarm.profiler as profiler
+    import swarm.profiling.profiler as profiler
     from swarm.errors import SwarmError
 
     rss = profiler.settled_rss()
@@ -83,7 +83,7 @@ def test_broken_cache_entry_is_measured_again(tmp_path):
 def test_quota_clock_counts_cpu_time_spread_over_the_quota(monkeypatch):
     """Under a quota of q cores a layer that ran at full speed still costs its CPU time / q;
     one that waited out the quota costs its wall time."""
-    import swarm.profiler as profiler
+    import swarm.profiling.profiler as profiler
 
     wall, cpu = [0.0], [0.0]
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: wall[0])
@@ -107,7 +107,7 @@ def test_quota_clock_counts_cpu_time_spread_over_the_quota(monkeypatch):
 def test_layer_times_are_fitted_to_whole_steps():
     """Each batch size's layer and loss times are scaled so that, with the updates, they add
     up to the whole step measured at that size; a fit out of bounds leaves them alone."""
-    from swarm.profiler import _fit_to_steps
+    from swarm.profiling.profiler import _fit_to_steps
 
     fwd, bwd = [[0.1, 0.2], [0.2, 0.4]], [[0.2, 0.4], [0.4, 0.8]]
     loss_f, loss_b = [0.05, 0.1], [0.05, 0.1]

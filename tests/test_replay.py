@@ -13,9 +13,10 @@ import torch
 from planner.plan import Plan, Stage
 from swarm.data import make_batch, open_datasets, step_indices
 from swarm.execution.inprocess import train_plan_in_process
-from swarm.execution.replan import backup_holders, lightweight, replan
-from swarm.execution.strategies import simple_plan
-from swarm.trainer import LocalTrainer, TrainConfig
+from planner.backups import backup_holders
+from planner.replan import lightweight, replan
+from planner.simple import simple_plan
+from swarm.local.trainer import LocalTrainer, TrainConfig
 from swarm.zoo import describe_model
 
 STEPS = 5
@@ -154,7 +155,7 @@ def test_backups_by_time_recover_exactly(local_weights):
 
 @pytest.mark.parametrize("limit", [1, 7, 64, 1 << 20])
 def test_states_cut_into_pieces_come_back_whole(limit):
-    from swarm.execution.store import cut_states, join_states
+    from swarm.execution.replay import cut_states, join_states
 
     torch.manual_seed(0)
     states = {"layers.0.conv.weight": torch.randn(16, 3, 3, 3, dtype=torch.float64),

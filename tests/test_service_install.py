@@ -10,9 +10,9 @@ from argparse import Namespace
 import pytest
 
 from swarm.commands.join_cmd import agent_config
-from swarm.config import JoinSettings, apply_settings, parse_settings, read_settings, render_settings
+from swarm.host.config import JoinSettings, apply_settings, parse_settings, read_settings, render_settings
 from swarm.errors import SwarmError
-from swarm.service_unit import memory_limits, unit_text
+from swarm.service.unit import memory_limits, unit_text
 from tests.conftest import run_swarm
 
 TOKEN = "b3238c5af2a7521fd00b7e9827cf381978753eb45723f66a9196dbe8889d6953"        # strong tokens, fixed

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from swarm.cluster import Device
+from swarm.cluster import Member
 from swarm.commands.status_cmd import format_table
 from tests.conftest import ROOT, run_swarm
 
@@ -70,9 +70,9 @@ def test_a_coordinator_with_another_token_sees_them_refuse(loopback_testbed):
 
 
 def test_table_format():
-    d = Device("n1", "10.0.0.2", 4750, name="pi-1", cores=4, memory=2**30, accelerator="cpu", version="0.1.0",
+    d = Member("n1", "10.0.0.2", 4750, name="pi-1", cores=4, memory=2**30, accelerator="cpu", version="0.1.0",
                health="alive", last_seen=time.time() - 1.2)
-    lost = Device("10.0.0.3:4750", "10.0.0.3", 4750, health="unreachable", error="connection refused")
+    lost = Member("10.0.0.3:4750", "10.0.0.3", 4750, health="unreachable", error="connection refused")
     lines = format_table([d, lost]).splitlines()
     assert lines[0].split() == ["NAME", "ADDRESS", "CORES", "MEMORY", "ACCEL", "VERSION", "LAST", "SEEN", "HEALTH",
                                 "JOB"]

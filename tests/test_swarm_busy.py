@@ -8,8 +8,8 @@ import trio
 
 from swarm.cluster import JobError
 from swarm.errors import SwarmError
-from swarm.execution import swarm_train
-from swarm.execution.swarm_train import ClusterControl
+from swarm.execution import launch
+from swarm.execution.launch import RosterControl
 
 pytestmark = pytest.mark.trio
 
@@ -62,7 +62,7 @@ class _Cluster:
 def _control(refuse, nursery):
     names = {f"dev{i}": SimpleNamespace(node_id=f"n{i}", address="127.0.0.1", port=4750 + i) for i in range(3)}
     handle = _Handle(refuse)
-    return ClusterControl(_Cluster(handle), "run-2", names, nursery, lambda text: None), handle
+    return RosterControl(_Cluster(handle), "run-2", names, nursery, lambda text: None), handle
 
 
 def _job():
@@ -70,7 +70,7 @@ def _job():
 
 
 async def test_every_device_busy_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(swarm_train, "job_spec_dict", lambda job, devices: {})
+    monkeypatch.setattr(launch, "job_spec_dict", lambda job, devices: {})
     busy = {f"n{i}": "busy with job run-1 of coordinator c1" for i in range(3)}
     async with trio.open_nursery() as nursery:
         control, _ = _control(busy, nursery)
@@ -80,7 +80,7 @@ async def test_every_device_busy_is_a_clear_error(monkeypatch):
 
 
 async def test_one_busy_device_is_a_loss_the_run_recovers_from(monkeypatch):
-    monkeypatch.setattr(swarm_train, "job_spec_dict", lambda job, devices: {})
+    monkeypatch.setattr(launch, "job_spec_dict", lambda job, devices: {})
     async with trio.open_nursery() as nursery:
         control, handle = _control({"n1": "busy with job run-1 of coordinator c1"}, nursery)
         await control.start_epoch(0, _job())

@@ -66,14 +66,14 @@ class TestNamespaceTestbed:
     def test_links_are_capped(self, bed):
         import trio
 
-        from swarm.agent.bandwidth_job import measure_bandwidth
-        from swarm.cluster import open_cluster
+        from swarm.profiling.bandwidth import measure_bandwidth
+        from swarm.cluster import open_roster
         from swarm.net import Credentials, resolve_network
 
         async def measure():
             token = Path(bed.token_file).read_text().strip()
             network = resolve_network(testbed.BRIDGE)   # a coordinator on the host, on the bridge only
-            async with open_cluster(Credentials("host-coordinator", token), network) as cluster:
+            async with open_roster(Credentials("host-coordinator", token), network) as cluster:
                 devices = {d.name: d for d in await cluster.wait_for(4, timeout=10)}
                 pair = [devices["dev0"].node_id, devices["dev3"].node_id]
                 return await measure_bandwidth(cluster, pair, nbytes=2 * 2**20)

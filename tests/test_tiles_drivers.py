@@ -16,7 +16,7 @@ import torch
 
 from swarm.zoo import build_model
 from tests.tiles_helpers import rel_diff
-from tiles.collectives import ChannelSums, HaloExchange
+from tiles.requests import ChannelSums, HaloExchange
 from tiles.driver import run_lockstep
 from tiles.executor import TileWorker
 from tiles.grouping import Grouping

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from swarm.errors import SwarmError
-from swarm.trainer import TrainConfig
+from swarm.local.trainer import TrainConfig
 from swarm.zoo import build_model
 from tests.tiles_helpers import rel_diff, train_float64, worst_state_diff
 from tiles import ops

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from swarm.checkpoint import atomic_write, load_checkpoint, save_checkpoint
+from swarm.local.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 from swarm.errors import SwarmError
-from swarm.trainer import TrainConfig, train
+from swarm.local.trainer import TrainConfig, train
 
 NO_BN_CFG = """[net]
 width=32

@@ -6,8 +6,8 @@ import dataclasses
 import torch
 
 from swarm.data import make_batch, open_datasets, step_indices
-from swarm.tiled_trainer import TiledTrainer
-from swarm.trainer import LocalTrainer, TrainConfig
+from swarm.local.tiled import TiledTrainer
+from swarm.local.trainer import LocalTrainer, TrainConfig
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

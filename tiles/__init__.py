@@ -8,7 +8,7 @@ Pure modules (no torch; the planner imports them):
     tiles.grouping     Grouping (forward/backward sync boundaries), parse_grid
     tiles.layout       build_layout -> StageLayout: every tile's regions and halo transfers; tileable_prefix
     tiles.cost         stage_cost, choose_grouping: bytes, redundant FLOPs, memory, time
-    tiles.collectives  HaloExchange, ChannelSums: what a tile's work yields to its driver
+    tiles.requests  HaloExchange, ChannelSums: what a tile's work yields to its driver
     tiles.driver       run_lockstep: all tiles of a stage in one process
 Torch modules:
     tiles.executor     TileWorker: one tile's forward/backward generators
@@ -17,7 +17,7 @@ Torch modules:
 
 Only the pure names are re-exported here, so `import tiles` never imports torch.
 """
-from tiles.collectives import ChannelSums, HaloExchange
+from tiles.requests import ChannelSums, HaloExchange
 from tiles.cost import GroupingChoice, StageCost, TileCost, choose_grouping, stage_cost
 from tiles.driver import run_lockstep
 from tiles.grouping import Grouping, parse_grid

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 
-from tiles.collectives import ChannelSums, HaloExchange
+from tiles.requests import ChannelSums, HaloExchange
 from tiles.regions import TilingError
 
 

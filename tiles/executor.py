@@ -6,7 +6,7 @@
 
 Why generators. A tile computes locally until it needs something from the other tiles:
 a halo at a sync boundary, or the per-channel sums of a BatchNorm layer. There it yields
-a request (tiles.collectives) and is resumed with the answer. The same code therefore
+a request (tiles.requests) and is resumed with the answer. The same code therefore
 runs under any driver:
   - tiles.driver.run_lockstep steps all tiles of a stage in one process, one after another,
     and answers the requests from memory (the in-process trainer, the tests);
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiles import ops
-from tiles.collectives import ChannelSums, HaloExchange
+from tiles.requests import ChannelSums, HaloExchange
 from tiles.layout import StageLayout
 from tiles.regions import LayerGeometry, Rect, TilingError
 

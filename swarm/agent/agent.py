@@ -23,10 +23,11 @@ from typing import Callable
 
 import trio
 
-from swarm import __version__, malloc
-from swarm.agent.device_info import accelerator
+from swarm import __version__
+from swarm.host import malloc
+from swarm.host.accelerator import accelerator
 from swarm.agent.jobs import JobContext, job_runner
-from swarm.discovery import Advert, advertise, open_zeroconf
+from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.limits import EARLY_AGE, EARLY_BYTES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX
 from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection, connect_peer, parse_endpoint
 from swarm.net.peer import serve_peers
@@ -159,7 +160,7 @@ class Agent:
     """Run with `await nursery.start(agent.run)`; started() hands back the agent once it listens."""
 
     def __init__(self, config: AgentConfig):
-        from swarm.device import usable_cores, usable_memory
+        from swarm.host.resources import usable_cores, usable_memory
 
         self.config = config
         self.credentials = Credentials(config.node_id, config.token, config.limits)

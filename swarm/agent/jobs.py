@@ -28,9 +28,9 @@ JobRunner = Callable[["JobContext"], Awaitable[dict | None]]
 
 # kind -> runner, or "module:function" imported when the kind is first run.
 JOB_KINDS: dict[str, JobRunner | str] = {
-    "bandwidth": "swarm.agent.bandwidth_job:run_bandwidth_job",
-    "train": "swarm.execution.job:run_train_job",
-    "profile": "swarm.profiler:run_profile_job",
+    "bandwidth": "swarm.profiling.bandwidth:run_bandwidth_job",
+    "train": "swarm.execution.train_job:run_train_job",
+    "profile": "swarm.profiling.profiler:run_profile_job",
 }
 
 

@@ -1,7 +1,8 @@
-"""The coordinator side of the runtime: discovery, connections, membership, and jobs on agents."""
-from swarm.cluster.cluster import Cluster, open_cluster
-from swarm.cluster.devices import Device
-from swarm.cluster.jobs import CoordinatorJob, JobError
-from swarm.membership import MembershipEvent
+"""The coordinator side of the runtime: the roster of agents (discovery, connections), their
+membership (heartbeats and probes), and jobs on agents."""
+from swarm.cluster.members import Member
+from swarm.cluster.membership import MembershipEvent
+from swarm.cluster.remote_job import CoordinatorJob, JobError
+from swarm.cluster.roster import Roster, open_roster
 
-__all__ = ["Cluster", "open_cluster", "Device", "CoordinatorJob", "JobError", "MembershipEvent"]
+__all__ = ["Roster", "open_roster", "Member", "CoordinatorJob", "JobError", "MembershipEvent"]

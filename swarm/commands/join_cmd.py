@@ -38,9 +38,9 @@ def add_parser(sub) -> None:
 def agent_config(args):
     """The AgentConfig the flags ask for; SwarmError for anything the user must fix."""
     from swarm.agent import DEFAULT_PORT, AgentConfig
-    from swarm.config import apply_settings, config_path, read_settings
+    from swarm.host.config import apply_settings, config_path, read_settings
     from swarm.net import parse_peers, resolve_network
-    from swarm.state import ensure_state_dir, find_token, node_id, state_dir_from
+    from swarm.host.state import ensure_state_dir, find_token, node_id, state_dir_from
 
     apply_settings(args, read_settings(config_path(args.config)))
     state_dir = ensure_state_dir(state_dir_from(args.state_dir))
@@ -54,7 +54,7 @@ def agent_config(args):
 
 
 def run(args) -> int:
-    from swarm.state import STATE_DIR_ENV
+    from swarm.host.state import STATE_DIR_ENV
 
     config, state_dir, token_from = agent_config(args)
     setup_logging(f"swarm[{config.name}]", args.verbose)
@@ -68,7 +68,7 @@ async def _serve_until_signalled(config) -> None:
     import trio
 
     from swarm.agent import Agent
-    from swarm.agent.sd_notify import Notifier, feed_watchdog
+    from swarm.service.notify import Notifier, feed_watchdog
 
     systemd = Notifier.from_environment()  # under a Type=notify unit; inert otherwise
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

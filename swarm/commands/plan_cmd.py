@@ -76,8 +76,8 @@ class LocalProfiles:
         self.profile = None  # this machine's, once used
 
     def local(self):
-        from swarm.profiler import load_or_profile
-        from swarm.state import state_dir_from
+        from swarm.profiling.profiler import load_or_profile
+        from swarm.host.state import state_dir_from
 
         if self.profile is None:
             profile, cached, path = load_or_profile(self.args.model, self.desc.img_size, self.classes,
@@ -90,7 +90,7 @@ class LocalProfiles:
     def resolve(self, spec, base: Path):
         """A cluster file's profile reference -> CostTable."""
         from planner.profile import DeviceProfile, ProfileError
-        from swarm.profiler import read_profile
+        from swarm.profiling.profiler import read_profile
 
         if spec == "local":
             profile = self.local()
@@ -113,7 +113,7 @@ class LocalProfiles:
 
 
 def describe(args: argparse.Namespace):
-    from swarm.profiler import default_classes
+    from swarm.profiling.profiler import default_classes
     from swarm.zoo import describe_model
 
     classes = args.classes if args.classes is not None else default_classes(args.model, args.img_size)
@@ -143,7 +143,7 @@ def this_machine(desc, profiles: LocalProfiles, why: str):
 
     from planner.cluster import Cluster, Device
     from planner.memory import JOB_BYTES
-    from swarm.device import usable_memory
+    from swarm.host.resources import usable_memory
 
     profile = profiles.local()
     name = platform.node() or "this-machine"
@@ -163,7 +163,7 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
     from swarm.agent import DEFAULT_PORT
     from swarm.errors import run_trio
     from swarm.net import Credentials, parse_peers, resolve_network
-    from swarm.state import NoToken, find_token, process_id, state_dir_from
+    from swarm.host.state import NoToken, find_token, process_id, state_dir_from
 
     state_dir = state_dir_from(args.state_dir)
     try:
@@ -187,13 +187,13 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, disc
     """Discover the swarm, profile every alive device, measure every pair (None: nobody there)."""
     import trio
 
-    from swarm.agent.bandwidth_job import measure_bandwidth
-    from swarm.cluster import open_cluster
-    from swarm.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
-    from swarm.profiler import profile_devices
+    from swarm.profiling.bandwidth import measure_bandwidth
+    from swarm.cluster import open_roster
+    from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
+    from swarm.profiling.profiler import profile_devices
 
     # profiling keeps each device busy: as tolerant of a late heartbeat as training is
-    async with open_cluster(credentials, network, peers=peers, discover=discover, suspect_after=BUSY_SUSPECT_AFTER,
+    async with open_roster(credentials, network, peers=peers, discover=discover, suspect_after=BUSY_SUSPECT_AFTER,
                             probe_timeout=BUSY_PROBE_TIMEOUT) as cluster:
         await trio.sleep(wait)
         devices = cluster.alive()

@@ -153,10 +153,10 @@ def run(args) -> int:
 # -- install ----------------------------------------------------------------------------
 
 def install_steps(args, target: Target) -> tuple[list[Step], list[str]]:
-    from swarm import service_unit as su
+    from swarm.service import unit as su
     from swarm.agent import DEFAULT_PORT
-    from swarm.config import JoinSettings, merged, read_settings, render_settings
-    from swarm.state import read_token_file
+    from swarm.host.config import JoinSettings, merged, read_settings, render_settings
+    from swarm.host.state import read_token_file
 
     user = args.user or su.DEFAULT_USER
     if args.user and args.user != su.DEFAULT_USER and not target.user_exists(args.user):
@@ -234,8 +234,8 @@ def install_steps(args, target: Target) -> tuple[list[Step], list[str]]:
 
 
 def token_steps(steps, notes, target: Target, token_file: Path, new_token: str | None) -> None:
-    from swarm.state import new_token as make_token
-    from swarm.state import read_token_file
+    from swarm.host.state import new_token as make_token
+    from swarm.host.state import read_token_file
 
     current = None
     if token_file.is_file():
@@ -276,7 +276,7 @@ def device_memory(args, target: Target, notes: list[str]) -> int:
         return args.memory
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")   # MemTotal
     if not target.live:
-        from swarm.service_unit import size_text
+        from swarm.service.unit import size_text
 
         notes.append(f"note: the unit's memory limit is made for this system's {size_text(total)}: for an image "
                      f"of a device with other memory, give --memory SIZE")
@@ -286,7 +286,7 @@ def device_memory(args, target: Target, notes: list[str]) -> int:
 # -- uninstall --------------------------------------------------------------------------
 
 def uninstall_steps(args, target: Target) -> tuple[list[Step], list[str]]:
-    from swarm import service_unit as su
+    from swarm.service import unit as su
 
     unit_dir = target.path(su.UNIT_DIR)
     unit_file = unit_dir / su.UNIT_NAME

@@ -37,7 +37,7 @@ def run(args) -> int:
     from swarm.agent import DEFAULT_PORT
     from swarm.errors import SwarmError
     from swarm.net import Credentials, parse_peers, resolve_network
-    from swarm.state import find_token, process_id, state_dir_from
+    from swarm.host.state import find_token, process_id, state_dir_from
 
     if args.wait < 0 or args.heartbeat <= 0:
         raise SwarmError("--wait must not be negative and --heartbeat must be positive")
@@ -54,9 +54,9 @@ def run(args) -> int:
 
 
 async def _status(args, credentials, network, peers) -> int:
-    from swarm.cluster import open_cluster
+    from swarm.cluster import open_roster
 
-    async with open_cluster(credentials, network, peers=peers, discover=not args.no_mdns,
+    async with open_roster(credentials, network, peers=peers, discover=not args.no_mdns,
                             heartbeat_interval=args.heartbeat) as cluster:
         if args.expect:
             await cluster.wait_for(args.expect, args.wait)

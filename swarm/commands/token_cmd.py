@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from swarm.state import find_token, new_token, state_dir_from
+    from swarm.host.state import find_token, new_token, state_dir_from
 
     if args.new:
         print(new_token())

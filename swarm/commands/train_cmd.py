@@ -9,7 +9,7 @@ from pathlib import Path
 from swarm.commands.flags import (add_network_args, add_token_args, non_negative_float, non_negative_int,
                                   positive_float, positive_int)
 from swarm.errors import SwarmError
-from swarm.progress import format_seconds
+from swarm.local.progress import format_seconds
 
 STRATEGIES = ("auto", "local", "dp", "pp", "tiles", "hybrid")
 
@@ -93,12 +93,12 @@ def add_parser(sub) -> None:
 
 def training_config(args: argparse.Namespace):
     """The TrainConfig: defaults, then the resumed checkpoint's settings, then explicit flags."""
-    from swarm.trainer import TrainConfig
+    from swarm.local.trainer import TrainConfig
 
     cfg = TrainConfig()
     state = None
     if args.resume:
-        from swarm.checkpoint import load_checkpoint
+        from swarm.local.checkpoint import load_checkpoint
 
         state = load_checkpoint(args.resume)
         saved = state.get("config", {})
@@ -123,7 +123,7 @@ def training_config(args: argparse.Namespace):
 
 def runner_for(args: argparse.Namespace, log):
     """(make_trainer, run_steps) for the chosen --strategy and flags."""
-    from swarm.trainer import LocalTrainer, run_local_steps
+    from swarm.local.trainer import LocalTrainer, run_local_steps
 
     def given(*flags):
         return [flag for flag in flags if getattr(args, flag.lstrip("-").replace("-", "_"))]
@@ -162,13 +162,13 @@ def runner_for(args: argparse.Namespace, log):
         if args.strategy == "tiles":
             if not grid:
                 raise SwarmError("--strategy tiles --in-process needs --grid ROWSxCOLS, e.g. --grid 2x2")
-            from swarm.tiled_trainer import tiled_trainer_factory
+            from swarm.local.tiled import tiled_trainer_factory
 
             return tiled_trainer_factory(args.grid, args.sync, log), run_local_steps
         from swarm.execution.inprocess import InProcessRunner
 
         return LocalTrainer, InProcessRunner(args.strategy, args.devices or 4, grid, args.sync, args.stages, log)
-    from swarm.execution.swarm_train import SwarmOptions, SwarmRunner
+    from swarm.execution.launch import SwarmOptions, SwarmRunner
 
     options = SwarmOptions(strategy="plan" if args.plan else args.strategy, plan_path=args.plan, grid=grid,
                            sync=args.sync, stages=args.stages, devices=args.devices, together=args.together,
@@ -184,13 +184,13 @@ def runner_for(args: argparse.Namespace, log):
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.trainer import train
+    from swarm.local.trainer import train
 
     cfg, state = training_config(args)
     save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     make_trainer, run_steps = runner_for(args, log)
-    from swarm.execution.swarm_train import SwarmRunner
+    from swarm.execution.launch import SwarmRunner
 
     swarm_run = isinstance(run_steps, SwarmRunner)  # saves at intervals itself, with collected weights
     summary = train(cfg, state=state, save=save, metrics=args.metrics, threads=args.threads,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from swarm.data.synthetic import SyntheticShapes
+from swarm.data.shapes import SyntheticShapes
 from swarm.data.yolo_dir import open_yolo_directory
 from swarm.errors import SwarmError
 

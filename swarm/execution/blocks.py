@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from planner.model_desc import ModelDesc
-from swarm.execution.routing import Block
+from planner.routing import Block
 
 
 def vector_outputs(desc: ModelDesc) -> set[int]:

@@ -26,11 +26,12 @@ from planner.plan import Plan, PlanError
 from swarm.data import class_targets, make_batch, microbatch_bounds, step_indices
 from swarm.errors import SwarmError
 from swarm.execution.blocks import cut
-from swarm.execution.replan import Move, backup_holders, holdings, layer_sources, replan
-from swarm.execution.routing import Block, Layout, runs, stage_parts
-from swarm.execution.tiling import TileGeometry
+from planner.backups import Move, backup_holders, holdings, layer_sources
+from planner.replan import replan
+from planner.routing import Block, Layout, runs, stage_parts
+from swarm.execution.halos import TileGeometry
 from swarm.execution.worker import COORDINATOR, JobSpec
-from swarm.trainer import LocalTrainer, set_lr
+from swarm.local.trainer import LocalTrainer, set_lr
 
 # With backups by time (JobSpec.backup_interval 0), the share of the time backups may keep the
 # links busy: after a backup that took t seconds to complete, the next one starts at the first

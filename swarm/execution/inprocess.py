@@ -13,9 +13,9 @@ import trio
 from planner.plan import Plan
 from swarm.execution.coordinator import TrainingCoordinator
 from swarm.execution.endpoint import LocalNetwork
-from swarm.execution.store import DeviceStore
+from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import COORDINATOR, DeviceWorker, JobSpec
-from swarm.trainer import LocalTrainer
+from swarm.local.trainer import LocalTrainer
 
 
 class LocalControl:
@@ -117,7 +117,7 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
 
 
 class InProcessRunner:
-    """run_steps for swarm.trainer.train: a simple plan over `devices` pretend devices, all
+    """run_steps for swarm.local.trainer.train: a simple plan over `devices` pretend devices, all
     in this process (to try a strategy out, or check it against --strategy local)."""
 
     def __init__(self, strategy: str, devices: int, grid=None, sync=None, stages=None, log=print):
@@ -125,8 +125,8 @@ class InProcessRunner:
         self.grid, self.sync, self.stages, self.log = grid, sync, stages, log
 
     def __call__(self, trainer, train_set, start: int, total: int, report) -> None:
-        from swarm.execution.strategies import simple_plan
-        from swarm.execution.swarm_train import describe_plan
+        from planner.simple import simple_plan
+        from swarm.execution.launch import describe_plan
 
         cfg = trainer.cfg
         names = [f"dev{i}" for i in range(self.devices)]

@@ -11,7 +11,7 @@ of ours is closed by anything but us) may have lost messages the schedule waits 
 reports it to the coordinator, ("link", device, far end) {"reason"}, which handles it as the
 loss of the far end, and drops what it would send there until the re-plan cancels the run.
 Messages to the coordinator go over the agent's connection to it; if that breaks, the
-coordinator sees it itself (ClusterControl), and they are dropped too.
+coordinator sees it itself (RosterControl), and they are dropped too.
 """
 from __future__ import annotations
 

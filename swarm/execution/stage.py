@@ -13,7 +13,7 @@ from planner.model_desc import ModelDesc
 from planner.plan import Plan
 from swarm.execution.group_bn import GroupBatchNorm, replace_batchnorm
 from swarm.execution.threads import stop_if_cancelled
-from swarm.trainer import TrainConfig, make_optimizer, set_lr, torch_dtype
+from swarm.local.trainer import TrainConfig, make_optimizer, set_lr, torch_dtype
 from swarm.zoo import build_model
 from swarm.zoo.loss import make_loss
 

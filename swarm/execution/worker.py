@@ -37,19 +37,19 @@ import trio
 
 from planner.plan import Plan
 from planner.schedule import stage_schedule
-from swarm import malloc
+from swarm.host import malloc
 from swarm.data import microbatch_bounds, sample_keys
 from swarm.execution.blocks import assemble, cut, map_shape
 from swarm.execution.collectives import allgather
 from swarm.execution.reduce import GradReducer
-from swarm.execution.replan import holdings
+from planner.backups import holdings
 from swarm.execution.endpoint import Endpoint
-from swarm.execution.routing import Layout, Part, parts_on, runs, stage_parts
-from swarm.execution.store import Assembly, DeviceStore, cut_states
+from planner.routing import Layout, Part, parts_on, runs, stage_parts
+from swarm.execution.replay import Assembly, DeviceStore, cut_states
 from swarm.execution.stage import StageCopy
 from swarm.execution.threads import ComputeLock, call_in_loop
-from swarm.execution.tiling import DeviceTiles, TileGeometry
-from swarm.trainer import TrainConfig
+from swarm.execution.halos import DeviceTiles, TileGeometry
+from swarm.local.trainer import TrainConfig
 
 COORDINATOR = "coordinator"
 
@@ -63,7 +63,7 @@ class JobSpec:
     threads: int | None = None
     epoch: int = 0
     start_step: int = 0  # committed steps the epoch starts from
-    moves: list = field(default_factory=list)  # replan.Move: where each stage's layers come from
+    moves: list = field(default_factory=list)  # planner.backups.Move: where each stage's layers come from
     backup_interval: int = 0  # back up every this many committed steps; 0: by time (coordinator.BACKUP_SHARE)
 
     def spec_fields(self) -> dict:

@@ -160,7 +160,7 @@ def up(count: int, *, cpu: float | None = None, memory: int | None = None, bandw
 
     directory = state_dir()
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    from swarm.state import new_token
+    from swarm.host.state import new_token
 
     token_file = directory / "token"
     fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

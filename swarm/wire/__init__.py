@@ -3,7 +3,7 @@
 Never imports torch: tensors are numpy arrays here.
 """
 from swarm.wire.connection import NEED_DATA, Authenticated, Closed, Connection
-from swarm.wire.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from swarm.wire.faults import LocalProtocolError, ProtocolError, RemoteProtocolError
 from swarm.wire.frames import FrameDecoder, Limits, encode_frame
 from swarm.wire.handshake import CLIENT, SERVER
 from swarm.wire.messages import (MAGIC, MESSAGES, PROTOCOL_VERSION, Auth, Goodbye, Heartbeat, Hello, Info,

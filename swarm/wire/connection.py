@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from swarm.wire import handshake, seal
-from swarm.wire.errors import LocalProtocolError, RemoteProtocolError
+from swarm.wire.faults import LocalProtocolError, RemoteProtocolError
 from swarm.wire.frames import INCOMPLETE, FrameDecoder, Limits, encode_frame
 from swarm.wire.handshake import CLIENT, SERVER
 from swarm.wire.messages import MAGIC, PROTOCOL_VERSION, Auth, Goodbye, Hello, from_wire, to_wire

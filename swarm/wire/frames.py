@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from swarm import limits as bounds
-from swarm.wire.errors import LocalProtocolError, RemoteProtocolError
+from swarm.wire.faults import LocalProtocolError, RemoteProtocolError
 from swarm.wire.tensors import TENSOR_EXT, byte_view, parse_tensor_header, tensor_header, wire_array
 
 LENGTH = struct.Struct(">I")

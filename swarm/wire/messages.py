@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from swarm.wire.errors import RemoteProtocolError
+from swarm.wire.faults import RemoteProtocolError
 
 PROTOCOL_VERSION = 2  # 2: the server proves itself second; sealed records after the handshake
 MAGIC = "swarm"

@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from swarm.limits import SEAL_RECORD
-from swarm.wire.errors import RemoteProtocolError
+from swarm.wire.faults import RemoteProtocolError
 from swarm.wire.frames import compact
 
 HEADER = struct.Struct(">IQ")  # ciphertext-and-tag length, record number

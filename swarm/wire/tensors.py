@@ -6,7 +6,7 @@ import math
 import msgpack
 import numpy as np
 
-from swarm.wire.errors import LocalProtocolError, RemoteProtocolError
+from swarm.wire.faults import LocalProtocolError, RemoteProtocolError
 
 # msgpack extension type code of a tensor header inside a frame body.
 TENSOR_EXT = 1

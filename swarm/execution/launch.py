@@ -17,11 +17,11 @@ import trio
 from planner.plan import Plan, PlanError
 from swarm.errors import SwarmError
 from swarm.execution.coordinator import StepReport, TrainingCoordinator
-from swarm.execution.job import CHANNEL, WireEndpoint, job_spec_dict
-from swarm.execution.fit import describe as describe_overflows, memory_overflows
-from swarm.execution.strategies import simple_plan
+from swarm.execution.train_job import CHANNEL, WireEndpoint, job_spec_dict
+from planner.fit import describe as describe_overflows, memory_overflows
+from planner.simple import simple_plan
 from swarm.execution.worker import COORDINATOR, JobSpec
-from swarm.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
+from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.net import ConnectionLost
 
 # After a stop signal, how long the step under way may take to commit, and then its weights to
@@ -79,7 +79,7 @@ def own_addresses() -> set[str]:
 
 
 class SwarmRunner:
-    """run_steps for swarm.trainer.train: the steps run on the devices of the swarm."""
+    """run_steps for swarm.local.trainer.train: the steps run on the devices of the swarm."""
 
     def __init__(self, options: SwarmOptions, log, fallback):
         self.options = options
@@ -115,9 +115,9 @@ class SwarmRunner:
 
     async def _discover_and_run(self, trainer, train_set, start: int, total: int, report) -> bool:
         from swarm.agent import DEFAULT_PORT
-        from swarm.cluster import open_cluster
+        from swarm.cluster import open_roster
         from swarm.net import Credentials, parse_peers, resolve_network
-        from swarm.state import find_token, process_id, state_dir_from
+        from swarm.host.state import find_token, process_id, state_dir_from
 
         o = self.options
         state_dir = state_dir_from(o.state_dir)
@@ -134,7 +134,7 @@ class SwarmRunner:
         peers = parse_peers(o.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
         credentials = Credentials(process_id(state_dir), token)
         # Training devices are busy: a heartbeat may come late without the device being gone.
-        async with open_cluster(credentials, network, peers=peers, heartbeat_interval=o.heartbeat_s,
+        async with open_roster(credentials, network, peers=peers, heartbeat_interval=o.heartbeat_s,
                                 suspect_after=o.suspect_after_s, probe_timeout=o.probe_timeout_s) as cluster:
             found = await self._find(cluster)
             if not found:
@@ -173,8 +173,8 @@ class SwarmRunner:
     async def _measure(self, cluster, trainer, devices) -> dict | None:
         """Profiles of the devices (a job on each, cached there) and the links between them,
         for the planner; None if that fails (the run then splits by FLOPs)."""
-        from swarm.agent.bandwidth_job import measure_bandwidth
-        from swarm.profiler import profile_devices
+        from swarm.profiling.bandwidth import measure_bandwidth
+        from swarm.profiling.profiler import profile_devices
         from swarm.zoo import BUILTIN
 
         cfg = trainer.cfg
@@ -255,7 +255,7 @@ class SwarmRunner:
         async with trio.open_nursery() as nursery:
             # --devices N or a given plan: at most that many devices, however many more answer
             limit = o.devices or (len(plan.used_devices()) if o.plan_path else None)
-            control = ClusterControl(cluster, f"train-{uuid.uuid4().hex[:8]}", names, nursery, self.log, limit)
+            control = RosterControl(cluster, f"train-{uuid.uuid4().hex[:8]}", names, nursery, self.log, limit)
             job = JobSpec(plan, trainer.cfg, trainer.cfg_text, o.timeout_s, backup_interval=o.backup_interval)
             save_hook = self._save_hook(trainer)
             coordinator = TrainingCoordinator(control, job, trainer, train_set, strategy=self.strategy_for_replan(),
@@ -287,7 +287,7 @@ class SwarmRunner:
         o = self.options
         if not (o.save_path and o.checkpoint_every):
             return None
-        from swarm.checkpoint import save_checkpoint
+        from swarm.local.checkpoint import save_checkpoint
 
         return lambda: save_checkpoint(o.save_path, trainer.state())
 
@@ -331,7 +331,7 @@ def busy_hint(reasons) -> str:
     return ""
 
 
-class ClusterControl:
+class RosterControl:
     """The coordinator's hold on the swarm's devices for one training job: each epoch is a
     job handle at that epoch (agents refuse older epochs), assigned and started on the
     plan's devices; deaths and job failures come out of next_loss(), devices that join or

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
-from tiles.collectives import ChannelSums
+from tiles.requests import ChannelSums
 from tiles.grouping import Grouping
 from tiles.layout import StageLayout, build_layout
 from tiles.regions import LayerGeometry, Rect, TilingError

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from swarm.errors import SwarmError
-from swarm.trainer import LocalTrainer, TrainConfig
+from swarm.local.trainer import LocalTrainer, TrainConfig
 from tiles.grouping import Grouping, parse_grid
 from tiles.layout import tileable_prefix
 from tiles.regions import TilingError
@@ -51,7 +51,7 @@ class TiledTrainer(LocalTrainer):
 
 
 def tiled_trainer_factory(grid_text: str, sync: str | None, log=None):
-    """make_trainer for swarm.trainer.train from the --grid and --sync flags."""
+    """make_trainer for swarm.local.trainer.train from the --grid and --sync flags."""
     try:
         grid = parse_grid(grid_text)
     except TilingError as exc:

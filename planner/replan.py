@@ -1,5 +1,5 @@
 """Changing a running plan: without the devices that died (or with ones that came), which
-layers move where, and who backs up whom (pure).
+layers move where (planner/backups.py), and who backs up whom (pure).
 
 Lightweight (Asteroid section 3.4): keep the plan's shape and shift it. A dp group deals the
 lost replica's samples to the survivors, a tiles stage is re-gridded over its survivors, and
@@ -13,28 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner.model_desc import ModelDesc
+from planner.backups import backup_holders
 from planner.plan import Plan, PlanError, Stage, most_replicas
-from swarm.execution.fit import describe as describe_overflows, memory_overflows
-from swarm.execution.strategies import even_allocation, simple_plan, square_grid
-
-
-@dataclass
-class Move:
-    """Send the state of `layers` at committed step `step` from `src` to `dst` (for its stage
-    `stage` of the new plan). `src` may be "coordinator"."""
-
-    src: str
-    dst: str
-    stage: int
-    layers: list[int]
-    step: int
-
-    def to_dict(self) -> dict:
-        return {"src": self.src, "dst": self.dst, "stage": self.stage, "layers": self.layers, "step": self.step}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Move":
-        return cls(d["src"], d["dst"], int(d["stage"]), [int(x) for x in d["layers"]], int(d["step"]))
+from planner.fit import describe as describe_overflows, memory_overflows
+from planner.simple import simple_plan, square_grid
 
 
 def stage_flops(desc: ModelDesc, first: int, last: int) -> float:
@@ -59,37 +41,6 @@ def bottleneck(plan: Plan, desc: ModelDesc, speed: dict[str, float] | None = Non
             for d in s.devices:
                 load[d] = load.get(d, 0.0) + work / len(s.devices)
     return max(v / (speed or {}).get(d, 1.0) for d, v in load.items())
-
-
-def holdings(plan: Plan) -> dict[str, set[int]]:
-    """Which layers each device has once a backup step of `plan` is complete: its stages'
-    layers (its snapshot) and the stages it backs up."""
-    have: dict[str, set[int]] = {}
-    for p, s in enumerate(plan.stages):
-        for d in s.devices:
-            have.setdefault(d, set()).update(range(s.first, s.last))
-        holder = plan.backups.get(p)
-        if holder is not None:
-            have.setdefault(holder, set()).update(range(s.first, s.last))
-    return have
-
-
-def backup_holders(plan: Plan) -> dict[int, str]:
-    """Topology-driven backups: a stage on one device is copied to a device of the next stage
-    (the last to the first stage); a stage on several devices needs none, its survivors
-    have its weights."""
-    holders = {}
-    n = len(plan.stages)
-    for p, s in enumerate(plan.stages):
-        if len(s.devices) > 1:
-            continue
-        owner = s.devices[0]
-        for q in [(p + k) % n for k in range(1, n + 1)]:
-            candidates = [d for d in plan.stages[q].devices if d != owner]
-            if candidates:
-                holders[p] = candidates[0]
-                break
-    return holders
 
 
 def _allocate(devices: list[str], samples: int, speed: dict[str, float]) -> dict[str, int]:
@@ -208,7 +159,7 @@ class Replan:
 def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strategy: str,
            speed: dict[str, float] | None = None, prefer: str = "auto") -> Replan:
     """A plan without `dead` (over `alive`, which may include devices new to the plan).
-    Neither way gives a plan that cannot fit the devices' memory (swarm.execution.fit):
+    Neither way gives a plan that cannot fit the devices' memory (planner.fit):
     one that did would lose its devices one after another."""
     gone = ", ".join(sorted(dead)) or "none"
     joined = [d for d in alive if d not in plan.used_devices()]
@@ -248,27 +199,4 @@ def _overflows(plan: Plan, desc: ModelDesc) -> list:
     return memory_overflows(plan, desc, {d: f.get("memory") for d, f in plan.devices.items()})
 
 
-def layer_sources(holdings: dict[str, set[int]], plan: Plan, step: int, preferred: dict[int, str] | None = None
-                  ) -> list[Move]:
-    """Moves that give every device of `plan` the layers of its stages at `step`, from the
-    devices in `holdings` (device -> layers it has at that step). A device takes what it has
-    itself; otherwise the layer comes from `preferred[layer]` if it has it, else the first
-    holder by name. PlanError names a layer nobody has."""
-    moves: dict[tuple[str, str, int], list[int]] = {}
-    for p, s in enumerate(plan.stages):
-        for dst in s.devices:
-            for layer in range(s.first, s.last):
-                if layer in holdings.get(dst, set()):
-                    src = dst
-                else:
-                    pick = (preferred or {}).get(layer)
-                    have = sorted(d for d, ls in holdings.items() if layer in ls)
-                    if not have:
-                        raise PlanError(f"no surviving device has layer {layer} at step {step}")
-                    src = pick if pick in have else have[0]
-                moves.setdefault((src, dst, p), []).append(layer)
-    return [Move(src, dst, p, layers, step) for (src, dst, p), layers in moves.items()]
-
-
-__all__ = ["Move", "Replan", "backup_holders", "bottleneck", "even_allocation", "heavy", "layer_sources",
-           "lightweight", "replan"]
+__all__ = ["Replan", "bottleneck", "heavy", "lightweight", "replan"]

@@ -7,7 +7,7 @@ local steps — cached per (device fingerprint, model, image size) in the state 
 
 For the live swarm, `run_profile_job` is the agents' job kind "profile" and
 `profile_devices` runs it on every agent; pairwise bandwidth comes from
-swarm.agent.bandwidth_job.measure_bandwidth (see swarm/commands/plan_cmd.py).
+swarm.profiling.bandwidth.measure_bandwidth (see swarm/commands/plan_cmd.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from planner.costs import CostTable
 from planner.profile import DeviceProfile, ProfileError
-from swarm.device import cpu_quota, usable_cores, usable_memory
+from swarm.host.resources import cpu_quota, usable_cores, usable_memory
 from swarm.errors import SwarmError
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
@@ -38,9 +38,9 @@ FIT_LIMITS = (0.5, 2.0)  # a fit beyond these says the measurements disagree: ke
 
 
 def default_state_dir() -> Path:
-    """Where swarm keeps its state (swarm.state: --state-dir, $SWARM_STATE_DIR, /var/lib/swarm
+    """Where swarm keeps its state (swarm.host.state: --state-dir, $SWARM_STATE_DIR, /var/lib/swarm
     as root, else ~/.local/share/swarm); profiles go to its profiles/ folder."""
-    from swarm.state import default_state_dir as runtime_state_dir
+    from swarm.host.state import default_state_dir as runtime_state_dir
 
     return runtime_state_dir()
 
@@ -156,7 +156,7 @@ def settled_rss() -> int:
     blocks otherwise, and the idle size would include the last step's activations)."""
     import psutil
 
-    from swarm import malloc
+    from swarm.host import malloc
 
     gc.collect()
     malloc.give_back()
@@ -264,7 +264,7 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
 def _time_updates(net, desc, repeats: int, optimizer: str, now=time.perf_counter) -> list[float]:
     import torch
 
-    from swarm.trainer import TrainConfig, make_optimizer
+    from swarm.local.trainer import TrainConfig, make_optimizer
 
     out = []
     for i in range(len(desc.layers)):
@@ -323,7 +323,7 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     fwd, bwd, loss_f, loss_b, step_time, peak = [], [], [], [], {}, {}
     saved: list[float] = []
     from swarm.data import class_targets
-    from swarm.trainer import TrainConfig, make_optimizer
+    from swarm.local.trainer import TrainConfig, make_optimizer
 
     opt = make_optimizer(net.named_parameters(), TrainConfig(optimizer=optimizer))
     runtime = None

@@ -16,13 +16,13 @@ import torch
 import trio
 
 from planner.plan import Plan
-from swarm import malloc
+from swarm.host import malloc
 from swarm.execution.links import LINK_ERRORS, RunLinks
 from swarm.execution.mailbox import Closed, Mailbox
-from swarm.execution.replan import Move
-from swarm.execution.store import DeviceStore
+from planner.backups import Move
+from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import COORDINATOR, DeviceWorker, JobSpec
-from swarm.trainer import TrainConfig
+from swarm.local.trainer import TrainConfig
 
 CHANNEL = "x"
 
@@ -119,7 +119,7 @@ def _train_config(d: dict) -> TrainConfig:
 
 async def run_train_job(ctx) -> dict:
     """The `train` job kind: this agent's part of a plan, until the coordinator says stop."""
-    from swarm.device import usable_cores
+    from swarm.host.resources import usable_cores
 
     spec = ctx.spec
     plan = Plan.from_dict(spec["plan"])
@@ -179,7 +179,7 @@ def resident_bytes() -> int:
 
 def release_memory() -> None:
     """Collect what ended runs left (autograd graphs, modules in reference cycles) and return
-    the heap's free pages to the system (swarm.malloc keeps them otherwise), so that a
+    the heap's free pages to the system (swarm.host.malloc keeps them otherwise), so that a
     device's memory follows its current stages, not the largest it ever had. Done shortly
     after a run ends (not at once: a cancelled run's traceback holds it until the
     cancellation has gone by)."""

@@ -14,6 +14,7 @@ is refused; a plan under it may still come close to the limit.
 """
 from __future__ import annotations
 
+from planner.backups import backup_holders
 from planner.memory import OPTIMIZER_STATE_FLOATS, MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
@@ -56,8 +57,6 @@ def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], opti
 def _kept_states(plan: Plan, model: MemoryModel, optimizer: str) -> dict[str, float]:
     """Bytes each device keeps of weights and optimizer state beside its working copy: the
     snapshot of its own stages and the backups it holds for others."""
-    from swarm.execution.replan import backup_holders  # (replan imports this module)
-
     per_param = 1 + OPTIMIZER_STATE_FLOATS[optimizer]
     states = [per_param * float(model.param_bytes[s.first:s.last].sum()) for s in plan.stages]
     kept: dict[str, float] = {}

@@ -8,7 +8,7 @@
 
 Any sign of life counts as hearing from a member (a heartbeat, any bytes on its
 connection), so a device busy streaming a large tensor is not taken for dead. The probe
-is a function supplied by the owner (the Cluster pings over the connection, or waits for
+is a function supplied by the owner (the Roster pings over the connection, or waits for
 a reconnection); Membership only decides when to call it and what its answer means.
 """
 from __future__ import annotations

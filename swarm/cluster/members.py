@@ -8,7 +8,7 @@ import trio
 
 
 @dataclass
-class Device:
+class Member:
     """One agent as seen from a coordinator.
 
     health: alive, suspect, dead, left (said goodbye), unreachable (never answered),

@@ -1,10 +1,10 @@
-"""The coordinator side of the runtime: find agents (mDNS and --peers), keep a connection to
+"""The roster of agents a coordinator works with: find them (mDNS and --peers), keep a connection to
 each, track who is alive, and carry job messages.
 
-    async with open_cluster(credentials, network, peers=[("10.0.0.5", 4750)]) as cluster:
-        devices = await cluster.wait_for(4, timeout=10)
-        events = cluster.subscribe()               # MembershipEvent: joined/suspect/dead/...
-        job = cluster.job("j1", epoch=0)
+    async with open_roster(credentials, network, peers=[("10.0.0.5", 4750)]) as roster:
+        devices = await roster.wait_for(4, timeout=10)
+        events = roster.subscribe()               # MembershipEvent: joined/suspect/dead/...
+        job = roster.job("j1", epoch=0)
 
 Each agent is asked for heartbeats (Watch) on its connection. A broken connection makes
 the device suspect at once; the probe is a Ping on the connection or, if it is gone, a
@@ -19,10 +19,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import trio
 
-from swarm.cluster.devices import Device
-from swarm.cluster.jobs import CoordinatorJob
-from swarm.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
-from swarm.membership import Membership, MembershipEvent
+from swarm.cluster.members import Member
+from swarm.cluster.remote_job import CoordinatorJob
+from swarm.net.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
+from swarm.cluster.membership import Membership, MembershipEvent
 from swarm.net import (ConnectionLost, Credentials, HandshakeFailed, NetworkChoice, PeerUnavailable, connect_peer,
                        parse_endpoint)
 from swarm.wire import Heartbeat, Info, InfoRequest, JobState, Ping, Pong, RemoteProtocolError, Watch
@@ -33,8 +33,8 @@ DEFAULT_AGENT_PORT = 4750
 RETRY_MIN, RETRY_MAX, RETRY_REFUSED = 0.1, 2.0, 10.0
 
 
-class Cluster:
-    """Use open_cluster(); the attributes below are read-only for callers."""
+class Roster:
+    """Use open_roster(); the attributes below are read-only for callers."""
 
     def __init__(self, credentials: Credentials, network: NetworkChoice, *, peers=(), discover: bool = True,
                  heartbeat_interval: float = 0.25, suspect_after: float | None = None, probe_timeout: float = 0.5,
@@ -47,7 +47,7 @@ class Cluster:
         self.membership = Membership(self._probe, interval=heartbeat_interval, suspect_after=suspect_after,
                                      probe_timeout=probe_timeout)
         self._static_peers = list(peers)
-        self._devices: dict[str, Device] = {}             # node id (or "host:port" before a handshake) -> Device
+        self._devices: dict[str, Member] = {}             # node id (or "host:port" before a handshake) -> Member
         self._endpoints: dict[tuple[str, int], tuple[trio.CancelScope, str | None]] = {}  # -> (loop, node id)
         self._jobs: dict[str, CoordinatorJob] = {}
         self._pongs: dict[int, trio.Event] = {}
@@ -57,16 +57,16 @@ class Cluster:
 
     # -- asking -----------------------------------------------------------------------
 
-    def devices(self) -> list[Device]:
+    def devices(self) -> list[Member]:
         return sorted(self._devices.values(), key=lambda d: (d.name, d.node_id))
 
-    def device(self, node_id: str) -> Device | None:
+    def device(self, node_id: str) -> Member | None:
         return self._devices.get(node_id)
 
-    def alive(self) -> list[Device]:
+    def alive(self) -> list[Member]:
         return [d for d in self.devices() if d.health == "alive"]
 
-    async def wait_for(self, count: int, timeout: float) -> list[Device]:
+    async def wait_for(self, count: int, timeout: float) -> list[Member]:
         """Wait until `count` devices are alive or `timeout` passes; the alive devices."""
         with trio.move_on_after(timeout):
             while len(self.alive()) < count:
@@ -123,7 +123,7 @@ class Cluster:
                 advert = event.advert
                 device = self._devices.get(advert.node_id)
                 if device is None:
-                    device = self._devices[advert.node_id] = Device(advert.node_id, advert.address, advert.port)
+                    device = self._devices[advert.node_id] = Member(advert.node_id, advert.address, advert.port)
                 for name in ("name", "cores", "memory", "accelerator", "version"):
                     setattr(device, name, getattr(advert, name))
                 device.source = "mdns"  # also when another agent's peer list reached it first
@@ -179,7 +179,7 @@ class Cluster:
                 node_id = conn.peer_id
                 device = self._devices.get(node_id)
                 if device is None:
-                    device = self._devices[node_id] = Device(node_id, host, port, source=source)
+                    device = self._devices[node_id] = Member(node_id, host, port, source=source)
                 elif device.conn is not None and not device.conn.closed:  # reached by another address too
                     await conn.aclose("already connected")
                     return
@@ -188,7 +188,7 @@ class Cluster:
     def _connect_failed(self, key: str, host: str, port: int, source: str, error: str, refused: bool) -> None:
         device = self._devices.get(key)
         if device is None:
-            device = self._devices[key] = Device(key, host, port, source=source)
+            device = self._devices[key] = Member(key, host, port, source=source)
         if self.membership.health(key) is None:  # never connected: not a member yet
             health = "refused" if refused else "unreachable"
             if (device.health, device.error) != (health, error):  # log changes, not every retry
@@ -197,7 +197,7 @@ class Cluster:
         device.error = error
         self._touch()
 
-    async def _converse(self, device: Device, conn) -> None:
+    async def _converse(self, device: Member, conn) -> None:
         node_id = device.node_id
         device.conn, device.error = conn, ""
         device.seen()
@@ -224,7 +224,7 @@ class Cluster:
             self.membership.lost(node_id, "its connection closed")
             self._touch()
 
-    def _on_message(self, device: Device, message) -> None:
+    def _on_message(self, device: Member, message) -> None:
         if isinstance(message, Info):
             first = device.name == "?" or self.membership.health(device.node_id) is None
             for name in ("name", "cores", "memory", "accelerator", "version", "peers", "job_id", "job_state"):
@@ -282,9 +282,9 @@ class Cluster:
 
 
 @asynccontextmanager
-async def open_cluster(credentials: Credentials, network: NetworkChoice, **options):
-    """A running Cluster for the body of the `async with` (see Cluster for options)."""
-    cluster = Cluster(credentials, network, **options)
+async def open_roster(credentials: Credentials, network: NetworkChoice, **options):
+    """A running Roster for the body of the `async with` (see Roster for options)."""
+    cluster = Roster(credentials, network, **options)
     async with trio.open_nursery() as nursery:
         await nursery.start(cluster.run)
         try:

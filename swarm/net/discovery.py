@@ -23,7 +23,7 @@ import trio
 
 from swarm.net.interfaces import NetworkChoice
 
-log = logging.getLogger("swarm.discovery")
+log = logging.getLogger("swarm.net.discovery")
 
 SERVICE = "_swarm._tcp.local."
 RESOLVE_TIMEOUT_MS = 3000

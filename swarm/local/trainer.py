@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swarm.checkpoint import save_checkpoint
+from swarm.local.checkpoint import save_checkpoint
 from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datasets, sample_keys,
                         step_indices, steps_per_epoch)
-from swarm.device import usable_cores
+from swarm.host.resources import usable_cores
 from swarm.errors import SwarmError
-from swarm.progress import Progress
+from swarm.local.progress import Progress
 from swarm.zoo import BUILTIN, build_model
 from swarm.zoo.loss import make_loss
 
@@ -258,7 +258,7 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
     each micro-batch another way, such as tiled); `run_steps(trainer, train_set, start,
     total, report)` runs the steps (in this process, or across the swarm) and leaves the
     trainer holding the weights of its last step."""
-    from swarm.evaluate import evaluate
+    from swarm.local.evaluate import evaluate
 
     n_threads = set_threads(threads)
     cfg_text = state.get("cfg") if state else None

@@ -37,7 +37,7 @@ ECHO_BURST, ECHO_BYTES = 8, 256 * 1024  # echoed messages of an activation's siz
 
 
 async def run_bandwidth_job(ctx: JobContext) -> dict:
-    from swarm.device import cpu_quota
+    from swarm.host.resources import cpu_quota
 
     measured = 0
     moved = [0]  # probe bytes sent and received
