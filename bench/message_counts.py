@@ -31,7 +31,7 @@ def main() -> None:
     from swarm.data import open_datasets
     from swarm.execution import endpoint
     from swarm.execution.inprocess import train_plan_in_process
-    from planner.simple import simple_plan
+    from planner.baselines import simple_plan
     from swarm.local.trainer import LocalTrainer, TrainConfig
 
     counts: collections.Counter = collections.Counter()

@@ -6,7 +6,7 @@
 
 Time. One process, one thread. Each round runs, in turn, the untiled stage (the zoo's
 modules under autograd) and every (grid, grouping): all tiles one after another in this
-process (tiles.stage.InProcessStage), forward + backward of one micro-batch, so the time
+process (tiles.whole_stage.InProcessStage), forward + backward of one micro-batch, so the time
 is the total compute of all tiles (the lockstep driver adds only Python bookkeeping). The
 ratio tiled / untiled is taken within each round and the median over rounds is printed,
 so drift in a machine shared with other work cancels out. The cost model's ratio of
@@ -44,7 +44,7 @@ def time_configs(img_size: int, batch: int, grids: list[str], syncs: list[str], 
     from swarm.zoo import build_model
     from tiles.cost import stage_cost
     from tiles.grouping import Grouping
-    from tiles.stage import InProcessStage
+    from tiles.whole_stage import InProcessStage
 
     torch.set_num_threads(1)
     net, desc, _ = build_model("yolov2-16", img_size, classes=20, seed=0)

@@ -37,7 +37,7 @@ def main() -> None:
     from swarm.host import malloc
     from swarm.zoo import build_model
     from tiles.grouping import Grouping, parse_grid
-    from tiles.stage import InProcessStage
+    from tiles.whole_stage import InProcessStage
 
     malloc.tune()  # as every swarm process does
     torch.set_num_threads(1)

@@ -34,7 +34,7 @@ def main() -> None:
     from tests.test_tiles_ops import reference_forward, reference_input_grad
     from tiles import ops
     from tiles.grouping import Grouping, parse_grid
-    from tiles.stage import InProcessStage
+    from tiles.whole_stage import InProcessStage
 
     torch.set_num_threads(1)
     def contiguous_forward(xp, kernel, stride):  # the same selection, from the (B, C, H, W) kernel

@@ -93,7 +93,7 @@ def measure_tiles(img_size: int, batch: int, grid: tuple[int, int], sync: str) -
     from tiles.grouping import Grouping
     from tiles.ops import crop
     from tiles.regions import Rect
-    from tiles.stage import InProcessStage
+    from tiles.whole_stage import InProcessStage
 
     net, desc, x = build(img_size, batch)
     n = len(desc.layers)

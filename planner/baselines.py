@@ -1,18 +1,204 @@
-"""The simple planners every other one is measured against: local, dp and pp.
+"""The simple planners every other one is measured against, in two kinds.
 
+By cost, from PlanInputs (`swarm plan`, and beside every other planner in `auto`):
 - local: the whole model on one device (the data source, else the fastest device).
 - dp: the whole model on every device, each micro-batch dealt out by Asteroid's Alg. 1
   (speed-proportional, memory-aware); devices left with no samples are dropped.
 - pp: GPipe — one stage per device in the cluster's order, layers split so the stages take
   equal time on an average device, every stage warming up with all M forwards.
+
+By FLOPs and the user's own flags, from the devices' names alone (`swarm train --strategy
+local|dp|pp|tiles|hybrid` without measurements, and re-planning after a loss): simple_plan,
+with --grid, --sync, --stages, --together and --replicas as given.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from planner.allocation import memory_aware_allocation
 from planner.inputs import NoPlan, PlanInputs
-from planner.plan import Plan, Stage, most_replicas
+from planner.model_desc import ModelDesc
+from planner.plan import Plan, PlanError, Stage, most_replicas
+from tiles.layout import tileable_prefix
+
+SIMPLE_STRATEGIES = ("local", "dp", "pp", "tiles", "hybrid")
+
+# What a worker process holds besides the stage's weights and activations: the interpreter,
+# torch and its kernels' scratch, messages in flight (an idle agent with a job's model
+# loaded measures about 350 MiB on x86-64 Linux).
+RUNTIME_BYTES = 400 * 2**20
+# Activations measured against the tiles cost model's count: the allocator's slack and the
+# temporaries of a layer's backward that the model does not count.
+ACTIVATION_SLACK = 1.4
+
+
+def square_grid(n: int) -> tuple[int, int]:
+    """The most square rows x cols with rows * cols == n and rows <= cols (8 -> 2x4)."""
+    rows = int(math.isqrt(n))
+    while n % rows:
+        rows -= 1
+    return rows, n // rows
+
+
+def parse_syncs(text: str | None, first: int, last: int) -> list[int] | None:
+    """--sync: "all" (every layer, the default), "none" (one group), or layer numbers."""
+    if text is None or text == "all":
+        return None
+    if text == "none":
+        return [first]
+    try:
+        layers = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise PlanError(f"--sync takes 'all', 'none' or layer numbers like 0,4,8, not '{text}'") from None
+    bad = [x for x in layers if not first <= x < last]
+    if bad:
+        raise PlanError(f"--sync layers {bad} are outside the tiles stage (layers {first}-{last - 1})")
+    return sorted(set(layers) | {first})
+
+
+def even_cuts(desc: ModelDesc, first: int, last: int, parts: int) -> list[int]:
+    """Boundaries splitting layers [first, last) into `parts` ranges of about equal FLOPs
+    (forward + backward), each at least one layer: the ends of the ranges, `last` included."""
+    n = last - first
+    if not 1 <= parts <= n:
+        raise PlanError(f"cannot split {n} layers into {parts} stages")
+    cost = np.array([desc.layers[i].flops + desc.layers[i].backward_flops + 1 for i in range(first, last)], float)
+    return [first + b for b in balanced_split(cost, parts)[1:]]
+
+
+def _plan(desc: ModelDesc, batch: int, microbatches: int, stages: list[Stage], devices: dict, name: str) -> Plan:
+    plan = Plan(desc.name, desc.img_size, batch, microbatches, stages, devices=devices, planner=name)
+    plan.validate(desc)
+    return plan
+
+
+def even_allocation(group: list[str], samples: int) -> dict[str, int]:
+    base, extra = divmod(samples, len(group))
+    return {d: base + (1 if i < extra else 0) for i, d in enumerate(group)}
+
+
+def blocks_that_fit(desc: ModelDesc, stage: Stage, batch: int, microbatches: int, facts: dict) -> int:
+    """The most micro-batches a one-stage tiles plan can run as one block (a divisor of
+    each replica's share of `microbatches`) with every device's estimated peak within its
+    memory; 1 when a device's memory is unknown."""
+    from planner.memory import MemoryModel
+    from planner.tiles_work import tiles_cost
+
+    memory = [facts.get(d, {}).get("memory") for d in stage.devices]
+    if not all(memory):
+        return 1
+    cost = tiles_cost(desc, stage)
+    weights = MemoryModel.estimated(desc).weights(stage.first, stage.last)
+    n = stage.tiles_per_replica()
+    per_sample = {d: sum(cost.tiles[k % n].peak_bytes for k, o in enumerate(stage.tile_devices) if o == d)
+                  for d in stage.devices}
+    mb = -(-batch // microbatches)
+    share = microbatches // stage.replica_count()
+    best = 1
+    for size in range(1, share + 1):
+        if share % size:
+            continue
+        need = {d: RUNTIME_BYTES + weights + ACTIVATION_SLACK * size * mb * per_sample[d] for d in stage.devices}
+        if all(need[d] <= m for d, m in zip(stage.devices, memory)):
+            best = size
+    return best
+
+
+def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, microbatches: int, *,
+                grid: tuple[int, int] | None = None, sync: str | None = None, stages: int | None = None,
+                facts: dict | None = None, together: int | None = None, replicas: int | None = None) -> Plan:
+    """A plan of `strategy` over `devices` (names, in order). A tiles plan of one stage runs
+    `together` micro-batches as one block (default: as many as fit in the devices' memory);
+    with `replicas` R it splits the devices into R equal groups, each with its own grid
+    (`grid`, or the most square one) running its share of the micro-batches. A dp plan
+    shares each micro-batch among the devices, or, when the micro-batches are too small to
+    keep them busy (or `replicas` says so), gives each of R devices whole micro-batches."""
+    if not devices:
+        raise PlanError("no devices to plan for")
+    n = len(desc.layers)
+    known = {d: (facts or {}).get(d, {}) for d in devices}
+    if strategy == "local":
+        return _plan(desc, batch, microbatches, [Stage(0, n, "single", [devices[0]])], known, "local")
+    if strategy == "dp":
+        if batch % microbatches:
+            raise PlanError(f"dp needs the batch ({batch}) to split evenly into {microbatches} micro-batches")
+        if replicas is not None:
+            if replicas > len(devices):
+                raise PlanError(f"--replicas {replicas} needs at least {replicas} devices, found {len(devices)}")
+            copies = replicas
+        else:  # whole micro-batches per device when that keeps more devices busy than sharing each one
+            copies = most_replicas(microbatches, len(devices))
+            if copies <= min(len(devices), batch // microbatches):
+                copies = 1
+        if copies > 1:
+            return _plan(desc, batch, microbatches, [Stage(0, n, "single", devices[:copies], replicas=copies)],
+                         known, "dp")
+        group = devices[:batch // microbatches]  # no device without a sample
+        return _plan(desc, batch, microbatches,
+                     [Stage(0, n, "dp", group, allocation=even_allocation(group, batch // microbatches))], known, "dp")
+    if strategy == "pp":
+        count = stages or len(devices)
+        if count > len(devices):
+            raise PlanError(f"--stages {count} needs {count} devices, found {len(devices)}")
+        bounds = [0, *even_cuts(desc, 0, n, count)]
+        return _plan(desc, batch, microbatches,
+                     [Stage(bounds[i], bounds[i + 1], "single", [devices[i]]) for i in range(count)], known, "pp")
+    if strategy == "tiles":
+        end = tileable_prefix(desc)
+        if end == 0:
+            raise PlanError(f"{desc.name} starts with a layer that cannot be tiled")
+        copies = replicas or 1
+        if copies > len(devices):
+            raise PlanError(f"--replicas {copies} needs at least {copies} devices, found {len(devices)}")
+        if microbatches % copies:
+            raise PlanError(f"--replicas {copies} must divide the {microbatches} micro-batches")
+        size = len(devices) // copies
+        rows, cols = grid or square_grid(size)
+        tile_devices = [devices[r * size + k % size] for r in range(copies) for k in range(rows * cols)]
+        group = list(dict.fromkeys(tile_devices))
+        plan_stages = [Stage(0, end, "tiles", group, grid=(rows, cols), tile_devices=tile_devices,
+                             syncs=parse_syncs(sync, 0, end), replicas=copies if copies > 1 else None)]
+        if end < n:
+            plan_stages.append(Stage(end, n, "single", [devices[0]]))
+            for flag, value in (("--together", together), ("--replicas", replicas)):
+                if value not in (None, 1):
+                    raise PlanError(f"{flag} needs the whole of {desc.name} in the tiles stage; it has untileable "
+                                    f"layers from layer {end}")
+        else:
+            plan_stages[0].together = together or blocks_that_fit(desc, plan_stages[0], batch, microbatches, known)
+        return _plan(desc, batch, microbatches, plan_stages, known, "tiles")
+    if strategy == "hybrid":
+        return _hybrid(desc, devices, batch, microbatches, grid, sync, known)
+    raise PlanError(f"unknown strategy '{strategy}'; use one of {', '.join(SIMPLE_STRATEGIES)}")
+
+
+def _hybrid(desc: ModelDesc, devices: list[str], batch: int, microbatches: int, grid, sync, known) -> Plan:
+    """A tiles stage on the first half of the devices over the first third of the work,
+    then a dp stage on the others, then a single stage on the first device."""
+    if len(devices) < 3:
+        raise PlanError(f"hybrid needs at least 3 devices, found {len(devices)}")
+    if batch % microbatches:
+        raise PlanError(f"hybrid has a dp stage: the batch ({batch}) must split evenly into {microbatches} micro-batches")
+    n = len(desc.layers)
+    end = tileable_prefix(desc)
+    tiles_n = (len(devices) + 1) // 2
+    rows, cols = grid or square_grid(tiles_n)
+    tile_group = devices[:tiles_n]
+    tile_devices = [tile_group[k % len(tile_group)] for k in range(rows * cols)]
+    first_cut, second_cut = even_cuts(desc, 0, n, 3)[:2]
+    first_cut = min(first_cut, end)
+    while first_cut > 1 and (desc.live_after(first_cut) != (first_cut - 1,)):
+        first_cut -= 1  # a tiles stage must end where only its own output is live
+    second_cut = max(second_cut, first_cut + 1)
+    dp_group = devices[tiles_n:][:batch // microbatches]
+    return _plan(desc, batch, microbatches, [
+        Stage(0, first_cut, "tiles", list(dict.fromkeys(tile_devices)), grid=(rows, cols), tile_devices=tile_devices,
+              syncs=parse_syncs(sync, 0, first_cut)),
+        Stage(first_cut, second_cut, "dp", dp_group, allocation=even_allocation(dp_group, batch // microbatches)),
+        Stage(second_cut, n, "single", [devices[0]]),
+    ], known, "hybrid")
 
 
 def plan_local(inputs: PlanInputs, device: str | None = None) -> Plan:

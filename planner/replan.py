@@ -16,7 +16,7 @@ from planner.model_desc import ModelDesc
 from planner.backups import backup_holders
 from planner.plan import Plan, PlanError, Stage, most_replicas
 from planner.fit import describe as describe_overflows, memory_overflows
-from planner.simple import simple_plan, square_grid
+from planner.baselines import simple_plan, square_grid
 
 
 def stage_flops(desc: ModelDesc, first: int, last: int) -> float:

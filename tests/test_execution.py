@@ -175,7 +175,7 @@ def test_optimizer_state_comes_back_for_resume():
 
 @pytest.mark.parametrize("strategy", ["dp", "pp", "tiles", "hybrid"])
 def test_simple_strategies_equal_local(strategy):
-    from planner.simple import simple_plan
+    from planner.baselines import simple_plan
 
     cfg = _cfg("yolov2-16", 2)
     plan = simple_plan(strategy, LocalTrainer(TrainConfig(**vars(cfg))).desc, ["d0", "d1", "d2", "d3"], 8, 2)
@@ -193,7 +193,7 @@ def test_full_yolov2_tiles_front_then_pipeline():
 
 def test_strategy_mistakes_are_plan_errors():
     from planner.plan import PlanError
-    from planner.simple import simple_plan
+    from planner.baselines import simple_plan
     from swarm.zoo import describe_model
 
     desc = describe_model("yolov2-16", 64, classes=5)
@@ -212,7 +212,7 @@ def test_strategy_mistakes_are_plan_errors():
 
 
 def test_dp_gives_whole_micro_batches_to_devices_when_that_keeps_more_busy():
-    from planner.simple import simple_plan
+    from planner.baselines import simple_plan
     from swarm.zoo import describe_model
 
     desc = describe_model("yolov2-16", 64, classes=5)

@@ -10,7 +10,7 @@ from swarm.errors import SwarmError
 from planner.fit import RUNTIME_FLOOR, describe, memory_overflows
 from planner.backups import backup_holders
 from planner.replan import replan
-from planner.simple import simple_plan
+from planner.baselines import simple_plan
 from swarm.execution.launch import SwarmOptions, SwarmRunner
 from swarm.local.trainer import TrainConfig
 from swarm.zoo import describe_model

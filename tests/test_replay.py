@@ -15,7 +15,7 @@ from swarm.data import make_batch, open_datasets, step_indices
 from swarm.execution.inprocess import train_plan_in_process
 from planner.backups import backup_holders
 from planner.replan import lightweight, replan
-from planner.simple import simple_plan
+from planner.baselines import simple_plan
 from swarm.local.trainer import LocalTrainer, TrainConfig
 from swarm.zoo import describe_model
 

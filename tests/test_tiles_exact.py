@@ -21,7 +21,7 @@ from tests.tiles_helpers import rel_diff, train_float64, worst_state_diff
 from tiles import ops
 from tiles.grouping import Grouping
 from tiles.regions import TilingError
-from tiles.stage import InProcessStage
+from tiles.whole_stage import InProcessStage
 
 TOL = 1e-5  # the bound (float64 results agree to ~1e-12)
 

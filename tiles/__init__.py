@@ -8,11 +8,11 @@ Pure modules (no torch; the planner imports them):
     tiles.grouping     Grouping (forward/backward sync boundaries), parse_grid
     tiles.layout       build_layout -> StageLayout: every tile's regions and halo transfers; tileable_prefix
     tiles.cost         stage_cost, choose_grouping: bytes, redundant FLOPs, memory, time
-    tiles.requests  HaloExchange, ChannelSums: what a tile's work yields to its driver
+    tiles.requests     HaloExchange, ChannelSums: what a tile's work yields to its driver
     tiles.driver       run_lockstep: all tiles of a stage in one process
 Torch modules:
     tiles.executor     TileWorker: one tile's forward/backward generators
-    tiles.stage        InProcessStage: cut, run in lockstep, stitch
+    tiles.whole_stage  InProcessStage: cut, run in lockstep, stitch
     tiles.ops          the per-region arithmetic (window ops, BatchNorm from global sums)
 
 Only the pure names are re-exported here, so `import tiles` never imports torch.

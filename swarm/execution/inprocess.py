@@ -125,7 +125,7 @@ class InProcessRunner:
         self.grid, self.sync, self.stages, self.log = grid, sync, stages, log
 
     def __call__(self, trainer, train_set, start: int, total: int, report) -> None:
-        from planner.simple import simple_plan
+        from planner.baselines import simple_plan
         from swarm.execution.launch import describe_plan
 
         cfg = trainer.cfg

@@ -19,7 +19,7 @@ from swarm.errors import SwarmError
 from swarm.execution.coordinator import StepReport, TrainingCoordinator
 from swarm.execution.train_job import CHANNEL, WireEndpoint, job_spec_dict
 from planner.fit import describe as describe_overflows, memory_overflows
-from planner.simple import simple_plan
+from planner.baselines import simple_plan
 from swarm.execution.worker import COORDINATOR, JobSpec
 from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.net import ConnectionLost
@@ -234,7 +234,7 @@ class SwarmRunner:
             from planner.inputs import PlanInputs
             from planner.memory import MemoryModel
             from planner.planners import make_plan
-            from swarm.commands.plan_cmd import cluster_from_live
+            from swarm.profiling.survey import cluster_from_live
 
             try:
                 cluster = cluster_from_live(measured, desc)

@@ -1,7 +1,7 @@
 """In-process tiled training: the local trainer, with the tileable front of the network run as a grid of tiles.
 
 The tiles stage is layers [0, last) for the longest tileable prefix (tiles.layout.tileable_prefix);
-its tiles run one after another in this process (tiles.stage.InProcessStage) and the rest
+its tiles run one after another in this process (tiles.whole_stage.InProcessStage) and the rest
 of the network, the loss, the optimizer, the data order and the checkpoints are the local
 trainer's. The result equals `--strategy local` up to floating-point reordering.
 """
@@ -15,7 +15,7 @@ from swarm.local.trainer import LocalTrainer, TrainConfig
 from tiles.grouping import Grouping, parse_grid
 from tiles.layout import tileable_prefix
 from tiles.regions import TilingError
-from tiles.stage import InProcessStage
+from tiles.whole_stage import InProcessStage
 
 
 class TiledTrainer(LocalTrainer):

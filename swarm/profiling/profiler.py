@@ -7,7 +7,7 @@ local steps — cached per (device fingerprint, model, image size) in the state 
 
 For the live swarm, `run_profile_job` is the agents' job kind "profile" and
 `profile_devices` runs it on every agent; pairwise bandwidth comes from
-swarm.profiling.bandwidth.measure_bandwidth (see swarm/commands/plan_cmd.py).
+swarm.profiling.bandwidth.measure_bandwidth; swarm/profiling/survey.py puts them together.
 """
 from __future__ import annotations
 
@@ -433,7 +433,7 @@ def _time_tiles_overhead(net, desc, batch: int, repeats: int, now) -> float:
 
     from tiles.grouping import Grouping
     from tiles.layout import tileable_prefix
-    from tiles.stage import InProcessStage
+    from tiles.whole_stage import InProcessStage
 
     n = tileable_prefix(desc)
     if n == 0:

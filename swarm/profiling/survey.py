@@ -1,0 +1,75 @@
+"""The planner's picture of the live swarm: find the agents, profile each (a job on every
+agent, cached there), measure every link, and turn what was found into a planner Cluster.
+
+    live = await gather_live(credentials, network, peers, spec, wait=2.0)
+    cluster = cluster_from_live(live, desc)       # planner.cluster.Cluster, plain data
+"""
+from __future__ import annotations
+
+from swarm.errors import SwarmError
+
+
+async def gather_live(credentials, network, peers, spec: dict, wait: float, say=lambda text: None,
+                      discover: bool = True):
+    """Discover the swarm, profile every alive device, measure every pair (None: nobody there);
+    `say` hears what is going on."""
+    import trio
+
+    from swarm.profiling.bandwidth import measure_bandwidth
+    from swarm.cluster import open_roster
+    from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
+    from swarm.profiling.profiler import profile_devices
+
+    # profiling keeps each device busy: as tolerant of a late heartbeat as training is
+    async with open_roster(credentials, network, peers=peers, discover=discover, suspect_after=BUSY_SUSPECT_AFTER,
+                            probe_timeout=BUSY_PROBE_TIMEOUT) as cluster:
+        await trio.sleep(wait)
+        devices = cluster.alive()
+        if not devices:
+            return None
+        say(f"found {len(devices)} device(s): {', '.join(d.name for d in devices)}; profiling each (cached there "
+            "after the first time) and measuring the links")
+        ids = [d.node_id for d in devices]
+        profiles = await profile_devices(cluster, ids, spec)
+        links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
+        return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
+
+
+def _end_cost(node: str, links: dict, key: str) -> float:
+    """A device's cost `key` (comm_s_per_byte, msg_s), as its end of the link measurements
+    found it."""
+    for (a, b), r in links.items():
+        ends = r.get(key) or {}
+        if node in (a, b) and ends:
+            return float(ends["from"] if node == a else ends["to"])
+    return 0.0
+
+
+def cluster_from_live(live: dict, desc):
+    """A planner Cluster from what gather_live found: each device's measured costs, its memory
+    less the runtime's, its time per byte and per message moved, the measured pairwise
+    rates, and half the median round trip of an empty message."""
+    import statistics
+
+    from planner.cluster import Cluster, Device, bandwidth_matrix
+    from planner.memory import JOB_BYTES
+    from planner.profile import ProfileError
+
+    names, devices = {}, []
+    for d in live["devices"]:
+        profile = live["profiles"][d["node_id"]]
+        try:
+            profile.check_matches(desc)
+        except ProfileError as exc:
+            raise SwarmError(str(exc)) from None
+        name = d["name"] if d["name"] not in names.values() else f"{d['name']}@{d['address']}"
+        names[d["node_id"]] = name
+        budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes - JOB_BYTES)
+        devices.append(Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]},
+                              comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
+                              msg_s=_end_cost(d["node_id"], live["links"], "msg_s")))
+    rates = {(names[a], names[b]): r["bytes_per_second"] for (a, b), r in live["links"].items()}
+    order = [dev.name for dev in devices]
+    bw = bandwidth_matrix(order, rates) if len(order) > 1 else [[float("inf")]]
+    latency = statistics.median(r["latency"] for r in live["links"].values()) / 2 if live["links"] else 0.0
+    return Cluster(devices, bw, latency, None, "swarm")
