@@ -28,8 +28,8 @@ def child(args) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from swarm.host import malloc
     from swarm.data import make_batch, open_datasets, step_indices
+    from swarm.host import malloc
     from swarm.local.trainer import LocalTrainer, TrainConfig
 
     malloc.tune()  # as `swarm train` does

@@ -28,10 +28,10 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8)
     args = p.parse_args()
 
+    from planner.baselines import simple_plan
     from swarm.data import open_datasets
     from swarm.execution import endpoint
     from swarm.execution.inprocess import train_plan_in_process
-    from planner.baselines import simple_plan
     from swarm.local.trainer import LocalTrainer, TrainConfig
 
     counts: collections.Counter = collections.Counter()

@@ -31,8 +31,8 @@ def child(args) -> None:
     import torch
 
     from swarm.data import make_batch, open_datasets, step_indices
-    from swarm.profiling.profiler import OPTIMIZER_COPIES, _PeakRSS, settled_rss
     from swarm.local.trainer import LocalTrainer, TrainConfig
+    from swarm.profiling.profiler import OPTIMIZER_COPIES, _PeakRSS, settled_rss
 
     torch.set_num_threads(args.threads)
     data, _ = open_datasets(None, args.img, 3)

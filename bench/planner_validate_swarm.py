@@ -34,9 +34,9 @@ async def survey(spec: dict, wait: float):
     """What `swarm plan` finds on the live swarm: the devices, each one's profile (measured by
     its agent under its own limits, cached there), and every link."""
     from swarm.agent import DEFAULT_PORT
-    from swarm.profiling.survey import gather_live
-    from swarm.net import Credentials, parse_peers, resolve_network
     from swarm.host.state import default_state_dir, find_token, process_id
+    from swarm.net import Credentials, parse_peers, resolve_network
+    from swarm.profiling.survey import gather_live
 
     state = default_state_dir()
     token, _ = find_token(None, state, create=False)
@@ -107,9 +107,9 @@ def run_round(args, work: Path, fresh: bool, errors: dict) -> None:
     from planner.memory import MemoryModel
     from planner.planners import make_plan
     from planner.report import table
-    from swarm.profiling.survey import cluster_from_live
     from swarm.errors import run_trio
     from swarm.profiling.profiler import read_profile
+    from swarm.profiling.survey import cluster_from_live
     from swarm.zoo import describe_model
 
     desc = describe_model(args.model, args.img_size)

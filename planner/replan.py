@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.model_desc import ModelDesc
 from planner.backups import backup_holders
-from planner.plan import Plan, PlanError, Stage, most_replicas
-from planner.fit import describe as describe_overflows, memory_overflows
 from planner.baselines import simple_plan, square_grid
+from planner.fit import describe as describe_overflows
+from planner.fit import memory_overflows
+from planner.model_desc import ModelDesc
+from planner.plan import Plan, PlanError, Stage, most_replicas
 
 
 def stage_flops(desc: ModelDesc, first: int, last: int) -> float:

@@ -5,8 +5,8 @@ import argparse
 import sys
 
 from swarm import __version__
-from swarm.host import malloc
 from swarm.errors import SwarmError
+from swarm.host import malloc
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> exit status.
 COMMANDS = ("train", "eval", "join", "status", "token", "testbed", "plan", "profile", "service")

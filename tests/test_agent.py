@@ -11,9 +11,9 @@ import pytest
 import trio
 
 from swarm.agent import Agent, AgentConfig, JobContext, register_job_kind
-from swarm.profiling.bandwidth import measure_bandwidth
 from swarm.cluster import JobError, open_roster
 from swarm.net import Credentials, connect_peer, resolve_network
+from swarm.profiling.bandwidth import measure_bandwidth
 from swarm.wire import PROTOCOL_VERSION, JobData, Ping, Pong
 from swarm.wire.frames import LENGTH
 

@@ -12,9 +12,9 @@ import time
 import pytest
 import trio
 
-from swarm.service.notify import Notifier, feed_watchdog, notify_address, watchdog_period
-from swarm.net.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
 from swarm.net import resolve_network
+from swarm.net.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
+from swarm.service.notify import Notifier, feed_watchdog, notify_address, watchdog_period
 from tests.conftest import ROOT
 
 

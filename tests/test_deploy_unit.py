@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from swarm.service import unit as su
 from swarm.commands.service_cmd import CONFIG_HEADER
 from swarm.host.config import JoinSettings, render_settings
+from swarm.service import unit as su
 from tests.conftest import ROOT, run_swarm
 
 ANALYZE = shutil.which("systemd-analyze")

@@ -11,9 +11,9 @@ import time
 import pytest
 import trio
 
-from swarm.net.discovery import Advert, DeviceGone, DeviceSeen, advertise, browse, open_zeroconf
 from swarm.errors import SwarmError
 from swarm.net import parse_peers, resolve_network
+from swarm.net.discovery import Advert, DeviceGone, DeviceSeen, advertise, browse, open_zeroconf
 from swarm.net.interfaces import default_route_interface
 
 

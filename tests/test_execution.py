@@ -192,8 +192,8 @@ def test_full_yolov2_tiles_front_then_pipeline():
 
 
 def test_strategy_mistakes_are_plan_errors():
-    from planner.plan import PlanError
     from planner.baselines import simple_plan
+    from planner.plan import PlanError
     from swarm.zoo import describe_model
 
     desc = describe_model("yolov2-16", 64, classes=5)

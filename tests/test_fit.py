@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from planner.plan import PlanError
-from swarm.errors import SwarmError
-from planner.fit import RUNTIME_FLOOR, describe, memory_overflows
 from planner.backups import backup_holders
-from planner.replan import replan
 from planner.baselines import simple_plan
+from planner.fit import RUNTIME_FLOOR, describe, memory_overflows
+from planner.plan import PlanError
+from planner.replan import replan
+from swarm.errors import SwarmError
 from swarm.execution.launch import SwarmOptions, SwarmRunner
 from swarm.local.trainer import TrainConfig
 from swarm.zoo import describe_model

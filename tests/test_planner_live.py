@@ -9,10 +9,10 @@ from planner.inputs import PlanInputs
 from planner.memory import JOB_BYTES, MemoryModel
 from planner.planners import make_plan
 from swarm.agent import Agent, AgentConfig, register_job_kind
-from swarm.profiling.survey import cluster_from_live, gather_live
 from swarm.host.resources import cpu_quota
 from swarm.net import Credentials, resolve_network
 from swarm.profiling.profiler import PROFILE_JOB, run_profile_job
+from swarm.profiling.survey import cluster_from_live, gather_live
 from swarm.zoo import describe_model
 
 pytestmark = pytest.mark.trio

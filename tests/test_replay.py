@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from planner.backups import backup_holders
+from planner.baselines import simple_plan
 from planner.plan import Plan, Stage
+from planner.replan import lightweight, replan
 from swarm.data import make_batch, open_datasets, step_indices
 from swarm.execution.inprocess import train_plan_in_process
-from planner.backups import backup_holders
-from planner.replan import lightweight, replan
-from planner.baselines import simple_plan
 from swarm.local.trainer import LocalTrainer, TrainConfig
 from swarm.zoo import describe_model
 

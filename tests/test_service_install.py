@@ -10,8 +10,8 @@ from argparse import Namespace
 import pytest
 
 from swarm.commands.join_cmd import agent_config
-from swarm.host.config import JoinSettings, apply_settings, parse_settings, read_settings, render_settings
 from swarm.errors import SwarmError
+from swarm.host.config import JoinSettings, apply_settings, parse_settings, read_settings, render_settings
 from swarm.service.unit import memory_limits, unit_text
 from tests.conftest import run_swarm
 

@@ -66,9 +66,9 @@ class TestNamespaceTestbed:
     def test_links_are_capped(self, bed):
         import trio
 
-        from swarm.profiling.bandwidth import measure_bandwidth
         from swarm.cluster import open_roster
         from swarm.net import Credentials, resolve_network
+        from swarm.profiling.bandwidth import measure_bandwidth
 
         async def measure():
             token = Path(bed.token_file).read_text().strip()

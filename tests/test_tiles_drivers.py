@@ -16,13 +16,13 @@ import torch
 
 from swarm.zoo import build_model
 from tests.tiles_helpers import rel_diff
-from tiles.requests import ChannelSums, HaloExchange
 from tiles.driver import run_lockstep
 from tiles.executor import TileWorker
 from tiles.grouping import Grouping
 from tiles.layout import build_layout
 from tiles.ops import crop
 from tiles.regions import LayerGeometry, Rect
+from tiles.requests import ChannelSums, HaloExchange
 
 
 def run_devices(gens: dict[int, object], devices: list[list[int]]) -> dict[int, object]:

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from swarm.local.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 from swarm.errors import SwarmError
+from swarm.local.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 from swarm.local.trainer import TrainConfig, train
 
 NO_BN_CFG = """[net]

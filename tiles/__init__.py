@@ -17,12 +17,12 @@ Torch modules:
 
 Only the pure names are re-exported here, so `import tiles` never imports torch.
 """
-from tiles.requests import ChannelSums, HaloExchange
 from tiles.cost import GroupingChoice, StageCost, TileCost, choose_grouping, stage_cost
 from tiles.driver import run_lockstep
 from tiles.grouping import Grouping, parse_grid
 from tiles.layout import StageLayout, TileRegions, Transfer, build_layout, tileable_prefix
 from tiles.regions import LayerGeometry, Padding, Rect, Span, TilingError
+from tiles.requests import ChannelSums, HaloExchange
 
 __all__ = [
     "ChannelSums", "Grouping", "GroupingChoice", "HaloExchange", "LayerGeometry", "Padding", "Rect", "Span",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 
-from tiles.requests import ChannelSums, HaloExchange
 from tiles.regions import TilingError
+from tiles.requests import ChannelSums, HaloExchange
 
 
 def run_lockstep(gens: Sequence[Generator]) -> list:

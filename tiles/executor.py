@@ -47,9 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiles import ops
-from tiles.requests import ChannelSums, HaloExchange
 from tiles.layout import StageLayout
 from tiles.regions import LayerGeometry, Rect, TilingError
+from tiles.requests import ChannelSums, HaloExchange
 
 
 @dataclass

@@ -24,12 +24,12 @@ from typing import Callable
 import trio
 
 from swarm import __version__
+from swarm.agent.jobs import JobContext, job_runner
 from swarm.host import malloc
 from swarm.host.accelerator import accelerator
-from swarm.agent.jobs import JobContext, job_runner
-from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.limits import EARLY_AGE, EARLY_BYTES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX
 from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection, connect_peer, parse_endpoint
+from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.net.peer import serve_peers
 from swarm.net.ratelimit import LogLimiter
 from swarm.wire import (PROTOCOL_VERSION, Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobStart, JobState,

@@ -20,11 +20,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import trio
 
 from swarm.cluster.members import Member
-from swarm.cluster.remote_job import CoordinatorJob
-from swarm.net.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
 from swarm.cluster.membership import Membership, MembershipEvent
+from swarm.cluster.remote_job import CoordinatorJob
 from swarm.net import (ConnectionLost, Credentials, HandshakeFailed, NetworkChoice, PeerUnavailable, connect_peer,
                        parse_endpoint)
+from swarm.net.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
 from swarm.wire import Heartbeat, Info, InfoRequest, JobState, Ping, Pong, RemoteProtocolError, Watch
 
 log = logging.getLogger("swarm.cluster")

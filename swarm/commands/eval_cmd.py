@@ -16,9 +16,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.local.checkpoint import load_checkpoint
     from swarm.data import open_datasets
     from swarm.errors import SwarmError
+    from swarm.local.checkpoint import load_checkpoint
     from swarm.local.evaluate import evaluate
     from swarm.local.trainer import set_threads
     from swarm.zoo import build_model

@@ -39,8 +39,8 @@ def agent_config(args):
     """The AgentConfig the flags ask for; SwarmError for anything the user must fix."""
     from swarm.agent import DEFAULT_PORT, AgentConfig
     from swarm.host.config import apply_settings, config_path, read_settings
-    from swarm.net import parse_peers, resolve_network
     from swarm.host.state import ensure_state_dir, find_token, node_id, state_dir_from
+    from swarm.net import parse_peers, resolve_network
 
     apply_settings(args, read_settings(config_path(args.config)))
     state_dir = ensure_state_dir(state_dir_from(args.state_dir))

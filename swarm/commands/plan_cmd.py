@@ -76,8 +76,8 @@ class LocalProfiles:
         self.profile = None  # this machine's, once used
 
     def local(self):
-        from swarm.profiling.profiler import load_or_profile
         from swarm.host.state import state_dir_from
+        from swarm.profiling.profiler import load_or_profile
 
         if self.profile is None:
             profile, cached, path = load_or_profile(self.args.model, self.desc.img_size, self.classes,
@@ -162,9 +162,9 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
 
     from swarm.agent import DEFAULT_PORT
     from swarm.errors import run_trio
-    from swarm.profiling.survey import cluster_from_live, gather_live
-    from swarm.net import Credentials, parse_peers, resolve_network
     from swarm.host.state import NoToken, find_token, process_id, state_dir_from
+    from swarm.net import Credentials, parse_peers, resolve_network
+    from swarm.profiling.survey import cluster_from_live, gather_live
 
     state_dir = state_dir_from(args.state_dir)
     try:

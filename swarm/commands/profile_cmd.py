@@ -41,8 +41,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from swarm.profiling.profiler import DEFAULT_BATCH_SIZES, DEFAULT_REPEATS, load_or_profile, write_profile
     from swarm.host.state import state_dir_from
+    from swarm.profiling.profiler import DEFAULT_BATCH_SIZES, DEFAULT_REPEATS, load_or_profile, write_profile
 
     log = lambda text: print(f"profiling: {text}", file=sys.stderr, flush=True)  # noqa: E731
     profile, _, path = load_or_profile(args.model, args.img_size, args.classes, state_dir_from(args.state_dir),

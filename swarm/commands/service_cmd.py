@@ -153,10 +153,10 @@ def run(args) -> int:
 # -- install ----------------------------------------------------------------------------
 
 def install_steps(args, target: Target) -> tuple[list[Step], list[str]]:
-    from swarm.service import unit as su
     from swarm.agent import DEFAULT_PORT
     from swarm.host.config import JoinSettings, merged, read_settings, render_settings
     from swarm.host.state import read_token_file
+    from swarm.service import unit as su
 
     user = args.user or su.DEFAULT_USER
     if args.user and args.user != su.DEFAULT_USER and not target.user_exists(args.user):

@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from swarm.agent import DEFAULT_PORT
     from swarm.errors import SwarmError
-    from swarm.net import Credentials, parse_peers, resolve_network
     from swarm.host.state import find_token, process_id, state_dir_from
+    from swarm.net import Credentials, parse_peers, resolve_network
 
     if args.wait < 0 or args.heartbeat <= 0:
         raise SwarmError("--wait must not be negative and --heartbeat must be positive")

@@ -7,6 +7,7 @@ import math
 import torch
 import trio
 
+from swarm.execution import channels
 from swarm.execution.endpoint import Endpoint
 
 
@@ -23,9 +24,9 @@ async def allgather(ep: Endpoint, group: list[str], key: tuple, arrays: list[tor
     dist, r = 1, 0
     while dist < n:
         count = min(dist, n - dist)
-        await ep.send(group[(me - dist) % n], ("gather", *key, r, me),
+        await ep.send(group[(me - dist) % n], channels.gather(key, r, me),
                       {"arrays": [a for block in held[:count] for a in block]})
-        got = (await ep.mailbox.get(("gather", *key, r, (me + dist) % n), timeout))["arrays"]
+        got = (await ep.mailbox.get(channels.gather(key, r, (me + dist) % n), timeout))["arrays"]
         if len(got) != count * size:
             raise ValueError(f"gather {key}: member {group[(me + dist) % n]} sent {len(got)} arrays, "
                              f"expected {count * size}")
@@ -50,8 +51,8 @@ async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.
 
     async def exchange(phase: str, k: int, send_idx: int, recv_idx: int, add: bool) -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ep.send, nxt, ("ring", *key, phase, k, me), {"arrays": [chunks[send_idx]]})
-            got = (await ep.mailbox.get(("ring", *key, phase, k, (me - 1) % n), timeout))["arrays"][0]
+            nursery.start_soon(ep.send, nxt, channels.ring(key, phase, k, me), {"arrays": [chunks[send_idx]]})
+            got = (await ep.mailbox.get(channels.ring(key, phase, k, (me - 1) % n), timeout))["arrays"][0]
         if add:
             chunks[recv_idx].add_(got)
         else:

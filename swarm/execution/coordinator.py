@@ -9,8 +9,7 @@ Devices are reached through a `control` (the swarm's cluster, or devices in this
     lost = await control.next_loss()                    # names of devices that died or failed
     control.alive()                                     # names of the devices that answer now
 
-Messages it receives: ("ready", step, device), ("backup_ready", step, device) and
-("state", step, stage, device).
+What it sends and receives, and the keys, are in channels.py.
 """
 from __future__ import annotations
 
@@ -22,15 +21,17 @@ import numpy as np
 import torch
 import trio
 
-from planner.plan import Plan, PlanError
-from swarm.data import class_targets, make_batch, microbatch_bounds, step_indices
-from swarm.errors import SwarmError
-from swarm.execution.blocks import cut
 from planner.backups import Move, backup_holders, holdings, layer_sources
+from planner.plan import Plan, PlanError
 from planner.replan import replan
 from planner.routing import Block, Layout, runs, stage_parts
+from swarm.data import class_targets, make_batch, microbatch_bounds, step_indices
+from swarm.errors import SwarmError
+from swarm.execution import channels
+from swarm.execution.blocks import cut
+from swarm.execution.channels import COORDINATOR
 from swarm.execution.halos import TileGeometry
-from swarm.execution.worker import COORDINATOR, JobSpec
+from swarm.execution.worker import JobSpec
 from swarm.local.trainer import LocalTrainer, set_lr
 
 # With backups by time (JobSpec.backup_interval 0), the share of the time backups may keep the
@@ -147,7 +148,7 @@ class TrainingCoordinator:
             for m in own:
                 wanted = set(m.layers)
                 piece = {k: v for k, v in states.items() if int(k.split("|")[0].split(".")[1]) in wanted}
-                await self.ep.send(m.dst, ("layers", m.stage, COORDINATOR), {"states": piece})
+                await self.ep.send(m.dst, channels.layers(m.stage, COORDINATOR), {"states": piece})
 
     def _own_states(self) -> dict[str, torch.Tensor]:
         states = {k: v.detach().clone() for k, v in self.trainer.net.state_dict().items()}
@@ -181,12 +182,12 @@ class TrainingCoordinator:
                 if not runs(self.plan, holding.part, m):
                     continue
                 block = cut(images[lo:hi], whole, holding.block).contiguous()
-                await self.ep.send(holding.part.device, ("feed", step, holding.part.index, m), {"arrays": [block]})
+                await self.ep.send(holding.part.device, channels.feed(step, holding.part.index, m), {"arrays": [block]})
             for holding in self.layout.outputs(last, mb):
                 if not runs(self.plan, holding.part, m):
                     continue
                 s0, s1 = holding.block.samples
-                await self.ep.send(holding.part.device, ("tgt", step, holding.part.index, m),
+                await self.ep.send(holding.part.device, channels.targets(step, holding.part.index, m),
                                    {"arrays": [targets[lo + s0:lo + s1].contiguous()]})
 
     # ---- the run -----------------------------------------------------------------------
@@ -237,7 +238,7 @@ class TrainingCoordinator:
             pending = self.pool.submit(self.load_batch, step + 1) if step + 1 < total_steps else None
             loss, busy, times = 0.0, {}, {}
             for device in self.plan.used_devices():
-                report = await self.get(("ready", step, device))
+                report = await self.get(channels.ready(step, device))
                 loss += report["loss"]
                 busy[device] = report["busy_s"]
                 times[device] = report.get("times", {})
@@ -248,7 +249,7 @@ class TrainingCoordinator:
             checkpoint = is_last or bool(self.checkpoint_every and (step + 1) % self.checkpoint_every == 0)
             backup = not is_last and self._backup_due(step + 1)
             for device in self.plan.used_devices():
-                await self.ep.send(device, ("decide", step), {"commit": True, "last": is_last,
+                await self.ep.send(device, channels.decide(step), {"commit": True, "last": is_last,
                                                               "checkpoint": checkpoint, "backup": backup})
             self.committed = step + 1
             if self.committed > self.furthest:
@@ -275,7 +276,7 @@ class TrainingCoordinator:
                 await self.take_in_joined()
         if step >= total_steps or self.stopped_early:
             for device in self.plan.used_devices():
-                await self.ep.send(device, ("stop",), {})
+                await self.ep.send(device, channels.stop(), {})
 
     def _backup_due(self, committed: int) -> bool:
         """Back up after this commit? Every `backup_interval` steps, or (0) by time: when no
@@ -291,7 +292,7 @@ class TrainingCoordinator:
             waiting = self.pending_backups[step]
             for device in list(waiting):
                 try:
-                    self.ep.mailbox.get_nowait(("backup_ready", step, device))
+                    self.ep.mailbox.get_nowait(channels.backup_ready(step, device))
                     waiting.discard(device)
                 except KeyError:
                     pass
@@ -305,7 +306,7 @@ class TrainingCoordinator:
                     self.backup_step = step
                     self.backup_holdings = holdings(self.plan)
                 for device in self.plan.used_devices():
-                    await self.ep.send(device, ("forget", step), {})
+                    await self.ep.send(device, channels.forget(step), {})
 
     async def collect(self) -> None:
         """Fetch every stage's weights and optimizer state (sent by the first device of each
@@ -313,7 +314,7 @@ class TrainingCoordinator:
         states: dict[str, torch.Tensor] = {}
         for p in range(len(self.plan.stages)):
             device = stage_parts(self.plan, p)[0].device
-            msg = await self.get(("state", self.committed, p, device))
+            msg = await self.get(channels.state(self.committed, p, device))
             states.update(msg["states"])
 
         def load() -> None:  # in a thread: a big model takes a while, and heartbeats must go on

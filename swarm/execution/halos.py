@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
-from tiles.requests import ChannelSums
+from swarm.execution import channels
 from tiles.grouping import Grouping
 from tiles.layout import StageLayout, build_layout
 from tiles.regions import LayerGeometry, Rect, TilingError
+from tiles.requests import ChannelSums
 
 
 def stage_layout(plan: Plan, desc: ModelDesc, p: int) -> StageLayout:
@@ -93,7 +94,7 @@ class DeviceTiles:
                 for k in live[1:]:
                     local += requests[k].values
                 if len(self.group) > 1:
-                    parts = await allgather(w.ep, self.group, ("tsum", self.step, self.p, *key), [local],
+                    parts = await allgather(w.ep, self.group, channels.tile_sums(self.step, self.p, key), [local],
                                             w.job.timeout_s)
                     local = parts[0][0].clone()
                     for part in parts[1:]:
@@ -107,7 +108,7 @@ class DeviceTiles:
                     if where == me:
                         mail[(k, dst, rect)] = tensor
                     else:
-                        await w.ep.send(where, ("halo", self.step, self.p, *key, k, dst, *_coords(rect)),
+                        await w.ep.send(where, channels.halo(self.step, self.p, key, k, dst, _coords(rect)),
                                         {"arrays": [tensor.contiguous()]})
             answers = {}
             for k in live:
@@ -116,7 +117,7 @@ class DeviceTiles:
                     if self.tile_devices[src] == me:
                         got.append(mail.pop((src, k, rect)))
                     else:
-                        msg = await w.ep.mailbox.get(("halo", self.step, self.p, *key, src, k, *_coords(rect)),
+                        msg = await w.ep.mailbox.get(channels.halo(self.step, self.p, key, src, k, _coords(rect)),
                                                      w.job.timeout_s)
                         got.append(msg["arrays"][0])
                 answers[k] = got

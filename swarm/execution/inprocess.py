@@ -11,10 +11,11 @@ import math
 import trio
 
 from planner.plan import Plan
+from swarm.execution.channels import COORDINATOR
 from swarm.execution.coordinator import TrainingCoordinator
 from swarm.execution.endpoint import LocalNetwork
 from swarm.execution.replay import DeviceStore
-from swarm.execution.worker import COORDINATOR, DeviceWorker, JobSpec
+from swarm.execution.worker import DeviceWorker, JobSpec
 from swarm.local.trainer import LocalTrainer
 
 

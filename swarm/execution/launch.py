@@ -14,14 +14,16 @@ from dataclasses import dataclass
 
 import trio
 
+from planner.baselines import simple_plan
+from planner.fit import describe as describe_overflows
+from planner.fit import memory_overflows
 from planner.plan import Plan, PlanError
+from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.errors import SwarmError
+from swarm.execution.channels import COORDINATOR, LINK
 from swarm.execution.coordinator import StepReport, TrainingCoordinator
 from swarm.execution.train_job import CHANNEL, WireEndpoint, job_spec_dict
-from planner.fit import describe as describe_overflows, memory_overflows
-from planner.baselines import simple_plan
-from swarm.execution.worker import COORDINATOR, JobSpec
-from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
+from swarm.execution.worker import JobSpec
 from swarm.net import ConnectionLost
 
 # After a stop signal, how long the step under way may take to commit, and then its weights to
@@ -116,8 +118,8 @@ class SwarmRunner:
     async def _discover_and_run(self, trainer, train_set, start: int, total: int, report) -> bool:
         from swarm.agent import DEFAULT_PORT
         from swarm.cluster import open_roster
-        from swarm.net import Credentials, parse_peers, resolve_network
         from swarm.host.state import find_token, process_id, state_dir_from
+        from swarm.net import Credentials, parse_peers, resolve_network
 
         o = self.options
         state_dir = state_dir_from(o.state_dir)
@@ -444,7 +446,7 @@ class RosterControl:
                 self.log(f"{reporter} lost its link to {far} ({payload.get('reason', '?')})")
                 self._lose({far}, epoch)
 
-        endpoint = WireEndpoint(COORDINATOR, node_of, send_to, routes={"link": link_broke})
+        endpoint = WireEndpoint(COORDINATOR, node_of, send_to, routes={LINK: link_broke})
         lost, why, conns = set(), {}, {}
         for n in used:  # a device that refuses or cannot be reached counts as lost
             try:

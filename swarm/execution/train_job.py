@@ -15,13 +15,15 @@ import numpy as np
 import torch
 import trio
 
+from planner.backups import Move
 from planner.plan import Plan
-from swarm.host import malloc
+from swarm.execution import channels
+from swarm.execution.channels import COORDINATOR
 from swarm.execution.links import LINK_ERRORS, RunLinks
 from swarm.execution.mailbox import Closed, Mailbox
-from planner.backups import Move
 from swarm.execution.replay import DeviceStore
-from swarm.execution.worker import COORDINATOR, DeviceWorker, JobSpec
+from swarm.execution.worker import DeviceWorker, JobSpec
+from swarm.host import malloc
 from swarm.local.trainer import TrainConfig
 
 CHANNEL = "x"
@@ -133,7 +135,7 @@ async def run_train_job(ctx) -> dict:
     coordinator_lost = False
 
     async def report(name: str, why: str) -> None:
-        await endpoint.send(COORDINATOR, ("link", me, name), {"reason": why})
+        await endpoint.send(COORDINATOR, channels.link(me, name), {"reason": why})
 
     links = RunLinks(devices, ctx.connect, report)
 

@@ -9,21 +9,7 @@ coordinator names in its decisions it snapshots its own layers and sends the lay
 single-device stages to their backup holders (DeviceStore), so that after a death the
 survivors can roll back to that step and replay.
 
-Messages a worker receives (keys; see also coordinator.py):
-    ("layers", stage, src)                   layer states for a stage, from device src (a move)
-    ("backup", step, stage, i)               piece i of another device's stage at a backup step, to hold
-    ("forget", step)                         the backup at `step` is complete: drop older ones
-    ("feed", step, part, m)                  uint8 image block for a first-stage part
-    ("tgt", step, part, m)                   targets for a last-stage part
-    ("act", step, stage, part, m, t, src)    activation block of tensor t from part src of stage-1
-    ("grad", step, stage, part, m, t, src)   gradient block of tensor t from part src of stage+1
-    ("decide", step)                         {"commit", "last", "checkpoint", "backup": bool}
-    ("bnstats", step, stage, replica)        BatchNorm batch statistics of another replica's micro-batches
-    ("stop",)
-and sends ("ready", step, device) {"loss", "busy_s", "times"} when its share of a step is
-done and its gradients are reduced, ("backup_ready", step, device) when its snapshot and the
-backups it holds for `step` are in place, and ("state", stage, device) with a stage's weights
-and optimizer state when a decision asks for a checkpoint (the first device of each stage).
+What it receives and sends, and the keys, are in channels.py.
 """
 from __future__ import annotations
 
@@ -39,7 +25,9 @@ from planner.plan import Plan
 from planner.schedule import stage_schedule
 from swarm.host import malloc
 from swarm.data import microbatch_bounds, sample_keys
+from swarm.execution import channels
 from swarm.execution.blocks import assemble, cut, map_shape
+from swarm.execution.channels import COORDINATOR
 from swarm.execution.collectives import allgather
 from swarm.execution.reduce import GradReducer
 from planner.backups import holdings
@@ -50,9 +38,6 @@ from swarm.execution.stage import StageCopy
 from swarm.execution.threads import ComputeLock, call_in_loop
 from swarm.execution.halos import DeviceTiles, TileGeometry
 from swarm.local.trainer import TrainConfig
-
-COORDINATOR = "coordinator"
-
 
 @dataclass
 class JobSpec:
@@ -115,7 +100,7 @@ class DeviceWorker:
         group = self.group_of(p)
 
         def exchange(tag: str, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-            key = ("bn", step, p, m, layer, tag)
+            key = channels.bn(step, p, m, layer, tag)
             with self.compute_lock.released():
                 return call_in_loop(allgather, self.ep, group, key, tensors, self.job.timeout_s, token=self.token)
         return exchange
@@ -138,7 +123,7 @@ class DeviceWorker:
             await self.back_up(step)
             while not await self.run_step(step):
                 step += 1
-            await self.get(("stop",))
+            await self.get(channels.stop())
             nursery.cancel_scope.cancel()
 
     async def restore(self) -> None:
@@ -155,7 +140,7 @@ class DeviceWorker:
 
     async def _push(self, move) -> None:
         states = self.store.states_at(move.step, move.layers)
-        await self.ep.send(move.dst, ("layers", move.stage, self.device), {"states": states})
+        await self.ep.send(move.dst, channels.layers(move.stage, self.device), {"states": states})
 
     async def _build_stage(self, p: int, start: int) -> None:
         copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
@@ -167,7 +152,7 @@ class DeviceWorker:
             if move.src == self.device:
                 states.update(self.store.states_at(move.step, move.layers))
             else:
-                states.update((await self.get(("layers", p, move.src)))["states"])
+                states.update((await self.get(channels.layers(p, move.src)))["states"])
         await trio.to_thread.run_sync(copy.load_states, states)
         self.copies[p] = copy
         if copy.stage.mode == "tiles":
@@ -191,19 +176,19 @@ class DeviceWorker:
     async def _send_backup(self, holder: str, step: int, p: int, states: dict) -> None:
         pieces = cut_states(states)
         for i, piece in enumerate(pieces):
-            await self.ep.send(holder, ("backup", step, p, i), {"piece": piece, "pieces": len(pieces)})
+            await self.ep.send(holder, channels.backup(step, p, i), {"piece": piece, "pieces": len(pieces)})
 
     async def _hold_backups(self, step: int, stages: list[int]) -> None:
         for p in stages:
             assembly = Assembly()
-            first = await self.get(("backup", step, p, 0))
+            first = await self.get(channels.backup(step, p, 0))
             count = first["pieces"]
             assembly.add(first.pop("piece"))
             for i in range(1, count):
-                assembly.add((await self.get(("backup", step, p, i)))["piece"])
+                assembly.add((await self.get(channels.backup(step, p, i)))["piece"])
             self.store.hold(step, assembly.states())
-        await self.ep.send(COORDINATOR, ("backup_ready", step, self.device), {})
-        forget = await self.ep.mailbox.get(("forget", step), math.inf)
+        await self.ep.send(COORDINATOR, channels.backup_ready(step, self.device), {})
+        forget = await self.ep.mailbox.get(channels.forget(step), math.inf)
         del forget
         self.store.forget_before(step)
         self.store.keep_only(step, holdings(self.plan).get(self.device, set()))
@@ -251,9 +236,9 @@ class DeviceWorker:
                  "reducing_s": sum(r.seconds for r in self.reducers.values()),
                  "compute_cpu_s": self.compute_cpu_s, "cpu_s": time.process_time() - cpu0,
                  **{f"wait_{k}_s": v for k, v in self.ep.mailbox.waited.items()}}
-        await self.ep.send(COORDINATOR, ("ready", step, self.device),
+        await self.ep.send(COORDINATOR, channels.ready(step, self.device),
                            {"loss": float(sum(losses)), "busy_s": self.busy_s, "times": times})
-        decision = await self.get(("decide", step))
+        decision = await self.get(channels.decide(step))
         for copy in self.copies.values():
             if decision["commit"]:
                 copy.apply_step(step)
@@ -264,7 +249,7 @@ class DeviceWorker:
             for p, copy in self.copies.items():
                 if stage_parts(self.plan, p)[0].device == self.device:
                     states = await trio.to_thread.run_sync(copy.states)
-                    await self.ep.send(COORDINATOR, ("state", committed, p, self.device), {"states": states})
+                    await self.ep.send(COORDINATOR, channels.state(committed, p, self.device), {"states": states})
         if decision["commit"] and decision.get("backup"):
             await self.back_up(committed)
         return bool(decision.get("last"))
@@ -272,7 +257,7 @@ class DeviceWorker:
     def make_reducer(self, step: int, p: int, nursery) -> GradReducer:
         copy = self.copies[p]
         parts = len([part for part in self.parts if part.stage == p])
-        return GradReducer(self.ep, self.group_of(p), ("grads", step, p), copy.net, copy.stage.first,
+        return GradReducer(self.ep, self.group_of(p), channels.grads(step, p), copy.net, copy.stage.first,
                            copy.stage.last, nursery, self.job.timeout_s, self.token, parts)
 
     async def run_stage(self, step: int, p: int, losses: list[float]) -> None:
@@ -321,14 +306,14 @@ class DeviceWorker:
         """The part's input block of every map entering its stage (the image for stage 0)."""
         p = part.stage
         if p == 0:
-            return {-1: (await self.get(("feed", step, part.index, m)))["arrays"][0]}
+            return {-1: (await self.get(channels.feed(step, part.index, m)))["arrays"][0]}
         holding = self.layout.inputs(p, mb)[part.index].block
         incoming = [t for t in self.layout.forward_transfers(p - 1, mb) if t.dst == part]
         inputs = {}
         for tensor in self.desc.live_after(self.plan.stages[p].first):
             pieces = []
             for t in incoming:
-                msg = await self.get(("act", step, p, part.index, m, tensor, t.src.index))
+                msg = await self.get(channels.act(step, p, part.index, m, tensor, t.src.index))
                 pieces.append((t.block, msg["arrays"][0]))
             inputs[tensor] = assemble(holding, map_shape(self.desc, tensor), pieces, add=False)
         return inputs
@@ -341,7 +326,7 @@ class DeviceWorker:
                 continue
             for tensor, value in outputs.items():
                 piece = cut(value, out_block, t.block)
-                await self.ep.send(t.dst.device, ("act", step, p + 1, t.dst.index, m, tensor, part.index),
+                await self.ep.send(t.dst.device, channels.act(step, p + 1, t.dst.index, m, tensor, part.index),
                                    {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
 
     async def gather_output_grads(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
@@ -353,7 +338,7 @@ class DeviceWorker:
         for tensor in self.desc.live_after(self.plan.stages[p].last):
             pieces = []
             for t in incoming:
-                msg = await self.get(("grad", step, p, part.index, m, tensor, t.src.index))
+                msg = await self.get(channels.grad(step, p, part.index, m, tensor, t.src.index))
                 pieces.append((t.block, msg["arrays"][0]))
             if pieces:
                 grads[tensor] = assemble(out_block, map_shape(self.desc, tensor), pieces, add=True)
@@ -370,7 +355,7 @@ class DeviceWorker:
                 if g is None:
                     continue
                 piece = cut(g, block, t.block)
-                await self.ep.send(t.dst.device, ("grad", step, p - 1, t.dst.index, m, tensor, part.index),
+                await self.ep.send(t.dst.device, channels.grad(step, p - 1, t.dst.index, m, tensor, part.index),
                                    {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
 
     # ---- single and dp parts ---------------------------------------------------------
@@ -379,7 +364,7 @@ class DeviceWorker:
         inputs = await self.gather_inputs(step, part, m, mb)
         targets = None
         if copy.is_last:
-            targets = (await self.get(("tgt", step, part.index, m)))["arrays"][0]
+            targets = (await self.get(channels.targets(step, part.index, m)))["arrays"][0]
         span = self.layout.inputs(p, mb)[part.index].block.samples
         keys = sample_keys(step, range(lo + span[0], lo + span[1]))
         for name, bn in copy.group_bns:
@@ -415,7 +400,7 @@ class DeviceWorker:
             pieces = torch.split(outs[part.index], sizes)
             for (m, lo, hi), out in zip(block, pieces):
                 if copy.is_last:
-                    targets = (await self.get(("tgt", step, part.index, m)))["arrays"][0]
+                    targets = (await self.get(channels.targets(step, part.index, m)))["arrays"][0]
                     losses.append(await self.compute(copy.tile_loss, part.index, m, out, targets,
                                                      plan_batch(self.plan), self._window(p, part.index)))
                 else:
@@ -466,16 +451,16 @@ class DeviceWorker:
             flat = torch.cat([torch.cat([ours[k][0], ours[k][1]]) for k in keys])
             for d in stage.devices:
                 if d not in stage.replica_tiles(own):
-                    await self.ep.send(d, ("bnstats", step, p, own), {"records": records, "arrays": [flat]})
+                    await self.ep.send(d, channels.bnstats(step, p, own), {"records": records, "arrays": [flat]})
         stats = dict(ours)
         for r in replicas:
             if r == own or not ours:
                 continue
-            msg = await self.get(("bnstats", step, p, r))
+            msg = await self.get(channels.bnstats(step, p, r))
             flat, at = msg["arrays"][0], 0
-            for m, layer, count, channels in msg["records"]:
-                stats[(m, layer)] = (flat[at:at + channels], flat[at + channels:at + 2 * channels], count)
-                at += 2 * channels
+            for m, layer, count, width in msg["records"]:
+                stats[(m, layer)] = (flat[at:at + width], flat[at + width:at + 2 * width], count)
+                at += 2 * width
         modules = self.tile_workers[p][mine[0]].parts
 
         def apply() -> None:
@@ -492,7 +477,7 @@ class DeviceWorker:
         copy = self.copies[p]
         moved, parts = copy.running_moved(), []
         if moved.numel():
-            gathered = await allgather(self.ep, self.group_of(p), ("running", step, p), [moved], self.job.timeout_s)
+            gathered = await allgather(self.ep, self.group_of(p), channels.running(step, p), [moved], self.job.timeout_s)
             parts = [part[0] for part in gathered]
         await trio.to_thread.run_sync(copy.merge_running, parts, self.plan.microbatches)
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swarm.local.checkpoint import save_checkpoint
-from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datasets, sample_keys,
-                        step_indices, steps_per_epoch)
-from swarm.host.resources import usable_cores
+from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datasets, sample_keys, step_indices,
+                        steps_per_epoch)
 from swarm.errors import SwarmError
+from swarm.host.resources import usable_cores
+from swarm.local.checkpoint import save_checkpoint
 from swarm.local.progress import Progress
 from swarm.zoo import BUILTIN, build_model
 from swarm.zoo.loss import make_loss

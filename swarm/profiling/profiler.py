@@ -26,8 +26,8 @@ import numpy as np
 
 from planner.costs import CostTable
 from planner.profile import DeviceProfile, ProfileError
-from swarm.host.resources import cpu_quota, usable_cores, usable_memory
 from swarm.errors import SwarmError
+from swarm.host.resources import cpu_quota, usable_cores, usable_memory
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_REPEATS = 5

@@ -15,9 +15,9 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, say=
     `say` hears what is going on."""
     import trio
 
-    from swarm.profiling.bandwidth import measure_bandwidth
     from swarm.cluster import open_roster
     from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
+    from swarm.profiling.bandwidth import measure_bandwidth
     from swarm.profiling.profiler import profile_devices
 
     # profiling keeps each device busy: as tolerant of a late heartbeat as training is
