@@ -138,9 +138,9 @@ def test_backups_by_time_roll_back_to_the_last_one_complete(local_weights, monke
     """backup_interval 0: a backup starts only once the last one is complete and its quiet
     period is over. With a share so small that the quiet period outlasts the run, the only
     backup is the one at the start, and a kill rolls the run back there."""
-    import swarm.execution.coordinator as coordinator_module
+    import swarm.execution.replay as replay_module
 
-    monkeypatch.setattr(coordinator_module, "BACKUP_SHARE", 1e-9)
+    monkeypatch.setattr(replay_module, "BACKUP_SHARE", 1e-9)
     trainer, coordinator = _run("pp", [(3, "kill", "d2", 0.0)], backup_interval=0)
     (recovery,) = coordinator.recoveries
     assert recovery.rolled_back_to == 0

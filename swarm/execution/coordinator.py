@@ -1,7 +1,7 @@
 """The coordinator's side of a training job: start each epoch's plan on its devices, feed
 each step's samples (uint8 images to the first stage, targets to the last), commit a step
-when every device is ready, keep track of complete backups, and when a device is lost, roll
-every stage back to the last complete backup, re-plan over the survivors, and replay.
+when every device is ready, and when a device is lost, roll every stage back to the last
+complete backup, re-plan over the survivors, and replay (the mechanics: replay.py).
 
 Devices are reached through a `control` (the swarm's cluster, or devices in this process):
 
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import trio
 
-from planner.backups import Move, backup_holders, holdings, layer_sources
+from planner.backups import Move, backup_holders, layer_sources
 from planner.plan import Plan, PlanError
 from planner.replan import replan
 from planner.routing import Block, Layout, runs, stage_parts
@@ -31,15 +31,9 @@ from swarm.execution import channels
 from swarm.execution.blocks import cut
 from swarm.execution.channels import COORDINATOR
 from swarm.execution.halos import TileGeometry
+from swarm.execution.replay import BackupLedger, Recovery, from_coordinator
 from swarm.execution.worker import JobSpec
 from swarm.local.trainer import LocalTrainer, set_lr
-
-# With backups by time (JobSpec.backup_interval 0), the share of the time backups may keep the
-# links busy: after a backup that took t seconds to complete, the next one starts at the first
-# step that ends t * (1 / BACKUP_SHARE - 1) seconds later or more. A lost device then costs at
-# most about t / BACKUP_SHARE seconds of steps to replay.
-BACKUP_SHARE = 0.1
-
 
 @dataclass
 class StepReport:
@@ -50,18 +44,6 @@ class StepReport:
     times: dict[str, dict] = field(default_factory=dict)  # per device: schedule, reduce and wait seconds
     epoch: int = 0
     replayed: bool = False  # a step run again after a recovery
-
-
-@dataclass
-class Recovery:
-    epoch: int
-    lost: list[str]
-    how: str  # lightweight | heavy | rejoin
-    why: str
-    rolled_back_to: int  # committed steps the run went back to
-    detected_at: float  # trio clock when the loss was noticed
-    resumed_at: float | None = None  # first committed step after it
-    plan: Plan | None = None
 
 
 def optimizer_slots(trainer: LocalTrainer) -> dict[str, torch.Tensor]:
@@ -122,11 +104,7 @@ class TrainingCoordinator:
         self.layout: Layout | None = None
         # what is where: the coordinator's own weights, and complete backups on the devices
         self.own_step = trainer.step_count
-        self.backup_step: int | None = None
-        self.backup_holdings: dict[str, set[int]] = {}
-        self.pending_backups: dict[int, set[str]] = {}  # step -> devices not ready yet
-        self.backup_started: dict[int, float] = {}  # step -> when its backup began
-        self.next_backup_at = -float("inf")  # with backups by time: not before then
+        self.backups = BackupLedger(job.backup_interval)
         self.recoveries: list[Recovery] = []
         self.replay_until = 0  # steps below this are being run again
         self.joined: set[str] = set()  # devices that (re)appeared and may be taken in
@@ -138,9 +116,7 @@ class TrainingCoordinator:
         self.plan = plan
         self.job = replace(self.job, plan=plan, epoch=self.epoch, start_step=start, moves=moves)
         self.layout = Layout(plan, self.trainer.desc, TileGeometry(plan, self.trainer.desc))
-        self.pending_backups = {start: set(plan.used_devices())}
-        self.backup_started = {}  # the epoch's first snapshot is timed from its first step (_steps), not
-        # from here: building the stages and moving layers is no part of what a backup costs
+        self.backups.epoch_started(start, plan.used_devices())
         self.ep = await self.control.start_epoch(self.epoch, self.job)
         own = [m for m in moves if m.src == COORDINATOR]
         if own:
@@ -154,10 +130,6 @@ class TrainingCoordinator:
         states = {k: v.detach().clone() for k, v in self.trainer.net.state_dict().items()}
         states.update({k: v.clone() for k, v in optimizer_slots(self.trainer).items()})
         return states
-
-    def first_moves(self, plan: Plan) -> list[Move]:
-        return [Move(COORDINATOR, d, p, list(range(s.first, s.last)), self.committed)
-                for p, s in enumerate(plan.stages) for d in s.devices]
 
     # ---- data --------------------------------------------------------------------------
     async def get(self, key):
@@ -194,7 +166,8 @@ class TrainingCoordinator:
     async def run(self, total_steps: int, on_step=None) -> None:
         """Train from the trainer's step to `total_steps` (or until asked to stop), surviving
         lost devices; then collect the weights into the trainer."""
-        await self.start_epoch(self.plan, self.committed, self.first_moves(self.plan))
+        await self.start_epoch(self.plan, self.committed,
+                               from_coordinator(self.plan, self.committed, len(self.trainer.desc.layers)))
         while True:
             lost: set[str] = set()
             async with trio.open_nursery() as nursery:
@@ -231,8 +204,7 @@ class TrainingCoordinator:
         step = self.committed
         next_batch = await trio.to_thread.run_sync(self.load_batch, step) if step < total_steps else None
         while step < total_steps:
-            if step in self.pending_backups:  # an epoch's first snapshot, timed from its first step
-                self.backup_started.setdefault(step, trio.current_time())
+            self.backups.step_begins(step)
             t0 = time.monotonic()
             await self.feed(step, next_batch)
             pending = self.pool.submit(self.load_batch, step + 1) if step + 1 < total_steps else None
@@ -247,7 +219,7 @@ class TrainingCoordinator:
             stop_here = step + 1 < total_steps and self.should_stop()
             is_last = step + 1 == total_steps or stop_here
             checkpoint = is_last or bool(self.checkpoint_every and (step + 1) % self.checkpoint_every == 0)
-            backup = not is_last and self._backup_due(step + 1)
+            backup = not is_last and self.backups.due(step + 1, bool(self.joined))
             for device in self.plan.used_devices():
                 await self.ep.send(device, channels.decide(step), {"commit": True, "last": is_last,
                                                               "checkpoint": checkpoint, "backup": backup})
@@ -255,12 +227,11 @@ class TrainingCoordinator:
             if self.committed > self.furthest:
                 self.furthest, self.recoveries_in_a_row = self.committed, 0
             if backup:
-                self.pending_backups[self.committed] = set(self.plan.used_devices())
-                self.backup_started[self.committed] = trio.current_time()
+                self.backups.begin(self.committed, self.plan.used_devices())
             for r in self.recoveries:
                 if r.resumed_at is None:
                     r.resumed_at = trio.current_time()
-            await self._take_backup_acks()
+            await self.backups.take_acks(self.ep, self.plan)
             if on_step is not None:
                 on_step(StepReport(self.committed, loss, time.monotonic() - t0, busy, times, self.epoch,
                                    self.committed <= self.replay_until))
@@ -277,36 +248,6 @@ class TrainingCoordinator:
         if step >= total_steps or self.stopped_early:
             for device in self.plan.used_devices():
                 await self.ep.send(device, channels.stop(), {})
-
-    def _backup_due(self, committed: int) -> bool:
-        """Back up after this commit? Every `backup_interval` steps, or (0) by time: when no
-        backup is under way and the last one's quiet period is over, or a device waits to be
-        taken in (which needs a backup step)."""
-        if self.job.backup_interval:
-            return committed % self.job.backup_interval == 0
-        return not self.pending_backups and (bool(self.joined) or trio.current_time() >= self.next_backup_at)
-
-    async def _take_backup_acks(self) -> None:
-        """Note the backup steps every device has confirmed (without waiting for more)."""
-        for step in sorted(self.pending_backups):
-            waiting = self.pending_backups[step]
-            for device in list(waiting):
-                try:
-                    self.ep.mailbox.get_nowait(channels.backup_ready(step, device))
-                    waiting.discard(device)
-                except KeyError:
-                    pass
-            if not waiting:
-                del self.pending_backups[step]
-                took = trio.current_time() - self.backup_started.pop(step, trio.current_time())
-                self.next_backup_at = trio.current_time() + took * (1 / BACKUP_SHARE - 1)
-                if self.backup_step is None or step >= self.backup_step:
-                    # also a second snapshot of the same step (an epoch's first, after a re-plan): the
-                    # devices now keep only what the plan has them keep (the worker's _hold_backups)
-                    self.backup_step = step
-                    self.backup_holdings = holdings(self.plan)
-                for device in self.plan.used_devices():
-                    await self.ep.send(device, channels.forget(step), {})
 
     async def collect(self) -> None:
         """Fetch every stage's weights and optimizer state (sent by the first device of each
@@ -346,11 +287,12 @@ class TrainingCoordinator:
         except PlanError as exc:
             raise SwarmError(f"lost {', '.join(sorted(dead))} and cannot re-plan over {', '.join(survivors)}: {exc}"
                              ) from None
+        self.backups.lose(dead)
+        layer_count = len(self.trainer.desc.layers)
         if self.recovery == "heavy":
-            everything = set(range(len(self.trainer.desc.layers)))
-            moves, start = layer_sources({COORDINATOR: everything}, change.plan, self.own_step), self.own_step
+            moves, start = from_coordinator(change.plan, self.own_step, layer_count), self.own_step
         else:
-            moves, start = self._sources(change.plan, dead)
+            moves, start = self.backups.sources(change.plan, self.own_step, layer_count)
         self.log(f"lost {', '.join(sorted(dead))} during step {self.committed + 1}: {change.how} re-plan "
                  f"({change.why}); rolling back to step {start} and replaying")
         self.replay_until = max(self.replay_until, self.committed)
@@ -358,28 +300,15 @@ class TrainingCoordinator:
         self.epoch += 1
         self.recoveries.append(Recovery(self.epoch, sorted(dead), change.how, change.why, start, detected,
                                         plan=change.plan))
-        self.backup_holdings = {d: ls for d, ls in self.backup_holdings.items() if d not in dead}
         await self.start_epoch(change.plan, start, moves)
-
-    def _sources(self, plan: Plan, dead: set[str]) -> tuple[list[Move], int]:
-        """Moves from the newest complete backup the survivors have; else from the
-        coordinator's own copy (the start, or the last checkpoint)."""
-        if self.backup_step is not None and self.backup_step >= self.own_step:
-            have = {d: ls for d, ls in self.backup_holdings.items() if d not in dead}
-            try:
-                return layer_sources(have, plan, self.backup_step), self.backup_step
-            except PlanError:
-                pass
-        everything = set(range(len(self.trainer.desc.layers)))
-        return layer_sources({COORDINATOR: everything}, plan, self.own_step), self.own_step
 
     async def take_in_joined(self) -> None:
         """At a backup step, once it is complete, re-plan with devices that joined or came back."""
         with trio.move_on_after(self.job.timeout_s):
-            while self.committed in self.pending_backups:
+            while self.committed in self.backups.pending:
                 await trio.sleep(0.05)
-                await self._take_backup_acks()
-        if self.backup_step != self.committed:
+                await self.backups.take_acks(self.ep, self.plan)
+        if self.backups.step != self.committed:
             return
         alive = self.control.alive()
         joined = sorted(d for d in self.joined if d in alive and d not in self.plan.used_devices())
@@ -393,8 +322,7 @@ class TrainingCoordinator:
         except PlanError as exc:
             self.log(f"{', '.join(joined)} joined, but no plan takes them in: {exc}")
             return
-        have = dict(self.backup_holdings)
-        moves = layer_sources(have, change.plan, self.committed)
+        moves = layer_sources(dict(self.backups.holdings), change.plan, self.committed)
         self.log(f"{', '.join(joined)} joined: re-planned over {len(devices)} devices from step {self.committed}")
         self.epoch += 1
         self.recoveries.append(Recovery(self.epoch, [], "rejoin", f"{', '.join(joined)} joined", self.committed,

@@ -1,5 +1,22 @@
-"""What a device keeps of a training job across plan changes: its layers' committed state,
-snapshots at backup steps, and backups it holds for other devices.
+"""Replay: how a training run survives a lost device and ends with the answer it would have
+given without the loss. This module is the place to start; it holds the mechanics, both
+sides, and names where the rest is.
+
+1. Backups. At backup steps (every `backup_interval` committed steps, or by time: see
+   BACKUP_SHARE) every device snapshots its own layers, and the layers of each stage run by
+   one device alone are copied to a device of another stage (planner/backups.py says which).
+   A backup counts once every device has confirmed it (BackupLedger on the coordinator,
+   DeviceBackups on each device); the older one is then forgotten.
+2. Roll-back. When a device is lost, every survivor goes back to the newest complete backup
+   (DeviceStore keeps it) or, failing that, to the coordinator's own copy (the start, or the
+   last checkpoint); the steps after it are run again. Data order, dropout masks and every
+   sum are functions of the step alone, so the replayed steps give the same bits.
+3. Re-plan. planner/replan.py shifts the plan over the survivors (lightweight) or plans again
+   (heavy); coordinator.TrainingCoordinator.recover drives it and starts the new epoch.
+4. Migration. planner/backups.layer_sources turns "who has which layers at that step" into
+   moves; at the new epoch's start each device sends what others take from it and gathers
+   its stages' states (DeviceBackups.send_moves and states_for). Devices that join or come
+   back are taken in the same way at a complete backup step.
 
 Layer states are flat dicts keyed like the model's state_dict ("layers.12.conv.weight",
 "layers.12.bn.running_mean") plus optimizer slots ("layers.12.conv.weight|momentum_buffer"),
@@ -12,6 +29,19 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import trio
+
+from planner.backups import Move, holdings, layer_sources
+from planner.plan import Plan, PlanError
+from swarm.execution import channels
+from swarm.execution.channels import COORDINATOR
+from swarm.host import malloc
+
+# With backups by time (JobSpec.backup_interval 0), the share of the time backups may keep the
+# links busy: after a backup that took t seconds to complete, the next one starts at the first
+# step that ends t * (1 / BACKUP_SHARE - 1) seconds later or more. A lost device then costs at
+# most about t / BACKUP_SHARE seconds of steps to replay.
+BACKUP_SHARE = 0.1
 
 LayerStates = dict[str, torch.Tensor]
 
@@ -157,3 +187,167 @@ class DeviceStore:
             if snap.step == step:
                 have |= layers_in(snap.states)
         return have | layers_in(self.held.get(step, {}))
+
+
+# ---- a device's side ------------------------------------------------------------------
+class DeviceBackups:
+    """A device's side of replay for one epoch (its worker holds one): the moves at the
+    epoch's start, and its part in every backup."""
+
+    def __init__(self, ep, plan: Plan, store: DeviceStore, timeout_s: float):
+        self.ep = ep
+        self.plan = plan
+        self.store = store
+        self.timeout_s = timeout_s
+        self.device = ep.name
+
+    async def send_moves(self, moves: list[Move], start: int) -> None:
+        """Forget what is newer than the start step, and send the layers other devices take
+        from us."""
+        self.store.drop_after(start)
+        async with trio.open_nursery() as nursery:
+            for move in moves:
+                if move.src == self.device and move.dst != self.device:
+                    nursery.start_soon(self._push, move)
+
+    async def _push(self, move: Move) -> None:
+        states = self.store.states_at(move.step, move.layers)
+        await self.ep.send(move.dst, channels.layers(move.stage, self.device), {"states": states})
+
+    async def states_for(self, p: int, moves: list[Move]) -> LayerStates:
+        """Stage p's states at the start step: what we kept ourselves, and what others send."""
+        states: LayerStates = {}
+        for move in moves:
+            if move.dst != self.device or move.stage != p:
+                continue
+            if move.src == self.device:
+                states.update(self.store.states_at(move.step, move.layers))
+            else:
+                states.update((await self.ep.mailbox.get(channels.layers(p, move.src), self.timeout_s))["states"])
+        return states
+
+    def back_up(self, step: int, states: dict[int, LayerStates], nursery) -> None:
+        """At a backup step: keep `states` (our stages', our own copies, never changed) as the
+        snapshot, and in the background send our single-device stages to their holders (in
+        pieces, so that the next step's messages to the same device pass between them) and
+        take in what we hold for others, then tell the coordinator. The next step starts at
+        once: a backup counts once its holders have it."""
+        self.store.snapshot(step, {k: v for s in states.values() for k, v in s.items()})
+        for p, holder in self.plan.backups.items():
+            if self.plan.stages[p].devices == [self.device] and holder != self.device:
+                nursery.start_soon(self._send_backup, holder, step, p, states[p])
+        held = [p for p, holder in self.plan.backups.items() if holder == self.device
+                and self.plan.stages[p].devices != [self.device]]
+        nursery.start_soon(self._hold_backups, step, held)
+
+    async def _send_backup(self, holder: str, step: int, p: int, states: LayerStates) -> None:
+        pieces = cut_states(states)
+        for i, piece in enumerate(pieces):
+            await self.ep.send(holder, channels.backup(step, p, i), {"piece": piece, "pieces": len(pieces)})
+
+    async def _hold_backups(self, step: int, stages: list[int]) -> None:
+        for p in stages:
+            assembly = Assembly()
+            first = await self.ep.mailbox.get(channels.backup(step, p, 0), self.timeout_s)
+            count = first["pieces"]
+            assembly.add(first.pop("piece"))
+            for i in range(1, count):
+                assembly.add((await self.ep.mailbox.get(channels.backup(step, p, i), self.timeout_s))["piece"])
+            self.store.hold(step, assembly.states())
+        await self.ep.send(COORDINATOR, channels.backup_ready(step, self.device), {})
+        await self.ep.mailbox.get(channels.forget(step), math.inf)
+        self.store.forget_before(step)
+        self.store.keep_only(step, holdings(self.plan).get(self.device, set()))
+        await trio.to_thread.run_sync(malloc.give_back)  # the older backup's memory, and the copies that moved it
+
+
+# ---- the coordinator's side -----------------------------------------------------------
+@dataclass
+class Recovery:
+    """One change of plan during a run: a loss (lightweight or heavy re-plan) or a rejoin."""
+    epoch: int
+    lost: list[str]
+    how: str  # lightweight | heavy | rejoin
+    why: str
+    rolled_back_to: int  # committed steps the run went back to
+    detected_at: float  # trio clock when the loss was noticed
+    resumed_at: float | None = None  # first committed step after it
+    plan: Plan | None = None
+
+
+class BackupLedger:
+    """The coordinator's side of the backups: which backup steps are under way, the newest
+    complete one and what each device holds there, and when the next one is due."""
+
+    def __init__(self, interval: int):
+        self.interval = interval  # back up every this many committed steps; 0: by time
+        self.step: int | None = None  # the newest complete backup step
+        self.holdings: dict[str, set[int]] = {}  # device -> layers it has at `step`
+        self.pending: dict[int, set[str]] = {}  # step -> devices not ready yet
+        self.started: dict[int, float] = {}  # step -> when its backup began
+        self.next_at = -math.inf  # with backups by time: not before then
+
+    def epoch_started(self, start: int, devices: list[str]) -> None:
+        """Every epoch's devices snapshot at its start step; that backup is timed from the
+        epoch's first step, not from here: building the stages and moving layers is no part
+        of what a backup costs."""
+        self.pending = {start: set(devices)}
+        self.started = {}
+
+    def step_begins(self, step: int) -> None:
+        if step in self.pending:  # an epoch's first snapshot, timed from its first step
+            self.started.setdefault(step, trio.current_time())
+
+    def due(self, committed: int, waiting_to_join: bool) -> bool:
+        """Back up after this commit? Every `interval` steps, or (0) by time: when no backup is
+        under way and the last one's quiet period is over, or a device waits to be taken in
+        (which needs a backup step)."""
+        if self.interval:
+            return committed % self.interval == 0
+        return not self.pending and (waiting_to_join or trio.current_time() >= self.next_at)
+
+    def begin(self, committed: int, devices: list[str]) -> None:
+        self.pending[committed] = set(devices)
+        self.started[committed] = trio.current_time()
+
+    async def take_acks(self, ep, plan: Plan) -> None:
+        """Note the backup steps every device has confirmed (without waiting for more), and
+        tell the devices to forget what is older."""
+        for step in sorted(self.pending):
+            waiting = self.pending[step]
+            for device in list(waiting):
+                try:
+                    ep.mailbox.get_nowait(channels.backup_ready(step, device))
+                    waiting.discard(device)
+                except KeyError:
+                    pass
+            if not waiting:
+                del self.pending[step]
+                took = trio.current_time() - self.started.pop(step, trio.current_time())
+                self.next_at = trio.current_time() + took * (1 / BACKUP_SHARE - 1)
+                if self.step is None or step >= self.step:
+                    # also a second snapshot of the same step (an epoch's first, after a re-plan): the
+                    # devices now keep only what the plan has them keep (DeviceBackups._hold_backups)
+                    self.step = step
+                    self.holdings = holdings(plan)
+                for device in plan.used_devices():
+                    await ep.send(device, channels.forget(step), {})
+
+    def lose(self, dead: set[str]) -> None:
+        self.holdings = {d: layers for d, layers in self.holdings.items() if d not in dead}
+
+    def sources(self, plan: Plan, own_step: int, layer_count: int) -> tuple[list[Move], int]:
+        """Moves for `plan` from the newest complete backup the survivors have, and its step;
+        else from the coordinator's own copy (the start, or the last checkpoint, at
+        `own_step`)."""
+        if self.step is not None and self.step >= own_step:
+            try:
+                return layer_sources(self.holdings, plan, self.step), self.step
+            except PlanError:
+                pass
+        return from_coordinator(plan, own_step, layer_count), own_step
+
+
+def from_coordinator(plan: Plan, own_step: int, layer_count: int) -> list[Move]:
+    """Moves that give every device of `plan` its layers from the coordinator's own copy."""
+    return layer_sources({COORDINATOR: set(range(layer_count))}, plan, own_step)

@@ -6,14 +6,13 @@ A worker runs for one epoch of a job (one plan). It starts by gathering its stag
 the epoch's start step, as the spec's moves say: layers it kept itself, layers another
 device sends it, or (at the very start) layers from the coordinator. At the backup steps the
 coordinator names in its decisions it snapshots its own layers and sends the layers of its
-single-device stages to their backup holders (DeviceStore), so that after a death the
-survivors can roll back to that step and replay.
+single-device stages to their backup holders (replay.DeviceBackups), so that after a death
+the survivors can roll back to that step and replay.
 
 What it receives and sends, and the keys, are in channels.py.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,21 +21,19 @@ import torch
 import trio
 
 from planner.plan import Plan
+from planner.routing import Layout, Part, parts_on, runs, stage_parts
 from planner.schedule import stage_schedule
-from swarm.host import malloc
 from swarm.data import microbatch_bounds, sample_keys
 from swarm.execution import channels
 from swarm.execution.blocks import assemble, cut, map_shape
 from swarm.execution.channels import COORDINATOR
 from swarm.execution.collectives import allgather
-from swarm.execution.reduce import GradReducer
-from planner.backups import holdings
 from swarm.execution.endpoint import Endpoint
-from planner.routing import Layout, Part, parts_on, runs, stage_parts
-from swarm.execution.replay import Assembly, DeviceStore, cut_states
+from swarm.execution.halos import DeviceTiles, TileGeometry
+from swarm.execution.reduce import GradReducer
+from swarm.execution.replay import DeviceBackups, DeviceStore
 from swarm.execution.stage import StageCopy
 from swarm.execution.threads import ComputeLock, call_in_loop
-from swarm.execution.halos import DeviceTiles, TileGeometry
 from swarm.local.trainer import TrainConfig
 
 @dataclass
@@ -59,7 +56,7 @@ class DeviceWorker:
     def __init__(self, endpoint: Endpoint, job: JobSpec, store: DeviceStore | None = None):
         self.ep = endpoint
         self.job = job
-        self.store = store if store is not None else DeviceStore()
+        self.backups = DeviceBackups(endpoint, job.plan, store if store is not None else DeviceStore(), job.timeout_s)
         self.plan = job.plan
         self.cfg = job.cfg
         self.device = endpoint.name
@@ -129,70 +126,25 @@ class DeviceWorker:
     async def restore(self) -> None:
         """Build this device's stages and load their state at the start step: send what
         others need of ours, take what we kept, receive the rest."""
-        start = self.job.start_step
-        self.store.drop_after(start)
         async with trio.open_nursery() as nursery:
-            for move in self.job.moves:
-                if move.src == self.device and move.dst != self.device:
-                    nursery.start_soon(self._push, move)
+            nursery.start_soon(self.backups.send_moves, self.job.moves, self.job.start_step)
             for p in sorted({part.stage for part in self.parts}):
-                nursery.start_soon(self._build_stage, p, start)
+                nursery.start_soon(self._build_stage, p)
 
-    async def _push(self, move) -> None:
-        states = self.store.states_at(move.step, move.layers)
-        await self.ep.send(move.dst, channels.layers(move.stage, self.device), {"states": states})
-
-    async def _build_stage(self, p: int, start: int) -> None:
+    async def _build_stage(self, p: int) -> None:
         copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
                                              len(self.group_of(p)))
-        states: dict = {}
-        for move in self.job.moves:
-            if move.dst != self.device or move.stage != p:
-                continue
-            if move.src == self.device:
-                states.update(self.store.states_at(move.step, move.layers))
-            else:
-                states.update((await self.get(channels.layers(p, move.src)))["states"])
+        states = await self.backups.states_for(p, self.job.moves)
         await trio.to_thread.run_sync(copy.load_states, states)
         self.copies[p] = copy
         if copy.stage.mode == "tiles":
             self.tile_workers[p] = self.make_tile_workers(copy)
 
     async def back_up(self, step: int) -> None:
-        """At a backup step: snapshot our layers, and in the background send our single-device
-        stages to their holders (in pieces, so that the next step's messages to the same
-        device pass between them) and take in what we hold for others, then tell the
-        coordinator. The next step starts at once: a backup counts once its holders have it."""
-        states = {p: await trio.to_thread.run_sync(copy.states) for p, copy in self.copies.items()}  # our own copies:
-        # kept as the snapshot and sent from (cut_states' pieces are views of them), never changed
-        self.store.snapshot(step, {k: v for s in states.values() for k, v in s.items()})
-        for p, holder in self.plan.backups.items():
-            if self.plan.stages[p].devices == [self.device] and holder != self.device:
-                self.nursery.start_soon(self._send_backup, holder, step, p, states[p])
-        held = [p for p, holder in self.plan.backups.items() if holder == self.device
-                and self.plan.stages[p].devices != [self.device]]
-        self.nursery.start_soon(self._hold_backups, step, held)
-
-    async def _send_backup(self, holder: str, step: int, p: int, states: dict) -> None:
-        pieces = cut_states(states)
-        for i, piece in enumerate(pieces):
-            await self.ep.send(holder, channels.backup(step, p, i), {"piece": piece, "pieces": len(pieces)})
-
-    async def _hold_backups(self, step: int, stages: list[int]) -> None:
-        for p in stages:
-            assembly = Assembly()
-            first = await self.get(channels.backup(step, p, 0))
-            count = first["pieces"]
-            assembly.add(first.pop("piece"))
-            for i in range(1, count):
-                assembly.add((await self.get(channels.backup(step, p, i)))["piece"])
-            self.store.hold(step, assembly.states())
-        await self.ep.send(COORDINATOR, channels.backup_ready(step, self.device), {})
-        forget = await self.ep.mailbox.get(channels.forget(step), math.inf)
-        del forget
-        self.store.forget_before(step)
-        self.store.keep_only(step, holdings(self.plan).get(self.device, set()))
-        await trio.to_thread.run_sync(malloc.give_back)  # the older backup's memory, and the copies that moved it
+        """At a backup step: our stages' states (our own copies: kept as the snapshot and sent
+        from, never changed) to replay, which keeps and sends them in the background."""
+        states = {p: await trio.to_thread.run_sync(copy.states) for p, copy in self.copies.items()}
+        self.backups.back_up(step, states, self.nursery)
 
     def make_tile_workers(self, copy: StageCopy) -> dict:
         from tiles.executor import TileWorker
