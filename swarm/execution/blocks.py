@@ -1,10 +1,13 @@
-"""Cutting tensors into routed blocks and putting them back together."""
+"""Cutting tensors into routed blocks, putting them back together, and moving them between
+the parts of neighbouring stages."""
 from __future__ import annotations
 
 import torch
 
 from planner.model_desc import ModelDesc
-from planner.routing import Block
+from planner.plan import Plan
+from planner.routing import Block, Layout, Part
+from swarm.execution import channels
 
 
 def vector_outputs(desc: ModelDesc) -> set[int]:
@@ -65,3 +68,76 @@ def assemble(block: Block, per_sample: tuple[int, ...], pieces: list[tuple[Block
         else:
             target.copy_(piece)
     return out
+
+
+class BlockPost:
+    """Moves one device's blocks between the parts of neighbouring stages for one epoch: a
+    part's input blocks in (the image for stage 0) and its output blocks out, and backward
+    the same for gradients. The layout (planner.routing.Layout) says who holds what."""
+
+    def __init__(self, ep, plan: Plan, desc: ModelDesc, layout: Layout, timeout_s: float):
+        self.ep = ep
+        self.plan = plan
+        self.desc = desc
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.device = ep.name
+
+    async def _get(self, key):
+        return await self.ep.mailbox.get(key, self.timeout_s)
+
+    async def gather_inputs(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
+        """The part's input block of every map entering its stage (the image for stage 0)."""
+        p = part.stage
+        if p == 0:
+            return {-1: (await self._get(channels.feed(step, part.index, m)))["arrays"][0]}
+        holding = self.layout.inputs(p, mb)[part.index].block
+        incoming = [t for t in self.layout.forward_transfers(p - 1, mb) if t.dst == part]
+        inputs = {}
+        for tensor in self.desc.live_after(self.plan.stages[p].first):
+            pieces = []
+            for t in incoming:
+                msg = await self._get(channels.act(step, p, part.index, m, tensor, t.src.index))
+                pieces.append((t.block, msg["arrays"][0]))
+            inputs[tensor] = assemble(holding, map_shape(self.desc, tensor), pieces, add=False)
+        return inputs
+
+    async def send_outputs(self, step: int, part: Part, m: int, mb: int, outputs: dict[int, torch.Tensor]) -> None:
+        p = part.stage
+        out_block = self.layout.outputs(p, mb)[part.index].block
+        for t in self.layout.forward_transfers(p, mb):
+            if t.src != part:
+                continue
+            for tensor, value in outputs.items():
+                piece = cut(value, out_block, t.block)
+                await self.ep.send(t.dst.device, channels.act(step, p + 1, t.dst.index, m, tensor, part.index),
+                                   {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
+
+    async def gather_output_grads(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
+        """dL/d(output) on the part's output block, summed over the pieces that come back."""
+        p = part.stage
+        out_block = self.layout.outputs(p, mb)[part.index].block
+        incoming = [t for t in self.layout.backward_transfers(p, mb) if t.dst == part]
+        grads = {}
+        for tensor in self.desc.live_after(self.plan.stages[p].last):
+            pieces = []
+            for t in incoming:
+                msg = await self._get(channels.grad(step, p, part.index, m, tensor, t.src.index))
+                pieces.append((t.block, msg["arrays"][0]))
+            if pieces:
+                grads[tensor] = assemble(out_block, map_shape(self.desc, tensor), pieces, add=True)
+        return grads
+
+    async def send_input_grads(self, step: int, part: Part, m: int, mb: int, in_grads: dict[int, torch.Tensor]) -> None:
+        p = part.stage
+        block = self.layout.input_grads(p, mb)[part.index].block
+        for t in self.layout.backward_transfers(p - 1, mb):
+            if t.src != part:
+                continue
+            for tensor in self.desc.live_after(self.plan.stages[p].first):
+                g = in_grads.get(tensor)
+                if g is None:
+                    continue
+                piece = cut(g, block, t.block)
+                await self.ep.send(t.dst.device, channels.grad(step, p - 1, t.dst.index, m, tensor, part.index),
+                                   {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})

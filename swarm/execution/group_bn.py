@@ -7,13 +7,21 @@ dy and dy * xhat are combined the same way. Weight and bias gradients stay local
 sums: the group's gradient all-reduce at the end of the step adds them up. The result is
 BatchNorm2d on the whole micro-batch, and running statistics advance identically
 everywhere.
+
+Replicas of a stage that each run their own micro-batches (a replicated single or tiles
+stage) end each step by combining their running statistics as one device running every
+micro-batch in order would have moved them (merge_running_stats, replay_running_stats).
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+import trio
 from torch import nn
+
+from swarm.execution import channels
+from swarm.execution.collectives import allgather
 
 # exchange(tag, tensors) -> list over the group (in group order) of each member's tensors
 Exchange = Callable[[str, list[torch.Tensor]], list[list[torch.Tensor]]]
@@ -104,3 +112,52 @@ def replace_batchnorm(module: nn.Module) -> list[tuple[str, GroupBatchNorm]]:
                 setattr(child, attr, new)
                 swapped.append((f"{name}.{attr}" if name else attr, new))
     return swapped
+
+
+# ---- running statistics of replicated stages -------------------------------------------
+async def replay_running_stats(ep, step: int, p: int, stage, mine: list[int], ours: dict, modules,
+                               timeout_s: float) -> None:
+    """A replicated tiles stage: send our replica's BatchNorm batch statistics `ours`
+    ({(micro-batch, layer): (mean, var, count)}) to the other replicas' devices (from the
+    replica's first device), take theirs, and update the running statistics of `modules` with
+    all of them in micro-batch order, as one device running every micro-batch would. `mine`:
+    the stage's parts on this device."""
+    from tiles.ops import update_running_stats
+
+    own = stage.replica_of_part(mine[0])
+    replicas = range(stage.replica_count())
+    if stage.replica_tiles(own)[0] == ep.name and ours:
+        keys = sorted(ours)
+        records = [[m, layer, ours[(m, layer)][2], ours[(m, layer)][0].numel()] for m, layer in keys]
+        flat = torch.cat([torch.cat([ours[k][0], ours[k][1]]) for k in keys])
+        for d in stage.devices:
+            if d not in stage.replica_tiles(own):
+                await ep.send(d, channels.bnstats(step, p, own), {"records": records, "arrays": [flat]})
+    stats = dict(ours)
+    for r in replicas:
+        if r == own or not ours:
+            continue
+        msg = await ep.mailbox.get(channels.bnstats(step, p, r), timeout_s)
+        flat, at = msg["arrays"][0], 0
+        for m, layer, count, width in msg["records"]:
+            stats[(m, layer)] = (flat[at:at + width], flat[at + width:at + 2 * width], count)
+            at += 2 * width
+
+    def apply() -> None:
+        with torch.no_grad():
+            for m, layer in sorted(stats):
+                mean, var, count = stats[(m, layer)]
+                update_running_stats(modules[layer].bn, mean, var, count)
+    await trio.to_thread.run_sync(apply)
+
+
+async def merge_running_stats(ep, step: int, p: int, copy, group: list[str], microbatches: int,
+                              timeout_s: float) -> None:
+    """A replicated single stage: each replica's running statistics moved from zero over its
+    micro-batches; gather them all and combine them with the step's starting statistics as
+    the micro-batches in order would have moved them."""
+    moved, parts = copy.running_moved(), []
+    if moved.numel():
+        gathered = await allgather(ep, group, channels.running(step, p), [moved], timeout_s)
+        parts = [part[0] for part in gathered]
+    await trio.to_thread.run_sync(copy.merge_running, parts, microbatches)

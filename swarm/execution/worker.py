@@ -25,10 +25,11 @@ from planner.routing import Layout, Part, parts_on, runs, stage_parts
 from planner.schedule import stage_schedule
 from swarm.data import microbatch_bounds, sample_keys
 from swarm.execution import channels
-from swarm.execution.blocks import assemble, cut, map_shape
+from swarm.execution.blocks import BlockPost
 from swarm.execution.channels import COORDINATOR
 from swarm.execution.collectives import allgather
 from swarm.execution.endpoint import Endpoint
+from swarm.execution.group_bn import merge_running_stats, replay_running_stats
 from swarm.execution.halos import DeviceTiles, TileGeometry
 from swarm.execution.reduce import GradReducer
 from swarm.execution.replay import DeviceBackups, DeviceStore
@@ -113,6 +114,7 @@ class DeviceWorker:
         self.desc = desc
         self.tile_geometry = TileGeometry(self.plan, desc)
         self.layout = Layout(self.plan, desc, self.tile_geometry)
+        self.post = BlockPost(self.ep, self.plan, desc, self.layout, self.job.timeout_s)
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             await self.restore()
@@ -180,8 +182,7 @@ class DeviceWorker:
             t1 = trio.current_time()
             for p, copy in self.copies.items():
                 if copy.stage.replica_count() > 1:
-                    replay = self.replay_running_stats if copy.stage.mode == "tiles" else self.merge_running_stats
-                    nursery.start_soon(replay, step, p)
+                    nursery.start_soon(self.running_stats, step, p, copy)
             for reducer in self.reducers.values():  # what is left to sum after the last backward
                 await reducer.finish()
         times = {"schedule_s": t1 - t0, "reduce_s": trio.current_time() - t1,
@@ -253,67 +254,10 @@ class DeviceWorker:
                 for h in handles:
                     h.remove()
 
-    # ---- moving blocks ---------------------------------------------------------------
-    async def gather_inputs(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
-        """The part's input block of every map entering its stage (the image for stage 0)."""
-        p = part.stage
-        if p == 0:
-            return {-1: (await self.get(channels.feed(step, part.index, m)))["arrays"][0]}
-        holding = self.layout.inputs(p, mb)[part.index].block
-        incoming = [t for t in self.layout.forward_transfers(p - 1, mb) if t.dst == part]
-        inputs = {}
-        for tensor in self.desc.live_after(self.plan.stages[p].first):
-            pieces = []
-            for t in incoming:
-                msg = await self.get(channels.act(step, p, part.index, m, tensor, t.src.index))
-                pieces.append((t.block, msg["arrays"][0]))
-            inputs[tensor] = assemble(holding, map_shape(self.desc, tensor), pieces, add=False)
-        return inputs
-
-    async def send_outputs(self, step: int, part: Part, m: int, mb: int, outputs: dict[int, torch.Tensor]) -> None:
-        p = part.stage
-        out_block = self.layout.outputs(p, mb)[part.index].block
-        for t in self.layout.forward_transfers(p, mb):
-            if t.src != part:
-                continue
-            for tensor, value in outputs.items():
-                piece = cut(value, out_block, t.block)
-                await self.ep.send(t.dst.device, channels.act(step, p + 1, t.dst.index, m, tensor, part.index),
-                                   {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
-
-    async def gather_output_grads(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
-        """dL/d(output) on the part's output block, summed over the pieces that come back."""
-        p = part.stage
-        out_block = self.layout.outputs(p, mb)[part.index].block
-        incoming = [t for t in self.layout.backward_transfers(p, mb) if t.dst == part]
-        grads = {}
-        for tensor in self.desc.live_after(self.plan.stages[p].last):
-            pieces = []
-            for t in incoming:
-                msg = await self.get(channels.grad(step, p, part.index, m, tensor, t.src.index))
-                pieces.append((t.block, msg["arrays"][0]))
-            if pieces:
-                grads[tensor] = assemble(out_block, map_shape(self.desc, tensor), pieces, add=True)
-        return grads
-
-    async def send_input_grads(self, step: int, part: Part, m: int, mb: int, in_grads: dict[int, torch.Tensor]) -> None:
-        p = part.stage
-        block = self.layout.input_grads(p, mb)[part.index].block
-        for t in self.layout.backward_transfers(p - 1, mb):
-            if t.src != part:
-                continue
-            for tensor in self.desc.live_after(self.plan.stages[p].first):
-                g = in_grads.get(tensor)
-                if g is None:
-                    continue
-                piece = cut(g, block, t.block)
-                await self.ep.send(t.dst.device, channels.grad(step, p - 1, t.dst.index, m, tensor, part.index),
-                                   {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
-
     # ---- single and dp parts ---------------------------------------------------------
     async def forward(self, step: int, copy: StageCopy, part: Part, m: int, lo: int, hi: int, losses) -> None:
         p, mb = part.stage, hi - lo
-        inputs = await self.gather_inputs(step, part, m, mb)
+        inputs = await self.post.gather_inputs(step, part, m, mb)
         targets = None
         if copy.is_last:
             targets = (await self.get(channels.targets(step, part.index, m)))["arrays"][0]
@@ -325,13 +269,13 @@ class DeviceWorker:
         if copy.is_last:
             losses.append(await self.compute(copy.loss_value, part.index, m))
         else:
-            await self.send_outputs(step, part, m, mb, outputs)
+            await self.post.send_outputs(step, part, m, mb, outputs)
 
     async def backward(self, step: int, copy: StageCopy, part: Part, m: int, mb: int) -> None:
-        grads = None if copy.is_last else await self.gather_output_grads(step, part, m, mb)
+        grads = None if copy.is_last else await self.post.gather_output_grads(step, part, m, mb)
         in_grads = await self.compute(copy.backward, part.index, m, grads)
         if part.stage > 0:
-            await self.send_input_grads(step, part, m, mb, in_grads)
+            await self.post.send_input_grads(step, part, m, mb, in_grads)
 
     # ---- tiles parts -----------------------------------------------------------------
     async def tiles_forward(self, step: int, copy: StageCopy, parts: list[Part], block: list[tuple[int, int, int]],
@@ -343,7 +287,7 @@ class DeviceWorker:
         sizes = [hi - lo for _, lo, hi in block]
         gens = {}
         for part in parts:
-            xs = [(await self.gather_inputs(step, part, m, hi - lo))[key_in] for m, lo, hi in block]
+            xs = [(await self.post.gather_inputs(step, part, m, hi - lo))[key_in] for m, lo, hi in block]
             x = xs[0] if len(xs) == 1 else torch.cat(xs)
             gens[part.index] = self.tile_workers[p][part.index].forward(block[0][0], x,
                                                                         sizes if len(sizes) > 1 else None)
@@ -356,7 +300,7 @@ class DeviceWorker:
                     losses.append(await self.compute(copy.tile_loss, part.index, m, out, targets,
                                                      plan_batch(self.plan), self._window(p, part.index)))
                 else:
-                    await self.send_outputs(step, part, m, hi - lo, {copy.stage.last - 1: out})
+                    await self.post.send_outputs(step, part, m, hi - lo, {copy.stage.last - 1: out})
 
     async def tiles_backward(self, step: int, copy: StageCopy, parts: list[Part], block: list[tuple[int, int, int]]) -> None:
         p = copy.p
@@ -366,7 +310,7 @@ class DeviceWorker:
             if copy.is_last:
                 pieces = [copy.tile_dy.pop((part.index, m)) for m, _, _ in block]
             else:
-                pieces = [(await self.gather_output_grads(step, part, m, hi - lo))[last_map] for m, lo, hi in block]
+                pieces = [(await self.post.gather_output_grads(step, part, m, hi - lo))[last_map] for m, lo, hi in block]
             dys[part.index] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         gens = {k: self.tile_workers[p][k].backward(block[0][0], dy) for k, dy in dys.items()}
         dxs = await self._run_tiles(step, copy, gens)
@@ -375,7 +319,7 @@ class DeviceWorker:
             sizes = [hi - lo for _, lo, hi in block]
             for part in parts:
                 for (m, lo, hi), dx in zip(block, torch.split(dxs[part.index], sizes)):
-                    await self.send_input_grads(step, part, m, hi - lo, {key_in: dx})
+                    await self.post.send_input_grads(step, part, m, hi - lo, {key_in: dx})
 
     async def _run_tiles(self, step: int, copy: StageCopy, gens: dict[int, object]) -> dict[int, object]:
         """Run our tiles' generators (keyed by part index) with the other tiles of their replica."""
@@ -385,53 +329,17 @@ class DeviceWorker:
             {k - r * n: gen for k, gen in gens.items()})
         return {k + r * n: v for k, v in local.items()}
 
-    async def replay_running_stats(self, step: int, p: int) -> None:
-        """A replicated tiles stage: send our replica's BatchNorm batch statistics to the other
-        replicas' devices (from the replica's first device), take theirs, and update the running
-        statistics with all of them in micro-batch order, as one device running every
-        micro-batch would."""
-        from tiles.ops import update_running_stats
-
-        stage = self.copies[p].stage
-        mine = [part.index for part in self.parts if part.stage == p]
-        own = stage.replica_of_part(mine[0])
-        ours, self.bn_stats = self.bn_stats, {}
-        replicas = range(stage.replica_count())
-        if stage.replica_tiles(own)[0] == self.device and ours:
-            keys = sorted(ours)
-            records = [[m, layer, ours[(m, layer)][2], ours[(m, layer)][0].numel()] for m, layer in keys]
-            flat = torch.cat([torch.cat([ours[k][0], ours[k][1]]) for k in keys])
-            for d in stage.devices:
-                if d not in stage.replica_tiles(own):
-                    await self.ep.send(d, channels.bnstats(step, p, own), {"records": records, "arrays": [flat]})
-        stats = dict(ours)
-        for r in replicas:
-            if r == own or not ours:
-                continue
-            msg = await self.get(channels.bnstats(step, p, r))
-            flat, at = msg["arrays"][0], 0
-            for m, layer, count, width in msg["records"]:
-                stats[(m, layer)] = (flat[at:at + width], flat[at + width:at + 2 * width], count)
-                at += 2 * width
-        modules = self.tile_workers[p][mine[0]].parts
-
-        def apply() -> None:
-            with torch.no_grad():
-                for m, layer in sorted(stats):
-                    mean, var, count = stats[(m, layer)]
-                    update_running_stats(modules[layer].bn, mean, var, count)
-        await trio.to_thread.run_sync(apply)
-
-    async def merge_running_stats(self, step: int, p: int) -> None:
-        """A replicated single stage: each replica's running statistics moved from zero over its
-        micro-batches; gather them all and combine them with the step's starting statistics
-        as the micro-batches in order would have moved them."""
-        copy = self.copies[p]
-        moved, parts = copy.running_moved(), []
-        if moved.numel():
-            gathered = await allgather(self.ep, self.group_of(p), channels.running(step, p), [moved], self.job.timeout_s)
-            parts = [part[0] for part in gathered]
-        await trio.to_thread.run_sync(copy.merge_running, parts, self.plan.microbatches)
+    async def running_stats(self, step: int, p: int, copy: StageCopy) -> None:
+        """A replicated stage's BatchNorm running statistics, as one device running every
+        micro-batch in order would have them (group_bn.py)."""
+        if copy.stage.mode == "tiles":
+            mine = [part.index for part in self.parts if part.stage == p]
+            ours, self.bn_stats = self.bn_stats, {}
+            await replay_running_stats(self.ep, step, p, copy.stage, mine, ours, self.tile_workers[p][mine[0]].parts,
+                                       self.job.timeout_s)
+        else:
+            await merge_running_stats(self.ep, step, p, copy, self.group_of(p), self.plan.microbatches,
+                                      self.job.timeout_s)
 
     def _window(self, p: int, tile: int) -> tuple[int, int, int, int]:
         """(row0, col0, H, W) of a tile's owned output in the stage's output map."""
