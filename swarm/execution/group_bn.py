@@ -22,6 +22,7 @@ from torch import nn
 
 from swarm.execution import channels
 from swarm.execution.collectives import allgather
+from tiles.ops import update_running_stats
 
 # exchange(tag, tensors) -> list over the group (in group order) of each member's tensors
 Exchange = Callable[[str, list[torch.Tensor]], list[list[torch.Tensor]]]
@@ -122,8 +123,6 @@ async def replay_running_stats(ep, step: int, p: int, stage, mine: list[int], ou
     replica's first device), take theirs, and update the running statistics of `modules` with
     all of them in micro-batch order, as one device running every micro-batch would. `mine`:
     the stage's parts on this device."""
-    from tiles.ops import update_running_stats
-
     own = stage.replica_of_part(mine[0])
     replicas = range(stage.replica_count())
     if stage.replica_tiles(own)[0] == ep.name and ours:

@@ -10,10 +10,13 @@ import math
 
 import trio
 
+from planner.baselines import simple_plan
 from planner.plan import Plan
+from swarm.errors import run_trio
 from swarm.execution.channels import COORDINATOR
 from swarm.execution.coordinator import TrainingCoordinator
 from swarm.execution.endpoint import LocalNetwork
+from swarm.execution.launch import describe_plan
 from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import DeviceWorker, JobSpec
 from swarm.local.trainer import LocalTrainer
@@ -112,8 +115,6 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
             nursery.cancel_scope.cancel()
             return coordinator
 
-    from swarm.errors import run_trio
-
     return run_trio(main)
 
 
@@ -126,9 +127,6 @@ class InProcessRunner:
         self.grid, self.sync, self.stages, self.log = grid, sync, stages, log
 
     def __call__(self, trainer, train_set, start: int, total: int, report) -> None:
-        from planner.baselines import simple_plan
-        from swarm.execution.launch import describe_plan
-
         cfg = trainer.cfg
         names = [f"dev{i}" for i in range(self.devices)]
         plan = simple_plan(self.strategy, trainer.desc, names, cfg.batch_size, cfg.microbatches, grid=self.grid,

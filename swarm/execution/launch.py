@@ -18,13 +18,21 @@ from planner.baselines import simple_plan
 from planner.fit import describe as describe_overflows
 from planner.fit import memory_overflows
 from planner.plan import Plan, PlanError
+from swarm.agent import DEFAULT_PORT
+from swarm.cluster import JobError, open_roster
 from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
-from swarm.errors import SwarmError
+from swarm.errors import SwarmError, run_trio
 from swarm.execution.channels import COORDINATOR, LINK
 from swarm.execution.coordinator import StepReport, TrainingCoordinator
 from swarm.execution.train_job import CHANNEL, WireEndpoint, job_spec_dict
 from swarm.execution.worker import JobSpec
-from swarm.net import ConnectionLost
+from swarm.host.state import find_token, process_id, state_dir_from
+from swarm.local.checkpoint import save_checkpoint
+from swarm.net import ConnectionLost, Credentials, parse_peers, resolve_network
+from swarm.profiling.bandwidth import measure_bandwidth
+from swarm.profiling.profiler import profile_devices
+from swarm.zoo import BUILTIN
+from tiles.layout import tileable_prefix
 
 # After a stop signal, how long the step under way may take to commit, and then its weights to
 # come back, before the run stops without them.
@@ -95,8 +103,6 @@ class SwarmRunner:
         self.stop_deadline = math.inf  # when the run is cut short if it has not stopped by itself
 
     def __call__(self, trainer, train_set, start: int, total: int, report) -> None:
-        from swarm.errors import run_trio
-
         went_local = run_trio(self._main, trainer, train_set, start, total, report)
         if went_local:
             report.save_every = self.options.local_save_every
@@ -116,11 +122,6 @@ class SwarmRunner:
         return went_local
 
     async def _discover_and_run(self, trainer, train_set, start: int, total: int, report) -> bool:
-        from swarm.agent import DEFAULT_PORT
-        from swarm.cluster import open_roster
-        from swarm.host.state import find_token, process_id, state_dir_from
-        from swarm.net import Credentials, parse_peers, resolve_network
-
         o = self.options
         state_dir = state_dir_from(o.state_dir)
         try:
@@ -175,10 +176,6 @@ class SwarmRunner:
     async def _measure(self, cluster, trainer, devices) -> dict | None:
         """Profiles of the devices (a job on each, cached there) and the links between them,
         for the planner; None if that fails (the run then splits by FLOPs)."""
-        from swarm.profiling.bandwidth import measure_bandwidth
-        from swarm.profiling.profiler import profile_devices
-        from swarm.zoo import BUILTIN
-
         cfg = trainer.cfg
         spec = {"model": cfg.model, "img_size": trainer.desc.img_size, "classes": cfg.classes,
                 "cfg": None if cfg.model in BUILTIN else trainer.cfg_text, "threads": None}
@@ -229,8 +226,6 @@ class SwarmRunner:
     def _auto_plan(self, trainer, names: list[str], facts: dict, measured: dict | None) -> Plan:
         """The best predicted of the planners on the measured devices; without measurements,
         tiles when the network starts with tileable layers, else a pipeline."""
-        from tiles.layout import tileable_prefix
-
         cfg, desc = trainer.cfg, trainer.desc
         if measured is not None:
             from planner.inputs import PlanInputs
@@ -289,8 +284,6 @@ class SwarmRunner:
         o = self.options
         if not (o.save_path and o.checkpoint_every):
             return None
-        from swarm.local.checkpoint import save_checkpoint
-
         return lambda: save_checkpoint(o.save_path, trainer.state())
 
     def strategy_for_replan(self) -> str:
@@ -500,8 +493,6 @@ class RosterControl:
         """A part whose device is gone is a loss. A part that fails while its device is fine
         has usually lost a peer that is dying too: if no device is declared lost within the
         grace period (which cancels this watch with a new epoch), the run stops with its error."""
-        from swarm.cluster import JobError
-
         try:
             await handle.wait_done(node_id)
         except JobError as exc:

@@ -24,6 +24,7 @@ from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import DeviceWorker, JobSpec
 from swarm.host import malloc
+from swarm.host.resources import usable_cores
 from swarm.local.trainer import TrainConfig
 
 CHANNEL = "x"
@@ -121,8 +122,6 @@ def _train_config(d: dict) -> TrainConfig:
 
 async def run_train_job(ctx) -> dict:
     """The `train` job kind: this agent's part of a plan, until the coordinator says stop."""
-    from swarm.host.resources import usable_cores
-
     spec = ctx.spec
     plan = Plan.from_dict(spec["plan"])
     cfg = _train_config(spec["cfg"])

@@ -36,6 +36,9 @@ from swarm.execution.replay import DeviceBackups, DeviceStore
 from swarm.execution.stage import StageCopy
 from swarm.execution.threads import ComputeLock, call_in_loop
 from swarm.local.trainer import TrainConfig
+from swarm.zoo import describe_model
+from tiles.executor import TileWorker
+
 
 @dataclass
 class JobSpec:
@@ -105,8 +108,6 @@ class DeviceWorker:
 
     # ---- the job ---------------------------------------------------------------------
     async def run(self) -> None:
-        from swarm.zoo import describe_model
-
         self.token = trio.lowlevel.current_trio_token()
         if self.job.threads:
             torch.set_num_threads(self.job.threads)
@@ -149,8 +150,6 @@ class DeviceWorker:
         self.backups.back_up(step, states, self.nursery)
 
     def make_tile_workers(self, copy: StageCopy) -> dict:
-        from tiles.executor import TileWorker
-
         lay = self.tile_geometry.layout(copy.p)
         stage = copy.stage
         modules = [copy.net.layers[i] for i in range(stage.first, stage.last)]
