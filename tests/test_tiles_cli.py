@@ -6,7 +6,7 @@ import torch
 
 from swarm.cli import main
 from tests.conftest import run_swarm
-from tests.tiles_helpers import rel_diff
+from tests.tiles_reference import rel_diff
 
 COMMON = ["--img-size", "128", "--steps", "3", "--seed", "1", "--no-eval", "--threads", "1"]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from swarm.zoo import build_model
-from tests.tiles_helpers import rel_diff
+from tests.tiles_reference import rel_diff
 from tiles.driver import run_lockstep
 from tiles.executor import TileWorker
 from tiles.grouping import Grouping

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from swarm.errors import SwarmError
 from swarm.local.trainer import TrainConfig
 from swarm.zoo import build_model
-from tests.tiles_helpers import rel_diff, train_float64, worst_state_diff
+from tests.tiles_reference import rel_diff, train_float64, worst_state_diff
 from tiles import ops
 from tiles.grouping import Grouping
 from tiles.regions import TilingError

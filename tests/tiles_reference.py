@@ -1,4 +1,4 @@
-"""Shared helpers of the tiles tests: float64 training through the real trainers, and tensor comparison."""
+"""The reference side of the tiles tests: float64 training through the real trainers, and tensor comparison."""
 from __future__ import annotations
 
 import dataclasses
