@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 from planner.backups import backup_holders
 from planner.baselines import simple_plan, square_grid
-from planner.fit import describe as describe_overflows
-from planner.fit import memory_overflows
+from planner.memory_fit import describe as describe_overflows
+from planner.memory_fit import memory_overflows
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError, Stage, most_replicas
 
@@ -160,7 +160,7 @@ class Replan:
 def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strategy: str,
            speed: dict[str, float] | None = None, prefer: str = "auto") -> Replan:
     """A plan without `dead` (over `alive`, which may include devices new to the plan).
-    Neither way gives a plan that cannot fit the devices' memory (planner.fit):
+    Neither way gives a plan that cannot fit the devices' memory (planner.memory_fit):
     one that did would lose its devices one after another."""
     gone = ", ".join(sorted(dead)) or "none"
     joined = [d for d in alive if d not in plan.used_devices()]

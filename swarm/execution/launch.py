@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import trio
 
 from planner.baselines import simple_plan
-from planner.fit import describe as describe_overflows
-from planner.fit import memory_overflows
+from planner.memory_fit import describe as describe_overflows
+from planner.memory_fit import memory_overflows
 from planner.plan import Plan, PlanError
 from swarm.agent import DEFAULT_PORT
 from swarm.cluster import JobError, open_roster

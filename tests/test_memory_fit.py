@@ -7,7 +7,7 @@ import pytest
 
 from planner.backups import backup_holders
 from planner.baselines import simple_plan
-from planner.fit import RUNTIME_FLOOR, describe, memory_overflows
+from planner.memory_fit import RUNTIME_FLOOR, describe, memory_overflows
 from planner.plan import PlanError
 from planner.replan import replan
 from swarm.errors import SwarmError
