@@ -1,5 +1,5 @@
-"""Changing a running plan: without the devices that died (or with ones that came), which
-layers move where (planner/backups.py), and who backs up whom (pure).
+"""Changing a running plan: over the devices left after a loss, or with ones that came (pure).
+Who backs up whom, and which layers then move where: planner/backups.py.
 
 Lightweight (Asteroid section 3.4): keep the plan's shape and shift it. A dp group deals the
 lost replica's samples to the survivors, a tiles stage is re-gridded over its survivors, and

@@ -1,4 +1,6 @@
-"""Who is alive, from heartbeats and probes (coordinator side), as events in trio time.
+"""Heartbeats and membership: who is alive, from heartbeats and probes (coordinator side), as
+events in trio time. The agent sends the heartbeats (Agent._watch_heartbeats, at the interval
+a watcher asks for in its Watch); the roster (roster.py) feeds what it hears into Membership.
 
     alive ──(nothing heard for suspect_after s, or its connection broke)──> suspect
     suspect ──(probe answered within probe_timeout)──> alive   "recovered"

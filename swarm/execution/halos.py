@@ -1,5 +1,10 @@
-"""Tiles stages of a Plan: their layouts (which rectangle each tile needs, owns and returns)
-and a driver that runs one device's tiles, doing the tiles' collectives over endpoints."""
+"""Halos across devices: the layouts of a plan's tiles stages (which rectangle each tile needs,
+owns and returns) and the driver that runs one device's tiles, trading halo rectangles and
+channel sums with the tiles on other devices over endpoints.
+
+What a tile exchanges is decided in tiles/layout.py (the halo transfers), when it asks for
+them in tiles/executor.py (the requests of tiles/requests.py), and what they cost the planner
+in tiles/cost.py; the same exchange inside one process is tiles/driver.py."""
 from __future__ import annotations
 
 from planner.model_desc import ModelDesc
