@@ -1,1 +1,2 @@
-"""planner: model cost description, device profiles, cost model, simulator, plan search (pure functions)."""
+"""planner: the plan and everything that makes or changes one, as pure functions: model and device
+descriptions, cost model, memory fit, simulator, the planners, re-planning, backups, routing."""

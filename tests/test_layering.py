@@ -1,4 +1,4 @@
-"""Imports go one way over the whole tree (DESIGN.md section 2): every module of swarm, planner
+"""Imports go one way over the whole tree (docs/architecture.md): every module of swarm, planner
 and tiles sits in a layer of LAYERS and imports only its own layer or lower ones; swarm's root
 holds only the package face; no modules import each other round in a circle; tiles and planner
 never import swarm, trio, zeroconf or msgpack; tiles never imports planner; planner is pure (no

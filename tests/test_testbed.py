@@ -1,5 +1,7 @@
-"""The namespace testbed (root): 4 agents find each other by mDNS, status lists them, a killed one is
-dead within 2 s, a cut one dead then healed, links capped by tc, and down leaves nothing behind.
+"""The namespace testbed (root): 4 agents that differ in CPU share, memory and link rate find each
+other by mDNS with their own limits, status lists them, a process run --in-cgroup shares its
+device's cgroup, a killed one is dead within 2 s, a cut one dead then healed, links capped by tc
+each at its own rate, and down leaves nothing behind.
 Also the cgroup v1/v2 logic on fake trees, and the refusal without root."""
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ class TestNamespaceTestbed:
     def bed(cls):
         if testbed.load() is not None or leftovers():
             pytest.skip("a namespace testbed is already up on this machine")
-        up = run_swarm("testbed", "up", "--devices", 4, "--cpu", "0.5", "--mem", "512M", "--bandwidth", "100mbit",
-                       timeout=180)
+        up = run_swarm("testbed", "up", "--devices", 4, "--cpu", "0.5,0.5,0.5,1.5", "--mem", "512M,512M,512M,768M",
+                       "--bandwidth", "100mbit,100mbit,100mbit,20mbit", timeout=180)
         try:
             assert up.returncode == 0, up.stderr
             yield testbed.load()
@@ -60,7 +62,9 @@ class TestNamespaceTestbed:
         assert sorted(d["name"] for d in devices) == DEVICES
         assert all(d["health"] == "alive" and d["source"] == "mdns" for d in devices)
         assert {d["address"] for d in devices} == {d.address for d in bed.devices}
-        assert all(d["memory"] == 512 * 2**20 and d["cores"] == 1 for d in devices)  # the cgroup limits
+        limits = {d["name"]: (d["memory"], d["cores"]) for d in devices}  # each device's own cgroup limits
+        assert limits == {"dev0": (512 * 2**20, 1), "dev1": (512 * 2**20, 1), "dev2": (512 * 2**20, 1),
+                          "dev3": (768 * 2**20, 2)}
         assert took < 8, took   # found within a few seconds, interpreter start-up included
 
     def test_links_are_capped(self, bed):
@@ -75,12 +79,28 @@ class TestNamespaceTestbed:
             network = resolve_network(testbed.BRIDGE)   # a coordinator on the host, on the bridge only
             async with open_roster(Credentials("host-coordinator", token), network) as cluster:
                 devices = {d.name: d for d in await cluster.wait_for(4, timeout=10)}
-                pair = [devices["dev0"].node_id, devices["dev3"].node_id]
-                return await measure_bandwidth(cluster, pair, nbytes=2 * 2**20)
+                fast = [devices["dev0"].node_id, devices["dev1"].node_id]
+                slow = [devices["dev0"].node_id, devices["dev3"].node_id]
+                return (await measure_bandwidth(cluster, fast, nbytes=2 * 2**20),
+                        await measure_bandwidth(cluster, slow, nbytes=2 * 2**20))
 
-        results = trio.run(measure)
-        for r in results.values():
+        fast, slow = trio.run(measure)
+        for r in fast.values():
             assert 6e6 < r["bytes_per_second"] < 13.5e6, r   # 100 Mbit/s = 12.5 MB/s
+        for r in slow.values():
+            assert 1.2e6 < r["bytes_per_second"] < 2.7e6, r   # dev3's 20 Mbit/s = 2.5 MB/s
+
+    def test_status_shows_each_devices_limits_and_exec_in_cgroup_joins_its_cgroup(self, bed):
+        status = json.loads(run_swarm("testbed", "status", "--json").stdout)
+        shown = {d["device"]: (d["cpu"], d["memory"], d["bandwidth"]) for d in status["devices"]}
+        assert shown["dev1"] == (0.5, 512 * 2**20, "100mbit")
+        assert shown["dev3"] == (1.5, 768 * 2**20, "20mbit")
+        inside = run_swarm("testbed", "exec", "--in-cgroup", "dev3", "--", "cat", "/proc/self/cgroup", timeout=30)
+        assert inside.returncode == 0, inside.stderr
+        agent = Path(f"/proc/{bed.device('dev3').pid}/cgroup").read_text()
+        assert inside.stdout == agent   # the same cgroups as dev3's agent
+        outside = run_swarm("testbed", "exec", "dev3", "--", "cat", "/proc/self/cgroup", timeout=30)
+        assert outside.stdout != agent
 
     def test_killed_agent_is_reported_dead_within_2_seconds_and_cut_link_heals(self, bed):
         cmd = [sys.executable, "-m", "swarm", "testbed", "exec", "dev0", "--", "swarm", "status", "--json", "--watch",
@@ -138,6 +158,20 @@ def test_down_cleans_up_after_a_crash():
         assert again.returncode == 0 and "nothing to remove" in again.stdout
     finally:
         run_swarm("testbed", "down", timeout=60)
+
+
+def test_per_device_limits_are_one_for_all_or_one_each():
+    assert testbed.per_device(0.25, 3, "--cpu") == [0.25, 0.25, 0.25]
+    assert testbed.per_device([0.25], 3, "--cpu") == [0.25, 0.25, 0.25]
+    assert testbed.per_device([0.1, 0.2, 0.6], 3, "--cpu") == [0.1, 0.2, 0.6]
+    assert testbed.per_device(None, 2, "--mem") == [None, None]
+    with pytest.raises(SwarmError, match="--cpu gives 2 values for 3 devices"):
+        testbed.per_device([0.1, 0.2], 3, "--cpu")
+    r = run_swarm("testbed", "up", "--devices", 3, "--cpu", "0.1,0.2", "--loopback")
+    assert r.returncode == 2 and r.stderr.strip().endswith("--cpu gives 2 values for 3 devices: give one for all, "
+                                                           "or one each"), r.stderr
+    r = run_swarm("testbed", "up", "--devices", 2, "--mem", "1G,lots", "--loopback")
+    assert r.returncode == 2 and "'lots' is not a size" in r.stderr, r.stderr
 
 
 def test_without_root_the_namespace_testbed_says_so(monkeypatch, tmp_path):

@@ -40,7 +40,10 @@ class MembershipEvent:
     reason: str = ""
 
 
-class Member:
+class Liveness:
+    """One watched node's health as Membership judges it: when it was last heard from, and when
+    it turns suspect."""
+
     def __init__(self, node_id: str, now: float, suspect_after: float):
         self.node_id = node_id
         self.health = ALIVE
@@ -58,7 +61,7 @@ class Membership:
         self.suspect_after = suspect_after or 3 * interval    # silence that makes a member suspect
         self.probe_timeout = probe_timeout
         self._probe = probe
-        self.members: dict[str, Member] = {}
+        self.members: dict[str, Liveness] = {}
         self.log: list[MembershipEvent] = []
         self._subscribers: list[trio.MemorySendChannel] = []
         self._wake = trio.Event()
@@ -70,7 +73,7 @@ class Membership:
         if node_id in self.members:
             self.heard_from(node_id)
             return
-        self.members[node_id] = Member(node_id, trio.current_time(), self.suspect_after)
+        self.members[node_id] = Liveness(node_id, trio.current_time(), self.suspect_after)
         self._emit(node_id, "joined", reason)
         self._wake.set()
 
@@ -130,11 +133,11 @@ class Membership:
 
     # -- inside -----------------------------------------------------------------------
 
-    def _suspect(self, member: Member, reason: str) -> None:
+    def _suspect(self, member: Liveness, reason: str) -> None:
         self._set(member, SUSPECT, "suspect", reason)
         self._nursery.start_soon(self._run_probe, member, member.generation)
 
-    async def _run_probe(self, member: Member, generation: int) -> None:
+    async def _run_probe(self, member: Liveness, generation: int) -> None:
         answered = False
         with trio.move_on_after(self.probe_timeout):
             try:
@@ -151,7 +154,7 @@ class Membership:
         else:
             self._set(member, DEAD, "dead", f"no answer to a probe within {self.probe_timeout:g} s")
 
-    def _set(self, member: Member, health: str, kind: str, reason: str) -> None:
+    def _set(self, member: Liveness, health: str, kind: str, reason: str) -> None:
         member.health = health
         member.generation += 1
         self._emit(member.node_id, kind, reason)

@@ -1,7 +1,7 @@
 """A job as the coordinator drives it: assign, start, stop and release it on agents, exchange
 its messages, and wait for results.
 
-    job = cluster.job("train-1", epoch=0)
+    job = roster.job("train-1", epoch=0)
     await job.assign(node, "bandwidth", spec)      # JobError if the agent refuses
     await job.start(node)
     await job.send(node, job.data("probe", {...}))
@@ -9,7 +9,7 @@ its messages, and wait for results.
     result = await job.wait_done(node)              # JobError if it failed or its device died
     await job.release_all()
 
-A re-plan makes a new handle for the same job id at a higher epoch (cluster.job(id, e+1));
+A re-plan makes a new handle for the same job id at a higher epoch (roster.job(id, e+1));
 from then on messages of the older epoch are refused here as on the agents.
 """
 from __future__ import annotations

@@ -26,6 +26,14 @@ def bandwidth_rate(text: str) -> str:
     return text.lower()
 
 
+def each(kind):
+    """An argument type: one value of `kind`, or a comma list of them (one per device)."""
+    def parse(text: str) -> list:
+        return [kind(part) for part in text.split(",")]
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("testbed", help="a cluster of agents on this machine (tests, experiments)", description=(
         "Run several agents on this machine as a cluster. As root: each device gets its own network "
@@ -36,9 +44,12 @@ def add_parser(sub) -> None:
 
     up = commands.add_parser("up", help="start the devices")
     up.add_argument("--devices", type=positive_int, required=True, help="how many devices (dev0, dev1, ...)")
-    up.add_argument("--cpu", type=positive_float, help="CPU quota per device in cores, e.g. 0.25 (cgroup)")
-    up.add_argument("--mem", type=memory_size, help="memory limit per device, e.g. 1G (cgroup)")
-    up.add_argument("--bandwidth", type=bandwidth_rate, help="cap of each device's link, e.g. 100mbit (tc tbf)")
+    up.add_argument("--cpu", type=each(positive_float), help="CPU quota per device in cores, e.g. 0.25, or one each: "
+                    "0.1,0.1,0.2,0.2,0.4,0.6 (cgroup)")
+    up.add_argument("--mem", type=each(memory_size), help="memory limit per device, e.g. 1G, or one each: 1G,1G,2G "
+                    "(cgroup)")
+    up.add_argument("--bandwidth", type=each(bandwidth_rate), help="cap of each device's link, e.g. 100mbit, or one "
+                    "each: 100mbit,20mbit (tc tbf)")
     up.add_argument("--loopback", action="store_true", help="agents on 127.0.0.1 instead of namespaces (no root)")
     commands.add_parser("down", help="stop and remove everything the testbed made (safe to repeat)")
     for action, text in (("kill", "SIGKILL a device's agent"),
@@ -49,6 +60,8 @@ def add_parser(sub) -> None:
                              description="Run CMD inside the device's network namespace, with SWARM_TOKEN and "
                                          "SWARM_INTERFACE set for the testbed: e.g. "
                                          "`swarm testbed exec dev0 -- swarm status`.")
+    ex.add_argument("--in-cgroup", action="store_true", help="run inside the device's cgroups too (its CPU share "
+                    "and memory limit, beside its agent), as a process of that device would")
     ex.add_argument("device", help="e.g. dev0")
     ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
     st = commands.add_parser("status", help="the devices, their agents and links")
@@ -63,12 +76,9 @@ def run(args) -> int:
     if action == "up":
         record = testbed.up(args.devices, cpu=args.cpu, memory=args.mem, bandwidth=args.bandwidth,
                             loopback=args.loopback)
-        limits = ", ".join(x for x in (f"{record.cpu:g} cores" if record.cpu else "",
-                                       f"{record.memory / 2**30:g} GiB" if record.memory else "",
-                                       record.bandwidth or "") if x) or "no limits"
-        print(f"testbed up: {len(record.devices)} devices ({record.kind}, {limits})")
+        print(f"testbed up: {len(record.devices)} devices ({record.kind})")
         for d in record.devices:
-            print(f"  {d.name}  {d.address}:{d.port}  pid {d.pid}")
+            print(f"  {d.name}  {d.address}:{d.port}  pid {d.pid}  {limits(d.cpu, d.memory, d.bandwidth)}")
         if record.kind == "netns":
             print(f"host address on the bridge: {testbed.HOST_ADDRESS} ({testbed.BRIDGE}); "
                   f"try: swarm testbed exec dev0 -- swarm status")
@@ -84,7 +94,7 @@ def run(args) -> int:
         return 0
     if action == "exec":
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-        testbed.exec_in(args.device, argv)  # does not return
+        testbed.exec_in(args.device, argv, in_cgroup=args.in_cgroup)  # does not return
     record = testbed.load()
     if record is None:
         if args.json:
@@ -101,6 +111,13 @@ def run(args) -> int:
     else:
         print(f"{record.kind} testbed, {len(rows)} devices")
         for r in rows:
-            print(f"  {r['device']:6} {r['address']:21} pid {r['pid']:<7} agent {r['agent']:8} link {r['link']}")
+            print(f"  {r['device']:6} {r['address']:21} pid {r['pid']:<7} agent {r['agent']:8} link {r['link']:14} "
+                  f"{limits(r['cpu'], r['memory'], r['bandwidth'])}")
     return 0
+
+
+def limits(cpu: float | None, memory: int | None, bandwidth: str | None) -> str:
+    """"0.2 core, 1 GiB, 100mbit"; "no limits"."""
+    return ", ".join(x for x in (f"{cpu:g} core" if cpu else "", f"{memory / 2**30:g} GiB" if memory else "",
+                                 bandwidth or "") if x) or "no limits"
 

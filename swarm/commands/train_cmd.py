@@ -1,4 +1,4 @@
-"""`swarm train`: train a model (locally for now; across the swarm with other strategies)."""
+"""`swarm train`: train a model on this machine or across the swarm, by a plan from the planners."""
 from __future__ import annotations
 
 import argparse

@@ -3,7 +3,8 @@ each step's samples (uint8 images to the first stage, targets to the last), comm
 when every device is ready, and when a device is lost, roll every stage back to the last
 complete backup, re-plan over the survivors, and replay (the mechanics: replay.py).
 
-Devices are reached through a `control` (the swarm's cluster, or devices in this process):
+Devices are reached through a `control` (launch.RosterControl over the swarm's roster, or
+inprocess.LocalControl for devices in this process):
 
     endpoint = await control.start_epoch(epoch, job)   # (re)start every device of job.plan
     lost = await control.next_loss()                    # names of devices that died or failed

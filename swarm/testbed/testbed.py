@@ -41,6 +41,9 @@ class DeviceRecord:
     namespace: str | None = None     # None in the loopback form
     link: str | None = None          # host end of its link
     cgroups: list[str] = field(default_factory=list)
+    cpu: float | None = None         # its own limits (devices may differ)
+    memory: int | None = None
+    bandwidth: str | None = None
 
 
 @dataclass
@@ -48,9 +51,9 @@ class TestbedRecord:
     kind: str                        # "netns" or "loopback"
     devices: list[DeviceRecord]
     token_file: str
-    cpu: float | None = None
-    memory: int | None = None
-    bandwidth: str | None = None
+    cpu: float | list[float] | None = None       # as given: one value for every device, or one each
+    memory: int | list[int] | None = None
+    bandwidth: str | list[str] | None = None
 
     def device(self, name: str) -> DeviceRecord:
         for d in self.devices:
@@ -136,10 +139,25 @@ def _free_ports(count: int) -> list[int]:
 
 # -- up -------------------------------------------------------------------------------
 
-def up(count: int, *, cpu: float | None = None, memory: int | None = None, bandwidth: str | None = None,
-       loopback: bool = False) -> TestbedRecord:
+def per_device(value, count: int, flag: str) -> list:
+    """One value for each of `count` devices from one value for all, or a list of exactly `count`."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) == 1:
+        return list(value) * count
+    if len(value) != count:
+        raise SwarmError(f"{flag} gives {len(value)} values for {count} devices: give one for all, or one each")
+    return list(value)
+
+
+def up(count: int, *, cpu: float | list[float] | None = None, memory: int | list[int] | None = None,
+       bandwidth: str | list[str] | None = None, loopback: bool = False) -> TestbedRecord:
+    """Start `count` devices. `cpu` (cores), `memory` (bytes) and `bandwidth` (a tc rate) are one
+    value for every device or a list of one each: devices may differ, as the swarm rehearsed does."""
     if not 1 <= count <= MAX_DEVICES:
         raise SwarmError(f"--devices must be 1-{MAX_DEVICES}, got {count}")
+    cpus, memories = per_device(cpu, count, "--cpu"), per_device(memory, count, "--mem")
+    rates = per_device(bandwidth, count, "--bandwidth")
     if not loopback:
         if not is_root():
             raise SwarmError("the namespace testbed needs root (network namespaces, cgroups, tc): run it with sudo, "
@@ -170,9 +188,9 @@ def up(count: int, *, cpu: float | None = None, memory: int | None = None, bandw
     _save(record)
     try:
         if loopback:
-            _up_loopback(record, count, host)
+            _up_loopback(record, count, host, cpus, memories)
         else:
-            _up_namespaces(record, count, host)
+            _up_namespaces(record, count, host, cpus, memories, rates)
         _wait_ready(record)
     except BaseException:
         down()
@@ -195,23 +213,24 @@ def _launch(record: TestbedRecord, device: DeviceRecord, cmd: list[str], host) -
     record.devices.append(device)
     _save(record)
     if host is not None:
-        dirs = cgroups.create_limits(host, device.name, record.cpu, record.memory)
+        dirs = cgroups.create_limits(host, device.name, device.cpu, device.memory)
         device.cgroups = [str(d) for d in dirs]
         _save(record)
         cgroups.add_process(dirs, process.pid)
 
 
-def _up_loopback(record: TestbedRecord, count: int, host) -> None:
+def _up_loopback(record: TestbedRecord, count: int, host, cpus: list, memories: list) -> None:
     directory = state_dir()
     ports = _free_ports(count)
     everyone = ",".join(f"127.0.0.1:{p}" for p in ports)
     for k, port in enumerate(ports):
         name = device_name(k)
-        device = DeviceRecord(name, "127.0.0.1", port, 0, str(directory / f"{name}.log"), str(directory / name))
+        device = DeviceRecord(name, "127.0.0.1", port, 0, str(directory / f"{name}.log"), str(directory / name),
+                              cpu=cpus[k], memory=memories[k])
         _launch(record, device, _agent_command(name, directory, "lo", port, everyone), host)
 
 
-def _up_namespaces(record: TestbedRecord, count: int, host) -> None:
+def _up_namespaces(record: TestbedRecord, count: int, host, cpus: list, memories: list, rates: list) -> None:
     run = netns.run
     directory = state_dir()
     run("ip", "link", "add", BRIDGE, "type", "bridge")
@@ -226,11 +245,11 @@ def _up_namespaces(record: TestbedRecord, count: int, host) -> None:
         run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", DEVICE_INTERFACE)
         run("ip", "-n", ns, "link", "set", DEVICE_INTERFACE, "up")
         run("ip", "-n", ns, "link", "set", "lo", "up")
-        if record.bandwidth:
-            netns.cap_bandwidth(record.bandwidth, DEVICE_INTERFACE, ns)   # the device's upload
-            netns.cap_bandwidth(record.bandwidth, link)                   # its download
+        if rates[k]:
+            netns.cap_bandwidth(rates[k], DEVICE_INTERFACE, ns)   # the device's upload
+            netns.cap_bandwidth(rates[k], link)                   # its download
         device = DeviceRecord(name, address, AGENT_PORT, 0, str(directory / f"{name}.log"), str(directory / name),
-                              namespace=ns, link=link)
+                              namespace=ns, link=link, cpu=cpus[k], memory=memories[k], bandwidth=rates[k])
         cmd = netns.in_namespace(ns) + _agent_command(name, directory, DEVICE_INTERFACE, AGENT_PORT, None)
         _launch(record, device, cmd, host)
 
@@ -347,11 +366,15 @@ def _link(name: str, up: bool) -> DeviceRecord:
     return device
 
 
-def exec_in(name: str, argv: list[str]) -> None:
-    """Become argv, run as a process of device `name` (inside its namespace), with the testbed's
-    token and interface in its environment; `swarm` means this same swarm. Does not return."""
+def exec_in(name: str, argv: list[str], in_cgroup: bool = False) -> None:
+    """Become argv, run as a process of device `name` (inside its namespace, and with `in_cgroup`
+    inside its cgroups too: its CPU share and memory limit, beside its agent), with the
+    testbed's token and interface in its environment; `swarm` means this same swarm. Does not
+    return."""
     record = require()
     device = record.device(name)
+    if in_cgroup and not device.cgroups:
+        raise SwarmError(f"{name} has no cgroup: the testbed was started without --cpu or --mem")
     if not argv:
         raise SwarmError("nothing to run: give a command after --, e.g. `swarm testbed exec dev0 -- swarm status`")
     if argv[0] == "swarm":
@@ -365,6 +388,8 @@ def exec_in(name: str, argv: list[str]) -> None:
     if shutil.which(argv[0]) is None:
         raise SwarmError(f"command not found: {argv[0]}")
     sys.stdout.flush()
+    if in_cgroup:
+        cgroups.add_process([Path(c) for c in device.cgroups], os.getpid())  # what it becomes stays there
     os.execvpe(argv[0], argv, _environment(extra))  # becomes the command: its signals, its exit status
 
 
@@ -376,6 +401,7 @@ def status_rows(record: TestbedRecord) -> list[dict]:
             state = Path(f"/proc/{d.pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
             link = "down (stopped)" if state == "T" else "up"
         rows.append({"device": d.name, "address": f"{d.address}:{d.port}", "pid": d.pid,
-                     "agent": "running" if _alive(d.pid) else "dead", "link": link})
+                     "agent": "running" if _alive(d.pid) else "dead", "link": link,
+                     "cpu": d.cpu, "memory": d.memory, "bandwidth": d.bandwidth})
     return rows
 
