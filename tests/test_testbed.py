@@ -174,6 +174,27 @@ def test_per_device_limits_are_one_for_all_or_one_each():
     assert r.returncode == 2 and "'lots' is not a size" in r.stderr, r.stderr
 
 
+def test_a_described_cluster_becomes_each_devices_limits(tmp_path):
+    described = json.loads((ROOT / "examples" / "mixed-testbed-cluster.json").read_text())
+    names, cpus, memories, rates = testbed.limits_from_cluster(described, "mixed")
+    assert names == [f"dev{k}" for k in range(6)]
+    assert cpus == [0.1, 0.1, 0.2, 0.2, 0.4, 0.6]
+    assert memories == [2**30] * 5 + [2 * 2**30]   # what training may use, and what the runtime takes beside it
+    assert rates == ["100mbit"] * 6
+    pairs = dict(described, links=[{"between": ["dev0", "dev1"], "mbps": 20}])
+    with pytest.raises(SwarmError, match="cannot rehearse \"links\" between pairs"):
+        testbed.limits_from_cluster(pairs, "pairs")
+    with pytest.raises(SwarmError, match="relative to \"reference\": \"local\""):
+        testbed.limits_from_cluster(dict(described, reference={"gflops": 10}), "gflops")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    r = run_swarm("testbed", "up", "--cluster", bad, "--loopback")
+    assert r.returncode == 2 and "is not JSON" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_swarm("testbed", "up", "--cluster", ROOT / "examples" / "mixed-testbed-cluster.json", "--devices", 4,
+                  "--loopback")
+    assert r.returncode == 2 and "describes 6 devices, not --devices 4" in r.stderr, r.stderr
+
+
 def test_without_root_the_namespace_testbed_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("SWARM_TESTBED_DIR", str(tmp_path))
     monkeypatch.setattr(os, "geteuid", lambda: 1000)

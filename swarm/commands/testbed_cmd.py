@@ -5,6 +5,7 @@ import argparse
 import re
 
 from swarm.commands.flags import positive_float, positive_int
+from swarm.errors import SwarmError
 
 UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -43,7 +44,11 @@ def add_parser(sub) -> None:
     commands.required = True
 
     up = commands.add_parser("up", help="start the devices")
-    up.add_argument("--devices", type=positive_int, required=True, help="how many devices (dev0, dev1, ...)")
+    up.add_argument("--devices", type=positive_int, help="how many devices (dev0, dev1, ...)")
+    up.add_argument("--cluster", metavar="CLUSTER.json", help="rehearse a described cluster (the file `swarm plan "
+                    "--devices` reads): a device per entry, its CPU share from its \"speed\" relative to "
+                    "\"reference\": \"local\", its memory limit from its \"memory\" and what the runtime takes, "
+                    "its link from \"link_mbps\" or \"bandwidth_mbps\"")
     up.add_argument("--cpu", type=each(positive_float), help="CPU quota per device in cores, e.g. 0.25, or one each: "
                     "0.1,0.1,0.2,0.2,0.4,0.6 (cgroup)")
     up.add_argument("--mem", type=each(memory_size), help="memory limit per device, e.g. 1G, or one each: 1G,1G,2G "
@@ -74,11 +79,21 @@ def run(args) -> int:
 
     action = args.testbed_command
     if action == "up":
-        record = testbed.up(args.devices, cpu=args.cpu, memory=args.mem, bandwidth=args.bandwidth,
-                            loopback=args.loopback)
+        count, cpu, memory, bandwidth, names = args.devices, args.cpu, args.mem, args.bandwidth, None
+        if args.cluster:
+            if args.cpu or args.mem or args.bandwidth:
+                raise SwarmError("--cluster gives every device's limits; leave out --cpu, --mem and --bandwidth")
+            names, cpu, memory, bandwidth = testbed.limits_from_cluster(read_json(args.cluster), args.cluster)
+            if count not in (None, len(names)):
+                raise SwarmError(f"{args.cluster} describes {len(names)} devices, not --devices {count}")
+            count = len(names)
+        if count is None:
+            raise SwarmError("say how many devices: --devices N (or --cluster CLUSTER.json)")
+        record = testbed.up(count, cpu=cpu, memory=memory, bandwidth=bandwidth, loopback=args.loopback)
         print(f"testbed up: {len(record.devices)} devices ({record.kind})")
-        for d in record.devices:
-            print(f"  {d.name}  {d.address}:{d.port}  pid {d.pid}  {limits(d.cpu, d.memory, d.bandwidth)}")
+        for k, d in enumerate(record.devices):
+            described = f"  as {names[k]}" if names else ""
+            print(f"  {d.name}  {d.address}:{d.port}  pid {d.pid}  {limits(d.cpu, d.memory, d.bandwidth)}{described}")
         if record.kind == "netns":
             print(f"host address on the bridge: {testbed.HOST_ADDRESS} ({testbed.BRIDGE}); "
                   f"try: swarm testbed exec dev0 -- swarm status")
@@ -114,6 +129,18 @@ def run(args) -> int:
             print(f"  {r['device']:6} {r['address']:21} pid {r['pid']:<7} agent {r['agent']:8} link {r['link']:14} "
                   f"{limits(r['cpu'], r['memory'], r['bandwidth'])}")
     return 0
+
+
+def read_json(path: str):
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise SwarmError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise SwarmError(f"{path} is not JSON: {exc}") from None
 
 
 def limits(cpu: float | None, memory: int | None, bandwidth: str | None) -> str:

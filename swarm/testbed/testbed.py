@@ -150,6 +150,42 @@ def per_device(value, count: int, flag: str) -> list:
     return list(value)
 
 
+def limits_from_cluster(description: dict, where: str) -> tuple[list[str], list[float], list[int], list[str | None]]:
+    """The devices of a cluster description (the JSON `swarm plan --devices` reads) as testbed
+    limits: (names, CPU shares, memory limits, link rates). A device's share is its "speed"
+    relative to "reference": "local" (this machine's profile, one core); its limit is its
+    "memory" (what training may use) plus what the runtime and a job take beside it; its rate
+    is its "link_mbps", else the cluster's "bandwidth_mbps". SwarmError says what does not fit."""
+    from planner.memory import JOB_BYTES
+    from planner.memory_fit import RUNTIME_FLOOR
+    from planner.units import parse_bytes
+
+    specs = description.get("devices") if isinstance(description, dict) else None
+    if not isinstance(specs, list) or not specs:
+        raise SwarmError(f"{where}: a cluster description lists its devices (\"devices\": [...])")
+    if description.get("reference") != "local":
+        raise SwarmError(f"{where}: the testbed rehearses devices whose \"speed\" is relative to \"reference\": "
+                         f"\"local\" (a share of one core of this machine)")
+    if description.get("links"):
+        raise SwarmError(f"{where}: the testbed caps each device's own link; it cannot rehearse \"links\" between "
+                         f"pairs (give \"link_mbps\" per device or \"bandwidth_mbps\")")
+    names, cpus, memories, rates = [], [], [], []
+    for i, spec in enumerate(specs):
+        name = str(spec.get("name", i)) if isinstance(spec, dict) else str(i)
+        if not isinstance(spec, dict) or not isinstance(spec.get("speed"), (int, float)) or spec["speed"] <= 0:
+            raise SwarmError(f"{where}: device {name} needs a positive \"speed\" (its share of one core here)")
+        try:
+            memory = parse_bytes(spec.get("memory"), f"device {name}: memory")
+        except (TypeError, ValueError) as exc:
+            raise SwarmError(f"{where}: {exc}") from None
+        mbps = spec.get("link_mbps", description.get("bandwidth_mbps"))
+        names.append(name)
+        cpus.append(float(spec["speed"]))
+        memories.append(memory + RUNTIME_FLOOR + JOB_BYTES)
+        rates.append(f"{float(mbps):g}mbit" if mbps else None)
+    return names, cpus, memories, rates
+
+
 def up(count: int, *, cpu: float | list[float] | None = None, memory: int | list[int] | None = None,
        bandwidth: str | list[str] | None = None, loopback: bool = False) -> TestbedRecord:
     """Start `count` devices. `cpu` (cores), `memory` (bytes) and `bandwidth` (a tc rate) are one
