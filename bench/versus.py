@@ -1,0 +1,253 @@
+"""Swarm's strategies against plain PyTorch DDP on one testbed configuration, alternating, medians (root).
+
+The issue's two configurations (8 equal devices; 6 unequal ones):
+
+    sudo .venv/bin/python bench/versus.py --devices 8 --cpu 0.2 --mem 1G --bandwidth 100mbit \\
+        --batch-size 8 --microbatches 8 --runs auto,dp,tiles,ddp --steps 4 --repeat 2
+    sudo .venv/bin/python bench/versus.py --devices 6 --cpu 0.1,0.1,0.2,0.2,0.4,0.6 \\
+        --mem 1G,1G,1G,1G,1G,2G --bandwidth 100mbit --batch-size 32 --microbatches 8 \\
+        --runs auto,dp,tiles,ddp --steps 4 --repeat 2
+
+Every run starts on a fresh testbed (`swarm testbed up --devices N --cpu --mem --bandwidth`, so
+each device's cgroup counts its peak memory from zero). A swarm run is the command a user
+would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
+
+    swarm train --model yolov2-16 --img-size 416 --batch-size B --microbatches M --steps S --seed 1
+                --strategy RUN --devices N --metrics FILE --no-eval
+
+and ddp is bench/peers/ddp.py under torchrun, one node inside each device's namespace and
+cgroups (bench/peers/run_ddp.py). Each round runs every run once, in the order of --runs,
+reversed every other round (so neither gains from the machine's drift).
+
+The table: samples/s is the median over rounds of each run's median over its steps after the
+first (the first includes starting up); peak memory the largest over rounds and devices of a
+device's cgroup peak (cgroup v2 memory.peak, v1 memory.max_usage_in_bytes: its agent and,
+for ddp, torchrun and its worker, page cache included); for auto, the step time the planner
+predicts for its plan (`swarm plan` on the same devices afterwards; swarm train does not
+print it), as samples/s, and whether that plan is the one swarm train ran.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from peers.run_ddp import last_error, out_of_memory, run_ddp  # bench/peers, beside this file
+from planner.plan import Plan
+from swarm.commands.flags import positive_float, positive_int
+from swarm.commands.testbed_cmd import bandwidth_rate, each, memory_size
+from swarm.execution.launch import describe_plan
+from swarm.testbed import testbed
+
+HERE = Path(__file__).resolve().parent
+SWARM_RUNS = ("auto", "dp", "pp", "tiles", "hybrid")
+RUNS = (*SWARM_RUNS, "ddp")
+
+
+class Parser(argparse.ArgumentParser):
+    """Mistakes in the flags: one line, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def load_swarm_bench():
+    spec = importlib.util.spec_from_file_location("swarm_bench", HERE / "swarm_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def per_device(kind):
+    """An argument type: one value of `kind` or a comma list (one per device), checked, kept as text."""
+    def parse(text: str) -> str:
+        each(kind)(text)
+        return text
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def run_list(text: str) -> list[str]:
+    runs = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown or not runs:
+        raise argparse.ArgumentTypeError(f"'{','.join(unknown) or text}' is not a run; choose from {','.join(RUNS)}")
+    if len(set(runs)) < len(runs):
+        raise argparse.ArgumentTypeError(f"'{text}' names a run twice")
+    return runs
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog="versus.py", description=__doc__.splitlines()[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
+    p.add_argument("--devices", type=positive_int, default=8, help="testbed devices, all used by every run")
+    p.add_argument("--cpu", type=per_device(positive_float), default="0.2", help="cores per device, or one each")
+    p.add_argument("--mem", type=per_device(memory_size), default="1G", help="memory per device, or one each")
+    p.add_argument("--bandwidth", type=per_device(bandwidth_rate), default="100mbit",
+                   help="link cap per device, or one each")
+    p.add_argument("--model", default="yolov2-16")
+    p.add_argument("--img-size", type=positive_int, default=416)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--microbatches", type=positive_int, default=8)
+    p.add_argument("--steps", type=positive_int, default=4)
+    p.add_argument("--repeat", type=positive_int, default=2, help="rounds (default: 2)")
+    p.add_argument("--runs", type=run_list, default="auto,dp,tiles,ddp",
+                   help=f"which runs, of {','.join(RUNS)} (default: auto,dp,tiles,ddp)")
+    p.add_argument("--timeout", type=positive_float, default=1800, help="seconds one run may take (default: 1800)")
+    p.add_argument("--json", metavar="FILE", help="also write the raw results here")
+    args = p.parse_args(argv)
+    for flag in ("cpu", "mem", "bandwidth"):
+        count = len(getattr(args, flag).split(","))
+        if count not in (1, args.devices):
+            p.error(f"--{flag} gives {count} values for {args.devices} devices (give one, or one per device)")
+    if args.steps < 2:
+        p.error("--steps must be at least 2 (the first step, which starts everything up, is not counted)")
+    return args
+
+
+def train_args(args: argparse.Namespace) -> list:
+    return ["--model", args.model, "--img-size", args.img_size, "--batch-size", args.batch_size,
+            "--microbatches", args.microbatches, "--steps", args.steps, "--seed", 1]
+
+
+def peak_memory() -> dict[str, int]:
+    """Each device's cgroup peak memory in bytes (devices whose cgroup does not say are left out)."""
+    peaks = {}
+    for d in testbed.require().devices:
+        for name in ("memory.peak", "memory.max_usage_in_bytes"):
+            files = [Path(c) / name for c in d.cgroups if (Path(c) / name).exists()]
+            if files:
+                peaks[d.name] = int(files[0].read_text())
+                break
+    return peaks
+
+
+def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dict:
+    """`swarm train --strategy RUN` in dev0's namespace; its steps and plan, or the error."""
+    try:
+        r = bench.swarm("testbed", "exec", "dev0", "--", sys.executable, "-m", "swarm", "train", *train_args(args),
+                        "--strategy", run, "--devices", args.devices, "--metrics", metrics, "--no-eval",
+                        "--save", metrics.with_suffix(".pt"), check=False, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": out_of_memory() or f"timed out after {args.timeout:g} s"}
+    oom = out_of_memory()
+    if oom or r.returncode:
+        return {"error": oom or last_error(r.stderr)}
+    lines = [line.rstrip() for line in (r.stdout + r.stderr).splitlines()]
+    plan = [line.strip() for line in lines if line.startswith("plan (") or line.strip().startswith("stage ")]
+    return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()], "plan": plan}
+
+
+def predicted(bench, args: argparse.Namespace, ran: list[str]) -> dict:
+    """The planner's prediction for auto on these devices (`swarm plan` in dev0's namespace)."""
+    r = bench.swarm("testbed", "exec", "dev0", "--", sys.executable, "-m", "swarm", "plan", "--model", args.model,
+                    "--img-size", args.img_size, "--batch-size", args.batch_size, "--microbatches",
+                    args.microbatches, "--wait", 5, "--json", check=False, timeout=600)
+    try:
+        plan = Plan.from_json(r.stdout)
+    except ValueError:
+        return {"predicted_error": last_error(r.stderr)}
+    lines = [line.strip() for line in describe_plan(plan).splitlines()]
+    return {"predicted_step_s": plan.predicted["step_time_s"], "predicted_samples_per_s": plan.predicted["throughput"],
+            "predicted_plan": lines, "same_plan": lines == ran}
+
+
+def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -> dict:
+    """One run on a fresh testbed: its rates, the devices it used, the devices' peak memory."""
+    bench.restart_testbed()
+    metrics = work / f"{label}.jsonl"
+    t0 = time.monotonic()
+    if run == "ddp":
+        result = run_ddp(args.devices, train_args(args), metrics, work / label, args.timeout)
+    else:
+        result = swarm_train(bench, run, args, metrics)
+    result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory())
+    if "error" in result:
+        return result
+    steps = result["steps"]
+    result["rates"] = [s["samples_per_s"] for s in steps[1:]]
+    result["samples_per_s"] = statistics.median(result["rates"])
+    result["used"] = max((len(s.get("device_times", {})) for s in steps), default=0) or args.devices
+    if run == "auto":
+        result.update(predicted(bench, args, result["plan"]))
+    return result
+
+
+def progress(r: dict) -> None:
+    if "error" in r:
+        text = f"failed: {r['error']}"
+    else:
+        text = (f"{r['samples_per_s']:.3f} samples/s (steps {', '.join(f'{x:.3f}' for x in r['rates'])}) on "
+                f"{r['used']} devices")
+    print(f"  {r['label']:<10} {text}; {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+
+
+def summarise(run: str, rounds: list[dict]) -> list[str]:
+    """One table row for a run over its rounds."""
+    ok = [r for r in rounds if "error" not in r]
+    per_round = ", ".join("failed" if "error" in r else f"{r['samples_per_s']:.3f}" for r in rounds)
+    peaks = [(v, d) for r in rounds for d, v in r["peak_bytes"].items()]
+    peak = max(peaks) if peaks else None
+    guesses = [r["predicted_samples_per_s"] for r in ok if "predicted_samples_per_s" in r]
+    guess = f"{statistics.median(guesses):.3f}" if guesses else "-"
+    if guesses and not all(r.get("same_plan") for r in ok):
+        guess += " (other plan)"
+    return [run, ",".join(sorted({str(r["used"]) for r in ok})) or "-",
+            f"{statistics.median(r['samples_per_s'] for r in ok):.3f}" if ok else "failed", per_round, guess,
+            f"{peak[0] / 2**20:.0f} MiB ({peak[1]})" if peak else "-",
+            f"{statistics.median(r['wall_s'] for r in rounds):.0f} s"]
+
+
+def table(rows: list[list[str]]) -> str:
+    head = ["run", "devices", "samples/s", "per round", "predicted", "peak memory (device)", "wall"]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [head, *rows])
+
+
+def header(args: argparse.Namespace) -> str:
+    cpus = [float(c) for c in args.cpu.split(",")]
+    cores = sum(cpus) if len(cpus) > 1 else cpus[0] * args.devices
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; testbed: {args.devices} devices, "
+            f"cpu {args.cpu} ({cores:g} cores in all), mem {args.mem}, bandwidth {args.bandwidth}; {args.model} at {args.img_size}, "
+            f"batch {args.batch_size} in {args.microbatches} micro-batches, {args.steps} steps, {args.repeat} rounds")
+
+
+def failures(results: dict[str, list[dict]]) -> list[str]:
+    return [f"{r['label']}: {r['error']}" for rounds in results.values() for r in rounds if "error" in r]
+
+
+def main() -> None:
+    args = parse_args()
+    if os.geteuid() != 0:
+        sys.exit("versus.py: the namespace testbed needs root")
+    bench = load_swarm_bench()
+    bench.TESTBED[:] = ["--devices", args.devices, "--cpu", args.cpu, "--mem", args.mem, "--bandwidth", args.bandwidth]
+    started = header(args)
+    print(started, file=sys.stderr, flush=True)
+    results: dict[str, list[dict]] = {run: [] for run in args.runs}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for k in range(args.repeat):
+                for run in args.runs if k % 2 == 0 else args.runs[::-1]:
+                    results[run].append(measure(bench, run, args, Path(tmp), f"{run}-{k + 1}"))
+                    progress(results[run][-1])
+    finally:
+        bench.swarm("testbed", "down", check=False)
+    print(started)
+    print(table([summarise(run, rounds) for run, rounds in results.items()]))
+    for line in failures(results):
+        print(f"  {line}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The DDP peer (bench/peers/ddp.py) trains what swarm's local trainer trains, and bench/versus.py's flags.
+
+No testbed and no root: ddp.py runs under torchrun with two local ranks on loopback. lenet5
+has no BatchNorm (which plain DDP keeps per rank), so its weights after two SGD steps over
+ranks must equal LocalTrainer's on the same global batches, up to float rounding.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+# batch 5 over 2 ranks: shares of 3 and 2 samples, each in 2 micro-batches (one of them of 1)
+TINY = {"model": "lenet5", "img_size": 64, "batch_size": 5, "microbatches": 2, "steps": 2, "seed": 1, "lr": 0.1,
+        "warmup": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flags(settings: dict) -> list[str]:
+    return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """ddp.py on 2 local ranks for TINY: (metrics lines, trained weights)."""
+    out = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                        "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "bench" / "peers" / "ddp.py"),
+                        *flags(TINY), "--metrics", str(out / "m.jsonl"), "--save", str(out / "w.pt")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
+    return lines, torch.load(out / "w.pt", weights_only=True)
+
+
+def test_ddp_writes_one_metrics_line_per_step(ddp_run):
+    lines, _ = ddp_run
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["samples"] == TINY["batch_size"]
+        assert m["seconds"] > 0 and m["samples_per_s"] == pytest.approx(m["samples"] / m["seconds"])
+        assert torch.isfinite(torch.tensor(m["loss"]))
+        assert len(m["rank_cpu_s"]) == 2
+
+
+def test_ddp_equals_local_training_without_batchnorm(ddp_run):
+    from swarm.data import make_batch, step_indices
+    from swarm.local.trainer import LocalTrainer, TrainConfig, prepare
+
+    lines, weights = ddp_run
+    torch.set_num_threads(1)
+    cfg, train_set, _ = prepare(TrainConfig(**TINY))
+    trainer = LocalTrainer(cfg)
+    start = {k: v.clone() for k, v in trainer.net.state_dict().items()}
+    losses = [trainer.step(*make_batch(train_set, step_indices(len(train_set), cfg.batch_size, s, cfg.seed)))
+              for s in range(cfg.steps)]
+    assert [m["loss"] for m in lines] == pytest.approx(losses, rel=1e-5)
+    local = trainer.net.state_dict()
+    assert local.keys() == weights.keys()
+    for k, v in local.items():
+        assert (v - start[k]).abs().max() > 1e-4, f"{k} hardly moved: the comparison would prove nothing"
+        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6)
+
+
+def run_script(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, args)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("bad, says", [(["--steps", "0"], "--steps"), (["--batch-size", "x"], "--batch-size"),
+                                       (["--model", "lenet5", "--img-size", "3"], "--img-size 3")])
+def test_ddp_bad_flags_are_one_line(bad, says):
+    r = run_script(ROOT / "bench" / "peers" / "ddp.py", *bad)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
+
+
+def test_versus_help():
+    r = run_script(ROOT / "bench" / "versus.py", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--runs" in r.stdout and "--cpu 0.1,0.1,0.2,0.2,0.4,0.6" in r.stdout
+
+
+@pytest.mark.parametrize("bad", [["--runs", "auto,fast"], ["--runs", "dp,dp"], ["--devices", "6", "--cpu", "0.1,0.2"]])
+def test_versus_bad_flags_are_one_line(bad):
+    r = run_script(ROOT / "bench" / "versus.py", *bad)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("versus.py: error:"), r.stderr
