@@ -3,7 +3,9 @@
 By cost, from PlanInputs (`swarm plan`, and beside every other planner in `auto`):
 - local: the whole model on one device (the data source, else the fastest device).
 - dp: the whole model on every device, each micro-batch dealt out by Asteroid's Alg. 1
-  (speed-proportional, memory-aware); devices left with no samples are dropped.
+  (speed-proportional, memory-aware; devices left with no samples are dropped), or whole
+  micro-batches per device: an equal share each, or as many as each finishes in time
+  (uneven devices finish together); the fastest predicted.
 - pp: GPipe — one stage per device in the cluster's order, layers split so the stages take
   equal time on an average device, every stage warming up with all M forwards.
 
@@ -236,15 +238,33 @@ def plan_dp(inputs: PlanInputs) -> Plan:
     alloc = {d: y for d, y in alloc.items() if y > 0}
     mode = "dp" if len(alloc) > 1 else "single"
     stage = Stage(0, inputs.num_layers, mode, list(alloc), allocation=alloc if mode == "dp" else None)
-    shared = inputs.finish(inputs.plan([stage], "dp"))
+    plans = [inputs.finish(inputs.plan([stage], "dp"))]
     copies = most_replicas(inputs.microbatches, len(group))
-    if copies <= len(alloc):
-        return shared
-    # whole micro-batches per device keep more devices busy: the fastest that many, the
-    # slowest first (the simulator times the first replica)
-    chosen = list(reversed(group[:copies]))
-    replicated = inputs.finish(inputs.plan([Stage(0, inputs.num_layers, "single", chosen, replicas=copies)], "dp"))
-    return min((replicated, shared), key=lambda p: (not p.predicted["fits"], p.predicted["step_time_s"]))
+    if copies > len(alloc):  # whole micro-batches per device keep more devices busy: the fastest that many
+        plans.append(inputs.finish(inputs.plan([Stage(0, inputs.num_layers, "single", group[:copies],
+                                                      replicas=copies)], "dp")))
+    dealt = deal_microbatches(inputs, group)
+    if len(dealt) > 1:  # uneven devices: each takes as many whole micro-batches as it finishes in time
+        shares = list(dealt.values())
+        plans.append(inputs.finish(inputs.plan([Stage(0, inputs.num_layers, "single", list(dealt), replicas=len(dealt),
+                                                      shares=shares if len(set(shares)) > 1 else None)], "dp")))
+    return min(plans, key=lambda p: (not p.predicted["fits"], p.predicted["step_time_s"]))
+
+
+def deal_microbatches(inputs: PlanInputs, group: list[str]) -> dict[str, int]:
+    """Whole micro-batches dealt one at a time to the device that would finish it first (list
+    scheduling by each device's time for a micro-batch of the whole model), among the devices
+    that hold the model and a micro-batch: {device: micro-batches}, in `group` order, without
+    the devices that got none."""
+    cluster, mem, n = inputs.cluster, inputs.mem, inputs.num_layers
+    able = [d for d in group if mem.max_batch(0, n, 1, cluster.device(d).memory) >= inputs.microbatch]
+    took = {d: cluster.device(d).costs.range_time(0, n, inputs.microbatch, with_loss=True) for d in able}
+    busy, count = dict.fromkeys(able, 0.0), dict.fromkeys(able, 0)
+    for _ in range(inputs.microbatches if able else 0):
+        d = min(able, key=lambda d: busy[d] + took[d])
+        busy[d] += took[d]
+        count[d] += 1
+    return {d: k for d, k in count.items() if k}
 
 
 def balanced_split(layer_times: np.ndarray, parts: int) -> list[int]:

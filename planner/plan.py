@@ -60,6 +60,9 @@ class Stage:
             sums stay inside a replica. The weight gradients are summed over all the devices
             and the BatchNorm running statistics are brought to what the micro-batches give in
             order, so the result does not change. Default 1.
+    shares: (replicas of a single stage) how many micro-batches each replica runs, replica 0
+            the first shares[0] of them and so on: faster devices take more, so that uneven
+            devices finish together. Default: equal shares (replicas divides the micro-batches).
     """
 
     first: int
@@ -74,6 +77,7 @@ class Stage:
     warmup: int | None = None
     together: int | None = None
     replicas: int | None = None
+    shares: list[int] | None = None
 
     @property
     def layers(self) -> range:
@@ -87,6 +91,12 @@ class Stage:
 
     def tiles_per_replica(self) -> int:
         return len(self.tile_devices or []) // self.replica_count()
+
+    def replica_shares(self, microbatches: int) -> list[int]:
+        """How many micro-batches each replica runs (consecutive runs, replica 0's first)."""
+        if self.shares:
+            return list(self.shares)
+        return [microbatches // self.replica_count()] * self.replica_count()
 
     def replica_tiles(self, r: int) -> list[str]:
         """Devices of replica r's tiles, in tile order."""
@@ -131,27 +141,35 @@ class Plan:
         """The replica of a one-stage replicated plan that runs micro-batch m (0 otherwise)."""
         if len(self.stages) != 1 or not self.stages[0].replicas:
             return 0
-        return m // (self.microbatches // self.stages[0].replica_count())
+        end = 0
+        for r, share in enumerate(self.stages[0].replica_shares(self.microbatches)):
+            end += share
+            if m < end:
+                return r
+        raise ValueError(f"micro-batch {m} is beyond the plan's {self.microbatches}")
+
+    def replica_plan(self, r: int) -> "Plan":
+        """Replica r of a one-stage replicated plan on its own: its devices running its share of
+        the micro-batches (of the same size)."""
+        s = self.stages[0]
+        share = s.replica_shares(self.microbatches)[r]
+        if s.mode == "tiles":
+            tiles = s.replica_tiles(r)
+            s = replace(s, devices=list(dict.fromkeys(tiles)), tile_devices=tiles, replicas=None, shares=None)
+        else:
+            s = replace(s, devices=[s.devices[r]], replicas=None, shares=None)
+        return replace(self, batch_size=self.microbatch_size() * share, microbatches=share, stages=[s],
+                       devices={d: f for d, f in self.devices.items() if d in s.devices})
 
     def in_blocks(self) -> "Plan":
         """The plan as its stages see the work: a one-stage plan that runs `together`
         micro-batches as one block takes the time and memory of the plan with M / together
         micro-batches of that many times the samples (the statistics are per micro-batch, the
-        cost is not). A replicated stage is seen as its first replica running its share of
-        the micro-batches (the others run theirs at the same time)."""
-        if len(self.stages) != 1:
+        cost is not). A replicated plan: see replica_plan."""
+        if len(self.stages) != 1 or self.stages[0].block() == 1:
             return self
-        s = self.stages[0]
-        size, copies = s.block(), s.replica_count()
-        if size == 1 and copies == 1:
-            return self
-        if copies > 1 and s.mode == "tiles":
-            tiles = s.replica_tiles(0)
-            s = replace(s, devices=list(dict.fromkeys(tiles)), tile_devices=tiles, replicas=None)
-        elif copies > 1:
-            s = replace(s, devices=s.devices[:1], replicas=None)
-        return replace(self, batch_size=self.batch_size // copies, microbatches=self.microbatches // copies // size,
-                       devices={d: f for d, f in self.devices.items() if d in s.devices} if copies > 1 else self.devices,
+        s, size = self.stages[0], self.stages[0].block()
+        return replace(self, batch_size=self.batch_size, microbatches=self.microbatches // size,
                        stages=[replace(s, together=None)])
 
     def warmups(self) -> list[int]:
@@ -205,6 +223,8 @@ class Plan:
                 unknown = [d for d in s.devices if d not in self.devices]
                 if unknown:
                     raise PlanError(f"{where} uses unknown device(s) {', '.join(unknown)}; known: {', '.join(self.devices)}")
+            if s.shares is not None and s.replicas in (None, 1):
+                raise PlanError(f"{where}: shares are for a stage with replicas")
             if s.together not in (None, 1) and s.mode != "tiles":
                 raise PlanError(f"{where}: only a tiles stage runs micro-batches together")
             if s.replicas not in (None, 1):
@@ -212,7 +232,13 @@ class Plan:
                     raise PlanError(f"{where}: a dp stage has no replicas (its devices share each micro-batch)")
                 if len(self.stages) > 1:
                     raise PlanError(f"{where}: replicas={s.replicas} only in a plan with this one stage")
-                if s.replicas < 1 or self.microbatches % s.replicas:
+                if s.shares is not None:
+                    if s.mode != "single":
+                        raise PlanError(f"{where}: only replicas of a single stage take shares")
+                    if len(s.shares) != s.replicas or min(s.shares) < 1 or sum(s.shares) != self.microbatches:
+                        raise PlanError(f"{where}: shares {s.shares} must give each of the {s.replicas} replicas at "
+                                        f"least one micro-batch, {self.microbatches} in all")
+                elif s.replicas < 1 or self.microbatches % s.replicas:
                     raise PlanError(f"{where}: replicas={s.replicas} must divide the {self.microbatches} micro-batches")
             getattr(self, f"_check_{s.mode}")(i, s, where, desc)
         if expect != n_layers:

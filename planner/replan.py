@@ -38,10 +38,20 @@ def bottleneck(plan: Plan, desc: ModelDesc, speed: dict[str, float] | None = Non
             tiles = len(s.tile_devices)
             for d in s.tile_devices:
                 load[d] = load.get(d, 0.0) + work / tiles
-        else:  # one device, or replicas that each take a share of the micro-batches
-            for d in s.devices:
-                load[d] = load.get(d, 0.0) + work / len(s.devices)
+        else:  # one device, or replicas that each take their share of the micro-batches
+            for d, share in zip(s.devices, s.replica_shares(plan.microbatches)):
+                load[d] = load.get(d, 0.0) + work * share / plan.microbatches
     return max(v / (speed or {}).get(d, 1.0) for d, v in load.items())
+
+
+def _reshare(shares: dict[str, int], survivors: list[str], microbatches: int) -> list[int]:
+    """The survivors' shares of the micro-batches: their own, and the lost ones dealt one at a
+    time to whichever survivor grows least for its old share (a share says how fast it is)."""
+    new = {d: shares[d] for d in survivors}
+    for _ in range(microbatches - sum(new.values())):
+        d = min(survivors, key=lambda d: (new[d] + 1) / shares[d])
+        new[d] += 1
+    return [new[d] for d in survivors]
 
 
 def _allocate(devices: list[str], samples: int, speed: dict[str, float]) -> dict[str, int]:
@@ -90,6 +100,10 @@ def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, fl
             stages.append(replace(s, warmup=None))
         elif s.replica_count() > 1 and s.mode == "tiles":
             raise PlanError("a replicated tiles stage lost a device")
+        elif s.replica_count() > 1 and s.shares:  # the survivors take the lost shares, each as it kept up
+            shares = _reshare(dict(zip(s.devices, s.shares)), survivors, plan.microbatches)
+            stages.append(replace(s, devices=survivors, replicas=len(survivors) if len(survivors) > 1 else None,
+                                  shares=shares if len(survivors) > 1 else None, warmup=None))
         elif s.replica_count() > 1:  # fewer replicas, each taking more micro-batches
             copies = most_replicas(plan.microbatches, len(survivors))
             stages.append(replace(s, devices=survivors[:copies], replicas=copies if copies > 1 else None,

@@ -123,26 +123,27 @@ def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster)
 def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, validate: bool = True) -> Timeline:
     if validate:
         plan.validate(desc)
-    whole, plan = plan, plan.in_blocks()
-    works = stage_works(plan, desc, mem, cluster)
-    stage = whole.stages[0]
-    if len(whole.stages) > 1 or stage.replica_count() == 1:
-        return _Run(plan, desc, mem, cluster, works).run()
-    # replicas: the first replica's step (planners list their slowest first), with the
-    # gradient ring over every replica's devices; each device as its counterpart there
-    works[0] = replace(works[0], allreduce=ring_allreduce_time(
-        float(mem.param_bytes[stage.first:stage.last].sum()), list(stage.devices), cluster,
-        gradient_buckets(mem, stage.first, stage.last)))
-    timeline = _Run(plan, desc, mem, cluster, works).run()
-    first = plan.stages[0].tile_devices if stage.mode == "tiles" else plan.stages[0].devices
-    counterpart = {}
-    for k, d in enumerate(stage.tile_devices if stage.mode == "tiles" else stage.devices):
-        counterpart.setdefault(d, first[k % len(first)])
-    return replace(timeline, batch_size=whole.batch_size,
-                   peak_memory={d: timeline.peak_memory[c] for d, c in counterpart.items()},
-                   eq3_memory={d: timeline.eq3_memory.get(c, 0.0) for d, c in counterpart.items()},
-                   budgets={d: cluster.device(d).memory for d in counterpart},
-                   busy={d: timeline.busy.get(c, 0.0) for d, c in counterpart.items()})
+    stage = plan.stages[0]
+    if len(plan.stages) > 1 or stage.replica_count() == 1:
+        blocks = plan.in_blocks()
+        return _Run(blocks, desc, mem, cluster, stage_works(blocks, desc, mem, cluster)).run()
+    # replicas: each runs its share on its own devices, all at once, and the gradient ring
+    # over every replica's devices ends the step; the slowest replica is the step
+    ring = ring_allreduce_time(float(mem.param_bytes[stage.first:stage.last].sum()),
+                               list(dict.fromkeys(stage.tile_devices if stage.mode == "tiles" else stage.devices)),
+                               cluster, gradient_buckets(mem, stage.first, stage.last))
+    timelines = []
+    for r in range(stage.replica_count()):
+        alone = plan.replica_plan(r).in_blocks()
+        works = stage_works(alone, desc, mem, cluster)
+        works[0] = replace(works[0], allreduce=ring)
+        timelines.append(_Run(alone, desc, mem, cluster, works).run())
+    slowest = max(timelines, key=lambda t: t.step_time)
+    return replace(slowest, batch_size=plan.batch_size,
+                   peak_memory={d: v for t in timelines for d, v in t.peak_memory.items()},
+                   eq3_memory={d: v for t in timelines for d, v in t.eq3_memory.items()},
+                   budgets={d: v for t in timelines for d, v in t.budgets.items()},
+                   busy={d: v for t in timelines for d, v in t.busy.items()})
 
 
 class _Run:

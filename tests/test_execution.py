@@ -81,6 +81,8 @@ PLANS = {
               tile_devices=["d0", "d1", "d1", "d0", "d3", "d2", "d3", "d2"])],
     "four-replicas-of-one-device": lambda n: [Stage(0, n, "single", ["d0", "d1", "d2", "d3"], replicas=4)],
     "two-replicas-of-one-device": lambda n: [Stage(0, n, "single", ["d2", "d0"], replicas=2)],
+    "three-replicas-with-uneven-shares": lambda n: [Stage(0, n, "single", ["d1", "d3", "d0"], replicas=3,
+                                                          shares=[2, 1, 1])],
     "tiles-in-the-middle": lambda n: [Stage(0, 2, "single", ["d0"]),
                                       Stage(2, 12, "tiles", ["d1", "d2"], grid=(1, 2), tile_devices=["d1", "d2"]),
                                       Stage(12, n, "dp", ["d3", "d0"], allocation={"d3": 1, "d0": 1})],

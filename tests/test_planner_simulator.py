@@ -239,3 +239,55 @@ def test_a_tiles_stage_pays_each_devices_tiles_overhead(lenet):
     for kind in ("fwd", "bwd"):
         base, doubled = (getattr(w, kind)[0]["a"] for w in works)
         assert base > 0 and doubled == pytest.approx(2 * base)  # a free network: compute only
+
+
+def test_replicas_with_uneven_shares_take_the_slowest_replicas_time(lenet):
+    """Replica r runs its share of whole micro-batches on its own device, all at once: the step
+    is the slowest replica's, and the shares are what evens uneven devices out."""
+    desc, mem = lenet
+    cl = cluster_of({"a": uniform_table(7, 0.01, 0.02), "b": uniform_table(7, 0.03, 0.06)})
+    per_microbatch = {"a": 7 * 0.03, "b": 7 * 0.09}  # 1 sample each; b is three times slower
+    even = plan_of([Stage(0, 7, "single", ["a", "b"], replicas=2)], batch=4, micro=4, devices=("a", "b"))
+    uneven = plan_of([Stage(0, 7, "single", ["a", "b"], replicas=2, shares=[3, 1])], batch=4, micro=4,
+                     devices=("a", "b"))
+    t_even, t_uneven = simulate(even, desc, mem, cl), simulate(uneven, desc, mem, cl)
+    assert t_even.step_time == pytest.approx(2 * per_microbatch["b"], rel=1e-6)
+    assert t_uneven.step_time == pytest.approx(3 * per_microbatch["a"], rel=1e-6)   # a's 3 and b's 1 end together
+    assert t_uneven.batch_size == 4 and set(t_uneven.peak_memory) == {"a", "b"}
+    assert [uneven.replica_of(m) for m in range(4)] == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("shares,message", [([2, 1], "4 in all"), ([4, 0], "at least one"), ([1, 1, 2], "4 in all")])
+def test_shares_that_do_not_cover_the_microbatches_are_refused(lenet, shares, message):
+    desc, _ = lenet
+    plan = plan_of([Stage(0, 7, "single", ["a", "b"], replicas=2, shares=shares)], batch=4, micro=4,
+                   devices=("a", "b"))
+    with pytest.raises(PlanError, match=message):
+        plan.validate(desc)
+    dp = plan_of([Stage(0, 7, "dp", ["a", "b"], allocation={"a": 1, "b": 0}, shares=[1])], devices=("a", "b"))
+    with pytest.raises(PlanError, match="shares are for a stage with replicas"):
+        dp.validate(desc)
+    assert Plan.from_dict(plan.to_dict()).stages[0].shares == shares
+
+
+def test_dp_deals_whole_microbatches_to_uneven_devices(lenet):
+    """On devices of speeds 1, 1, 2, 2, 4 and 6 with 8 micro-batches of one sample, dp gives the
+    fast devices more whole micro-batches and leaves out devices that would finish last."""
+    from planner.baselines import deal_microbatches, plan_dp
+    from planner.inputs import PlanInputs
+
+    desc, mem = lenet
+    speeds = {"s1": 1, "t1": 1, "s2": 2, "t2": 2, "s4": 4, "s6": 6}
+    cl = cluster_of({d: uniform_table(7, 0.06 / v, 0.12 / v) for d, v in speeds.items()})
+    inputs = PlanInputs(desc, mem, cl, 8, 8)
+    group = cl.by_speed(inputs.microbatch)
+    dealt = deal_microbatches(inputs, group)
+    # one micro-batch takes 0.21 s on s6, 0.315 on s4, 0.63 on s2/t2 and 1.26 on s1/t1: dealt
+    # one at a time to whoever finishes it first, s6 ends at 0.84 s, the others by 0.63
+    assert dealt == {"s6": 4, "s4": 2, "s2": 1, "t2": 1}, dealt
+    plan = plan_dp(inputs)
+    stage = plan.stages[0]
+    assert (stage.mode, stage.devices, stage.shares) == ("single", ["s6", "s4", "s2", "t2"], [4, 2, 1, 1]), stage
+    even = plan_of([Stage(0, 7, "single", ["s6", "s4", "s2", "t2"], replicas=4)], batch=8, micro=8,
+                   devices=tuple(speeds))
+    assert plan.predicted["step_time_s"] < 0.75 * simulate(even, desc, mem, cl).step_time   # 0.84 s against 1.26

@@ -150,7 +150,7 @@ async def replay_running_stats(ep, step: int, p: int, stage, mine: list[int], ou
     await trio.to_thread.run_sync(apply)
 
 
-async def merge_running_stats(ep, step: int, p: int, copy, group: list[str], microbatches: int,
+async def merge_running_stats(ep, step: int, p: int, copy, group: list[str], shares: list[int],
                               timeout_s: float) -> None:
     """A replicated single stage: each replica's running statistics moved from zero over its
     micro-batches; gather them all and combine them with the step's starting statistics as
@@ -159,4 +159,4 @@ async def merge_running_stats(ep, step: int, p: int, copy, group: list[str], mic
     if moved.numel():
         gathered = await allgather(ep, group, channels.running(step, p), [moved], timeout_s)
         parts = [part[0] for part in gathered]
-    await trio.to_thread.run_sync(copy.merge_running, parts, microbatches)
+    await trio.to_thread.run_sync(copy.merge_running, parts, shares)

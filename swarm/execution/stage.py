@@ -120,13 +120,12 @@ class StageCopy:
             return torch.zeros(0)
         return torch.cat([t.detach().reshape(-1) for bn in bns for t in (bn.running_mean, bn.running_var)])
 
-    def merge_running(self, moved: list[torch.Tensor], microbatches: int) -> None:
-        """Running statistics after all `microbatches` micro-batches, from the step's start and
-        each replica's additions (in replica order, each over as many micro-batches): with
-        a = 1 - momentum, after replica r's k micro-batches the earlier additions have decayed
-        by a^k, so the result is a^M start + sum_r a^((R - 1 - r) k) moved_r."""
-        replicas = len(moved)
-        k = microbatches // max(1, replicas)
+    def merge_running(self, moved: list[torch.Tensor], shares: list[int]) -> None:
+        """Running statistics after all the step's micro-batches, from the step's start and each
+        replica's additions (in replica order; replica r ran shares[r] micro-batches): with
+        a = 1 - momentum, what replica r added has decayed by a^k over the k micro-batches of
+        the replicas after it, so the result is a^M start + sum_r a^(shares after r) moved_r."""
+        microbatches = sum(shares)
         offset = 0
         with torch.no_grad():
             for bn, (mean0, var0, count0) in zip(self._batchnorms(), self.start_stats):
@@ -135,7 +134,7 @@ class StageCopy:
                 for target, start, at in ((bn.running_mean, mean0, offset), (bn.running_var, var0, offset + n)):
                     total = start.double() * a ** microbatches
                     for r, part in enumerate(moved):
-                        total += part[at:at + n].double().view_as(start) * a ** ((replicas - 1 - r) * k)
+                        total += part[at:at + n].double().view_as(start) * a ** sum(shares[r + 1:])
                     target.copy_(total)
                 bn.num_batches_tracked.copy_(count0 + microbatches)
                 offset += 2 * n

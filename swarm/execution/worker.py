@@ -337,8 +337,8 @@ class DeviceWorker:
             await replay_running_stats(self.ep, step, p, copy.stage, mine, ours, self.tile_workers[p][mine[0]].parts,
                                        self.job.timeout_s)
         else:
-            await merge_running_stats(self.ep, step, p, copy, self.group_of(p), self.plan.microbatches,
-                                      self.job.timeout_s)
+            await merge_running_stats(self.ep, step, p, copy, self.group_of(p),
+                                      copy.stage.replica_shares(self.plan.microbatches), self.job.timeout_s)
 
     def _window(self, p: int, tile: int) -> tuple[int, int, int, int]:
         """(row0, col0, H, W) of a tile's owned output in the stage's output map."""
