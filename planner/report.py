@@ -23,6 +23,9 @@ def stage_devices(stage) -> str:
         tiles = ", ".join(f"{d}" + (f" x{n}" if n > 1 else "") for d, n in per.items())
         copies = f"{stage.replica_count()} replicas of a " if stage.replica_count() > 1 else ""
         return f"{copies}{rows}x{cols} grid: {tiles}"
+    if stage.replica_count() > 1 and stage.shares:
+        return f"{stage.replica_count()} replicas: " + ", ".join(f"{d} ({k} micro-batch{'es' if k > 1 else ''})"
+                                                                  for d, k in zip(stage.devices, stage.shares))
     if stage.replica_count() > 1:
         return f"{stage.replica_count()} replicas: {', '.join(stage.devices)}"
     return stage.devices[0]
@@ -70,7 +73,8 @@ def compare_table(rows) -> str:
             continue
         p = r.plan.predicted
         worst = max(p["peak_memory"].items(), key=lambda kv: kv[1])
-        shape = " | ".join(f"{_layers(s)} {s.mode}x{len(s.devices)}" for s in r.plan.stages)
+        shape = " | ".join(f"{_layers(s)} {s.mode}x{len(s.devices)}" + (f" {s.shares}" if s.shares else "")
+                           for s in r.plan.stages)
         note = "best" if best is not None and p["fits"] and p["step_time_s"] == best else ""
         if p.get("chosen"):
             note = (note + " " if note else "") + f"= {p['chosen']}"
