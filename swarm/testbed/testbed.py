@@ -77,8 +77,12 @@ def load() -> TestbedRecord | None:
     except (OSError, ValueError) as exc:
         raise SwarmError(f"the testbed record {record_path()} is unreadable ({exc}); `swarm testbed down` "
                          f"clears it") from None
-    data["devices"] = [DeviceRecord(**d) for d in data["devices"]]
-    return TestbedRecord(**data)
+    try:
+        data["devices"] = [DeviceRecord(**d) for d in data["devices"]]
+        return TestbedRecord(**data)
+    except (TypeError, KeyError) as exc:  # a record of another swarm release, or a changed file
+        raise SwarmError(f"the testbed record {record_path()} is not one this swarm reads ({exc}); "
+                         f"`swarm testbed down` clears it") from None
 
 
 def require() -> TestbedRecord:
