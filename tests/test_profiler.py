@@ -127,3 +127,13 @@ def test_profile_measures_the_tiles_executors_overhead(profile):
     again = DeviceProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
     assert again.costs.tiles_overhead == profile.costs.tiles_overhead
     assert again.costs.scaled(2.0).tiles_overhead == profile.costs.tiles_overhead
+
+
+def test_a_network_whose_maps_pass_over_layers_is_profiled():
+    """yolov2's passthrough: layer 16's output crosses layers 17-23 to the route at 24; timing
+    the layers one by one hands it along instead of losing it."""
+    desc = describe_model("yolov2", 64)
+    assert any(16 in desc.live_after(i) for i in range(17, 24))
+    profile = profile_model("yolov2", 64, batch_sizes=(1,), repeats=1, threads=1)
+    assert profile.costs.num_layers == len(desc.layers) and (profile.costs.fwd > 0).all()
+    profile.check_matches(desc)

@@ -196,8 +196,9 @@ def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
 
     with torch.no_grad():
         outs = {-1: images}  # uint8: the first layer's time includes turning it into floats, as in training
-        for i, layer in enumerate(desc.layers):
-            outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in layer.inputs}, keys=list(range(len(images)))))
+        for i in range(len(desc.layers)):
+            outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in desc.live_after(i)},
+                                          keys=list(range(len(images)))))
     return outs
 
 
@@ -214,8 +215,8 @@ def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, now=time
     for r in range(repeats + 1):  # the first run warms up
         outs = {-1: images}
         t = [now()]
-        for i, layer in enumerate(desc.layers):
-            outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in layer.inputs}, keys))
+        for i in range(len(desc.layers)):
+            outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in desc.live_after(i)}, keys))
             t.append(now())
         loss = loss_fn(outs[L - 1], targets, len(images))
         t_loss = now()
@@ -245,7 +246,7 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     keys = list(range(batch))
     saved = []
-    for i, layer in enumerate(desc.layers):
+    for i in range(len(desc.layers)):
         seen: dict[int, int] = {}
 
         def pack(t):
@@ -254,7 +255,7 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
                 seen[key] = t.untyped_storage().nbytes()
             return t
 
-        inputs = {s: outs[s] if s < 0 else outs[s].detach().requires_grad_(True) for s in layer.inputs}
+        inputs = {s: outs[s] if s < 0 else outs[s].detach().requires_grad_(True) for s in desc.live_after(i)}
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             net.forward_range(i, i + 1, inputs, keys)
         saved.append(sum(seen.values()) / batch)
