@@ -26,7 +26,7 @@ import trio
 
 from swarm import limits
 from swarm.agent import Agent, AgentConfig
-from swarm.agent.agent import held_bytes
+from swarm.agent.early import held_bytes
 from swarm.cluster import open_roster
 from swarm.net import ConnectionLost, Credentials, PeerConnection, connect_peer, resolve_network, serve_peers
 from swarm.net.gate import HandshakeGate

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,6 +23,7 @@ from typing import Callable
 import trio
 
 from swarm import __version__
+from swarm.agent.early import EarlyMessages
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.host import malloc
 from swarm.host.accelerator import accelerator
@@ -33,14 +33,13 @@ from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.net.peer import serve_peers
 from swarm.net.ratelimit import LogLimiter
 from swarm.wire import (PROTOCOL_VERSION, Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobStart, JobState,
-                        JobStop, Limits, Ping, Pong, RemoteProtocolError, Tensor, Watch)
+                        JobStop, Limits, Ping, Pong, RemoteProtocolError, Watch)
 
 log = logging.getLogger("swarm.agent")
 
 DEFAULT_PORT = 4750
 MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
 MAX_NAME = 128           # longest job id or job kind
-VALUE_BYTES = 64         # what holding one decoded value costs besides its own bytes (CPython object, pointer)
 
 
 @dataclass
@@ -68,34 +67,6 @@ def describe_failure(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"
-
-
-def held_bytes(message) -> int:
-    """Roughly the memory a decoded message holds: its tensors' and strings' bytes, plus
-    VALUE_BYTES for every value in it (containers, numbers, keys)."""
-    total, values = 0, [getattr(message, name, None) for name in message.FIELDS]
-    while values:
-        value = values.pop()
-        total += VALUE_BYTES
-        if isinstance(value, Tensor):
-            total += value.nbytes
-        elif isinstance(value, (str, bytes, bytearray)):
-            total += len(value)
-        elif isinstance(value, dict):
-            values += value.keys()
-            values += value.values()
-        elif isinstance(value, (list, tuple)):
-            values += value
-    return total
-
-
-@dataclass
-class EarlyMessage:
-    """A job message held until its job is assigned here."""
-    arrived: float   # trio time
-    sender: str
-    message: object
-    nbytes: int      # held_bytes(message)
 
 
 class Peer:
@@ -170,12 +141,12 @@ class Agent:
         self.port: int | None = None
         self.job: AgentJob | None = None
         self.refused_messages = 0   # job messages refused (older epoch, no room), for tests and logs
-        self.expired_messages = 0   # job messages dropped after waiting config.early_age for their job
         self._peers: dict[str, list[Peer]] = {}
-        self._early: deque[EarlyMessage] = deque()  # in order of arrival
-        self._early_bytes = 0                       # sum of their nbytes
         self._nursery: trio.Nursery | None = None
         self._lines = LogLimiter(log, clock=trio.current_time)  # lines about what remote sides do
+        # job messages that come before their assignment (a peer's may land a little before ours)
+        self._early = EarlyMessages(config.early_messages, config.early_bytes, config.early_age, self._refuse,
+                                    self._lines)
 
     @property
     def node_id(self) -> str:
@@ -221,14 +192,19 @@ class Agent:
     @property
     def early(self) -> tuple[int, int]:
         """(messages, bytes) held for an assignment that has not arrived yet."""
-        return len(self._early), self._early_bytes
+        return self._early.held()
+
+    @property
+    def expired_messages(self) -> int:
+        """Job messages dropped after waiting config.early_age for their job."""
+        return self._early.expired
 
     async def _housekeeping(self) -> None:
         """Now and then: drop early messages that waited too long, and log the lines held back."""
         period = max(0.01, min(LOG_INTERVAL, self.config.early_age / 4))
         while True:
             await trio.sleep(period)
-            if self._expire_early(trio.current_time()):
+            if self._early.expire(trio.current_time()):
                 malloc.give_back()  # a flood of them may have grown the heap
             self._lines.flush()
 
@@ -460,7 +436,7 @@ class Agent:
         job.state = "released"
         if self.job is job:
             self.job = None
-        self._keep_early(lambda early: early.message.job_id != job.job_id)
+        self._early.keep(lambda early: early.message.job_id != job.job_id)
 
     async def _job_lifetime(self, job: AgentJob, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Heartbeats to the coordinator and the orphan watch, from assignment to release."""
@@ -531,62 +507,17 @@ class Agent:
         """Route a job-data message to the current job's context, after the epoch check."""
         job = self.job
         if job is None or message.job_id != job.job_id or message.epoch > job.epoch:
-            self._hold_early(sender, message)
+            self._early.hold(sender, message, trio.current_time())
             return
         if message.epoch < job.epoch:
             self._refuse(sender, message, "stale", f"epoch {message.epoch} is older than the job's epoch {job.epoch}")
             return
         job.ctx.deliver(sender, message)
 
-    # -- messages that arrive before their job ------------------------------------------
-    # A peer's assignment may land a little before ours, and its messages with it. They wait
-    # here, within config.early_messages, config.early_bytes and config.early_age; what does
-    # not fit is refused, what waits too long is dropped.
-
-    def _hold_early(self, sender: str, message) -> None:
-        now = trio.current_time()
-        self._expire_early(now)
-        nbytes = held_bytes(message)
-        config = self.config
-        if len(self._early) >= config.early_messages:
-            self._refuse(sender, message, "no room", f"{config.early_messages} messages wait for an assignment")
-        elif self._early_bytes + nbytes > config.early_bytes:
-            self._refuse(sender, message, "no room",
-                         f"its {nbytes / 2**20:.1f} MiB would take the messages waiting for an assignment over "
-                         f"{config.early_bytes / 2**20:.0f} MiB ({self._early_bytes / 2**20:.1f} MiB now)")
-        else:
-            self._early.append(EarlyMessage(now, sender, message, nbytes))
-            self._early_bytes += nbytes
-
-    def _expire_early(self, now: float) -> int:
-        """Drop the early messages older than config.early_age; how many."""
-        dropped = dropped_bytes = 0
-        latest = None
-        while self._early and now - self._early[0].arrived > self.config.early_age:
-            latest = self._early.popleft()
-            dropped += 1
-            dropped_bytes += latest.nbytes
-        if dropped:
-            self._early_bytes -= dropped_bytes
-            self.expired_messages += dropped
-            self._lines.log(logging.WARNING, "expired", "dropped %d message%s (%.1f MiB) that waited more than %g s "
-                            "for their job (the last: %s of job %.40s epoch %s from node %s)", dropped,
-                            "" if dropped == 1 else "s", dropped_bytes / 2**20, self.config.early_age,
-                            type(latest.message).__name__, latest.message.job_id, latest.message.epoch,
-                            latest.sender)
-        return dropped
-
-    def _keep_early(self, keep: Callable[[EarlyMessage], bool]) -> list[EarlyMessage]:
-        """Keep the early messages `keep` accepts; the others, removed, in order of arrival."""
-        kept, taken = deque(), []
-        for early in self._early:
-            (kept if keep(early) else taken).append(early)
-        self._early = kept
-        self._early_bytes = sum(early.nbytes for early in kept)
-        return taken
+    # -- messages that came before their job (held by early.EarlyMessages) -------------
 
     def _release_early(self, job: AgentJob) -> None:
-        for early in self._keep_early(lambda e: e.message.job_id != job.job_id or e.message.epoch > job.epoch):
+        for early in self._early.keep(lambda e: e.message.job_id != job.job_id or e.message.epoch > job.epoch):
             if early.message.epoch == job.epoch:
                 job.ctx.deliver(early.sender, early.message)
             else:
