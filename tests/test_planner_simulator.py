@@ -291,3 +291,4 @@ def test_dp_deals_whole_microbatches_to_uneven_devices(lenet):
     even = plan_of([Stage(0, 7, "single", ["s6", "s4", "s2", "t2"], replicas=4)], batch=8, micro=8,
                    devices=tuple(speeds))
     assert plan.predicted["step_time_s"] < 0.75 * simulate(even, desc, mem, cl).step_time   # 0.84 s against 1.26
+

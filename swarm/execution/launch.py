@@ -534,7 +534,10 @@ def describe_plan(plan: Plan) -> str:
                 how += f", {s.block()} micro-batches at a time"
         elif s.mode == "dp":
             how += " " + ",".join(f"{d}:{n}" for d, n in s.allocation.items())
-        if s.replica_count() > 1:
+        if s.shares:
+            how += f", {s.replica_count()} replicas taking " + ",".join(f"{d}:{k}" for d, k in zip(s.devices, s.shares)) \
+                   + " micro-batches"
+        elif s.replica_count() > 1:
             how += f", {s.replica_count()} replicas of {plan.microbatches // s.replica_count()} micro-batch(es) each"
         lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {', '.join(s.devices)}")
     return "\n".join(lines)
