@@ -31,7 +31,7 @@ def run_swarm(*args, cwd=None, env=None, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def testbed_in_use() -> bool:
+def bed_in_use() -> bool:
     """Whether a testbed record is on this machine (one this swarm reads or not)."""
     from swarm.errors import SwarmError
     from swarm.testbed import testbed
@@ -47,7 +47,7 @@ def namespace_testbed(devices: int = 4, *flags):
     the machine), the testbed record, then `swarm testbed down` whatever happened."""
     from swarm.testbed import testbed
 
-    if testbed_in_use():
+    if bed_in_use():
         pytest.skip("a namespace testbed is already up on this machine")
     up = run_swarm("testbed", "up", "--devices", devices, *flags, timeout=180)
     try:

@@ -17,7 +17,7 @@ import pytest
 from swarm.errors import SwarmError
 from swarm.testbed import cgroups, testbed
 from swarm.testbed.names import PREFIX
-from tests.conftest import ROOT, run_swarm, testbed_in_use
+from tests.conftest import ROOT, run_swarm, bed_in_use
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")
 DEVICES = ["dev0", "dev1", "dev2", "dev3"]
@@ -40,7 +40,7 @@ class TestNamespaceTestbed:
     @pytest.fixture(scope="class")
     @classmethod
     def bed(cls):
-        if testbed_in_use() or leftovers():
+        if bed_in_use() or leftovers():
             pytest.skip("a namespace testbed is already up on this machine")
         up = run_swarm("testbed", "up", "--devices", 4, "--cpu", "0.5,0.5,0.5,1.5", "--mem", "512M,512M,512M,768M",
                        "--bandwidth", "100mbit,100mbit,100mbit,20mbit", timeout=180)
@@ -143,7 +143,7 @@ def wait_event(proc, name, kind, timeout=10.0) -> dict:
 @root_only
 @pytest.mark.testbed
 def test_down_cleans_up_after_a_crash():
-    if testbed_in_use() or leftovers():
+    if bed_in_use() or leftovers():
         pytest.skip("a namespace testbed is already up on this machine")
     up = run_swarm("testbed", "up", "--devices", 2, "--cpu", "0.25", timeout=120)
     try:
