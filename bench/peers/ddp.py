@@ -148,6 +148,7 @@ def main(argv=None) -> None:
     dist.init_process_group("gloo")
     try:
         train(args, cfg, train_set)
+        dist.barrier()  # every rank done (rank 0's save included) before any tears its connections down
     finally:
         dist.destroy_process_group()
 
