@@ -248,7 +248,84 @@ def plan_dp(inputs: PlanInputs) -> Plan:
         shares = list(dealt.values())
         plans.append(inputs.finish(inputs.plan([Stage(0, inputs.num_layers, "single", list(dealt), replicas=len(dealt),
                                                       shares=shares if len(set(shares)) > 1 else None)], "dp")))
+    for stage in replica_groups(inputs, group):  # groups of devices, each taking whole micro-batches
+        plans.append(inputs.finish(inputs.plan([stage], "dp")))
     return min(plans, key=lambda p: (not p.predicted["fits"], p.predicted["step_time_s"]))
+
+
+def replica_groups(inputs: PlanInputs, group: list[str]) -> list[Stage]:
+    """dp stages whose replicas are groups of devices, each group splitting the micro-batches
+    it takes (Alg. 1 inside it) and taking as many as it finishes in time: on a mixed swarm
+    whose small devices each hold only part of a micro-batch, the small ones pool into
+    groups while a large one runs micro-batches alone, and all of them end together.
+
+    Groups are runs of consecutive devices in `group`'s order (fastest first: a group is
+    paced by its slowest member), some devices possibly left out. For each number k of the
+    fastest devices, the shortest makespan T over the k is found exactly for that family:
+    a group S finishes floor(T / t_S) micro-batches in T, where t_S is its time for one;
+    the runs that finish the most in T come from a DP over the devices, and T is the least
+    of the candidate times k * t_S for which they finish all M. One stage per k with at
+    least two groups; the simulator then judges them with their gradient rings."""
+    n, micro = inputs.num_layers, inputs.microbatches
+    if len(group) < 2 or micro < 2:
+        return []
+    runs: dict[tuple[int, int], tuple[float, dict[str, int]]] = {}  # [i, j) -> (time per micro-batch, allocation)
+    for i in range(len(group)):
+        for j in range(i + 1, len(group) + 1):
+            alloc = dp_allocation(inputs, group[i:j], 0, n, 1)
+            if alloc is None or min(alloc.values()) == 0:  # cannot hold it, or a member would idle
+                continue
+            runs[(i, j)] = (max(inputs.cluster.device(d).costs.range_time(0, n, y, with_loss=True)
+                                for d, y in alloc.items()), alloc)
+    stages, seen = [], set()
+    for k in range(2, len(group) + 1):
+        usable = {ij: v for ij, v in runs.items() if ij[1] <= k}
+        chosen = _fastest_runs(usable, k, micro)
+        if chosen is None or len(chosen) < 2 or tuple(chosen) in seen:
+            continue
+        seen.add(tuple(chosen))
+        shares = _deal([usable[ij][0] for ij in chosen], micro)
+        allocation = {d: y for ij in chosen for d, y in usable[ij][1].items()}
+        stages.append(Stage(0, n, "dp", list(allocation), allocation=allocation, replicas=len(chosen),
+                            groups=[len(usable[ij][1]) for ij in chosen],
+                            shares=shares if len(set(shares)) > 1 else None))
+    return stages
+
+
+def _fastest_runs(runs: dict[tuple[int, int], tuple[float, dict]], k: int, micro: int) -> list[tuple[int, int]] | None:
+    """The disjoint runs of devices [0, k) that finish `micro` micro-batches soonest."""
+    def most(T: float) -> tuple[int, list]:
+        best: list[tuple[int, list]] = [(0, [])] * (k + 1)  # best[i]: from device i on
+        for i in range(k - 1, -1, -1):
+            best[i] = best[i + 1]  # device i left out
+            for (a, b), (t, _) in runs.items():
+                if a == i:
+                    done = min(micro, int(T / t + 1e-9))
+                    if done and done + best[b][0] > best[i][0]:
+                        best[i] = (done + best[b][0], [(a, b), *best[b][1]])
+        return best[0]
+
+    times = sorted({t * m for t, _ in runs.values() for m in range(1, micro + 1)})
+    lo, hi = 0, len(times) - 1
+    if not times or most(times[hi])[0] < micro:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if most(times[mid])[0] >= micro:
+            hi = mid
+        else:
+            lo = mid + 1
+    return most(times[lo])[1]
+
+
+def _deal(times: list[float], micro: int) -> list[int]:
+    """Whole micro-batches dealt one at a time to whichever group would finish it first."""
+    busy, count = [0.0] * len(times), [0] * len(times)
+    for _ in range(micro):
+        g = min(range(len(times)), key=lambda g: busy[g] + times[g])
+        busy[g] += times[g]
+        count[g] += 1
+    return count
 
 
 def deal_microbatches(inputs: PlanInputs, group: list[str]) -> dict[str, int]:

@@ -52,17 +52,23 @@ class Stage:
             kernels, the gradient sum overlapped with the whole backward; each micro-batch
             keeps its own BatchNorm statistics, so the result does not change. Costs the
             activation memory of the block. Divides the micro-batches; default 1.
-    replicas: (single or tiles, in a one-stage plan) copies of the stage that run different
-            micro-batches at once. single: `devices` lists one device per replica. tiles:
-            tile_devices lists replica 0's tiles, then replica 1's, and so on (no device in two
-            replicas). Replica r runs the r-th run of microbatches / replicas consecutive
+    replicas: (in a one-stage plan) copies of the stage that run different micro-batches at
+            once. single: `devices` lists one device per replica. tiles: tile_devices lists
+            replica 0's tiles, then replica 1's, and so on (no device in two replicas). dp:
+            `devices` lists replica 0's group, then replica 1's (see groups). Replica r runs the r-th run of microbatches / replicas consecutive
             micro-batches (a tiles replica `together` of them at a time); halos and BatchNorm
             sums stay inside a replica. The weight gradients are summed over all the devices
             and the BatchNorm running statistics are brought to what the micro-batches give in
             order, so the result does not change. Default 1.
-    shares: (replicas of a single stage) how many micro-batches each replica runs, replica 0
-            the first shares[0] of them and so on: faster devices take more, so that uneven
-            devices finish together. Default: equal shares (replicas divides the micro-batches).
+    shares: (replicas of a single or dp stage) how many micro-batches each replica runs,
+            replica 0 the first shares[0] of them and so on: faster devices take more, so that
+            uneven devices finish together. Default: equal shares (replicas divides the
+            micro-batches).
+    groups: (replicas of a dp stage) how many of `devices` each replica takes, in order:
+            replica r is a dp group of groups[r] devices that splits each of its micro-batches
+            by `allocation`, its BatchNorm sums staying inside the group. Groups of uneven
+            devices with uneven shares keep every device of a mixed swarm busy when no device
+            alone can hold a micro-batch. Default: equal groups.
     """
 
     first: int
@@ -78,6 +84,7 @@ class Stage:
     together: int | None = None
     replicas: int | None = None
     shares: list[int] | None = None
+    groups: list[int] | None = None
 
     @property
     def layers(self) -> range:
@@ -98,6 +105,25 @@ class Stage:
             return list(self.shares)
         return [microbatches // self.replica_count()] * self.replica_count()
 
+    def group_sizes(self) -> list[int]:
+        """How many of `devices` each replica of a dp stage takes (one group: all of them)."""
+        if self.groups:
+            return list(self.groups)
+        copies = self.replica_count()
+        return [len(self.devices) // copies] * copies
+
+    def replica_devices(self, r: int) -> list[str]:
+        """The devices of replica r (of a one-stage replicated plan; the stage's devices otherwise)."""
+        if self.replica_count() == 1:
+            return list(self.devices)
+        if self.mode == "tiles":
+            return list(dict.fromkeys(self.replica_tiles(r)))
+        if self.mode == "dp":
+            sizes = self.group_sizes()
+            start = sum(sizes[:r])
+            return list(self.devices[start:start + sizes[r]])
+        return [self.devices[r]]
+
     def replica_tiles(self, r: int) -> list[str]:
         """Devices of replica r's tiles, in tile order."""
         n = self.tiles_per_replica()
@@ -107,7 +133,16 @@ class Stage:
         """The replica of part `part` (routing.stage_parts numbers them)."""
         if self.replica_count() == 1:
             return 0
-        return part // self.tiles_per_replica() if self.mode == "tiles" else part
+        if self.mode == "tiles":
+            return part // self.tiles_per_replica()
+        if self.mode == "dp":
+            end = 0
+            for r, size in enumerate(self.group_sizes()):
+                end += size
+                if part < end:
+                    return r
+            raise ValueError(f"part {part} is beyond the stage's {len(self.devices)} devices")
+        return part
 
     def forward_syncs(self) -> list[int]:
         return sorted(set(self.syncs)) if self.syncs is not None else list(range(self.first, self.last))
@@ -156,6 +191,10 @@ class Plan:
         if s.mode == "tiles":
             tiles = s.replica_tiles(r)
             s = replace(s, devices=list(dict.fromkeys(tiles)), tile_devices=tiles, replicas=None, shares=None)
+        elif s.mode == "dp":
+            group = s.replica_devices(r)
+            s = replace(s, devices=group, allocation={d: s.allocation[d] for d in group}, replicas=None, shares=None,
+                        groups=None)
         else:
             s = replace(s, devices=[s.devices[r]], replicas=None, shares=None)
         return replace(self, batch_size=self.microbatch_size() * share, microbatches=share, stages=[s],
@@ -225,16 +264,16 @@ class Plan:
                     raise PlanError(f"{where} uses unknown device(s) {', '.join(unknown)}; known: {', '.join(self.devices)}")
             if s.shares is not None and s.replicas in (None, 1):
                 raise PlanError(f"{where}: shares are for a stage with replicas")
+            if s.groups is not None and (s.mode != "dp" or s.replicas in (None, 1)):
+                raise PlanError(f"{where}: groups are for the replicas of a dp stage")
             if s.together not in (None, 1) and s.mode != "tiles":
                 raise PlanError(f"{where}: only a tiles stage runs micro-batches together")
             if s.replicas not in (None, 1):
-                if s.mode == "dp":
-                    raise PlanError(f"{where}: a dp stage has no replicas (its devices share each micro-batch)")
                 if len(self.stages) > 1:
                     raise PlanError(f"{where}: replicas={s.replicas} only in a plan with this one stage")
                 if s.shares is not None:
-                    if s.mode != "single":
-                        raise PlanError(f"{where}: only replicas of a single stage take shares")
+                    if s.mode == "tiles":
+                        raise PlanError(f"{where}: only replicas of a single or dp stage take shares")
                     if len(s.shares) != s.replicas or min(s.shares) < 1 or sum(s.shares) != self.microbatches:
                         raise PlanError(f"{where}: shares {s.shares} must give each of the {s.replicas} replicas at "
                                         f"least one micro-batch, {self.microbatches} in all")
@@ -271,9 +310,19 @@ class Plan:
             raise PlanError(f"{where}: the allocation must give samples for exactly the group's devices {s.devices}")
         if any(v < 0 for v in alloc.values()):
             raise PlanError(f"{where}: negative allocation {alloc}")
-        if sum(alloc.values()) != mb:
-            raise PlanError(f"{where}: the allocation sums to {sum(alloc.values())} samples, but a micro-batch has {mb} "
-                            f"(batch {self.batch_size} / {self.microbatches} micro-batches)")
+        copies = s.replica_count()
+        if copies > 1:
+            sizes = s.group_sizes()
+            if len(sizes) != copies or min(sizes) < 1 or sum(sizes) != len(s.devices):
+                raise PlanError(f"{where}: groups {sizes} must give each of the {copies} replicas at least one of "
+                                f"the {len(s.devices)} devices, all of them in all")
+        for r in range(copies):
+            group = s.replica_devices(r)
+            total = sum(alloc[d] for d in group)
+            if total != mb:
+                whose = f"replica {r}'s allocation ({', '.join(group)})" if copies > 1 else "the allocation"
+                raise PlanError(f"{where}: {whose} sums to {total} samples, but a micro-batch has {mb} "
+                                f"(batch {self.batch_size} / {self.microbatches} micro-batches)")
 
     def _check_tiles(self, i: int, s: Stage, where: str, desc) -> None:
         if not s.grid or len(s.grid) != 2 or min(s.grid) < 1:

@@ -2,7 +2,8 @@
 Who backs up whom, and which layers then move where: planner/backups.py.
 
 Lightweight (Asteroid section 3.4): keep the plan's shape and shift it. A dp group deals the
-lost replica's samples to the survivors, a tiles stage is re-gridded over its survivors, and
+lost replica's samples to the survivors (replicas of dp groups: inside its group, or a lost
+group's micro-batches to the other groups), a tiles stage is re-gridded over its survivors, and
 a stage left with no device gives its layers to its neighbours in proportion to their
 compute (FLOPs-based, moving the stage boundaries a little). Heavy: plan again over the
 devices there are. `replan` tries the light way and says why it took the other when it
@@ -31,9 +32,11 @@ def bottleneck(plan: Plan, desc: ModelDesc, speed: dict[str, float] | None = Non
     mb = plan.batch_size / plan.microbatches
     for s in plan.stages:
         work = stage_flops(desc, s.first, s.last) * plan.batch_size
-        if s.mode == "dp":
-            for d, n in s.allocation.items():
-                load[d] = load.get(d, 0.0) + work * n / mb
+        if s.mode == "dp":  # each device's samples of its replica's micro-batches
+            shares = s.replica_shares(plan.microbatches)
+            for r in range(s.replica_count()):
+                for d in s.replica_devices(r):
+                    load[d] = load.get(d, 0.0) + work * s.allocation[d] / mb * shares[r] / plan.microbatches
         elif s.mode == "tiles":
             tiles = len(s.tile_devices)
             for d in s.tile_devices:
@@ -52,6 +55,29 @@ def _reshare(shares: dict[str, int], survivors: list[str], microbatches: int) ->
         d = min(survivors, key=lambda d: (new[d] + 1) / shares[d])
         new[d] += 1
     return [new[d] for d in survivors]
+
+
+def _shrink_dp_replicas(s: Stage, dead: set[str], mb: int, microbatches: int, speed: dict[str, float]) -> Stage:
+    """Replicas of a dp stage without `dead`: a group that lost some devices splits its
+    micro-batches among the rest (by speed); the micro-batches of a group that lost them all
+    go to the other replicas, each as it kept up."""
+    shares = s.replica_shares(microbatches)
+    kept: dict[int, dict[str, int]] = {}
+    for r in range(s.replica_count()):
+        group = s.replica_devices(r)
+        left = [d for d in group if d not in dead]
+        if left:
+            kept[r] = {d: s.allocation[d] for d in left} if len(left) == len(group) else _allocate(left, mb, speed)
+    new = _reshare(dict(enumerate(shares)), list(kept), microbatches)
+    allocation = {d: n for alloc in kept.values() for d, n in alloc.items()}
+    devices = list(allocation)
+    if len(kept) == 1:
+        if len(devices) == 1:
+            return replace(s, mode="single", devices=devices, allocation=None, replicas=None, shares=None, groups=None,
+                           warmup=None)
+        return replace(s, devices=devices, allocation=allocation, replicas=None, shares=None, groups=None, warmup=None)
+    return replace(s, devices=devices, allocation=allocation, replicas=len(kept), shares=new,
+                   groups=[len(alloc) for alloc in kept.values()], warmup=None)
 
 
 def _allocate(devices: list[str], samples: int, speed: dict[str, float]) -> dict[str, int]:
@@ -100,6 +126,8 @@ def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, fl
             stages.append(replace(s, warmup=None))
         elif s.replica_count() > 1 and s.mode == "tiles":
             raise PlanError("a replicated tiles stage lost a device")
+        elif s.replica_count() > 1 and s.mode == "dp":
+            stages.append(_shrink_dp_replicas(s, dead, mb, plan.microbatches, speed))
         elif s.replica_count() > 1 and s.shares:  # the survivors take the lost shares, each as it kept up
             shares = _reshare(dict(zip(s.devices, s.shares)), survivors, plan.microbatches)
             stages.append(replace(s, devices=survivors, replicas=len(survivors) if len(survivors) > 1 else None,

@@ -13,6 +13,11 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def stage_devices(stage) -> str:
+    if stage.mode == "dp" and stage.replica_count() > 1:
+        groups = " | ".join(", ".join(f"{d} ({stage.allocation[d]})" for d in stage.replica_devices(r))
+                            for r in range(stage.replica_count()))
+        taking = f", taking {'/'.join(str(k) for k in stage.shares)} micro-batches" if stage.shares else ""
+        return f"{stage.replica_count()} replicas: {groups}{taking}"
     if stage.mode == "dp":
         return ", ".join(f"{d} ({stage.allocation[d]})" for d in stage.devices)
     if stage.mode == "tiles":

@@ -70,17 +70,20 @@ def intersect(a: Block, b: Block) -> Block | None:
 
 
 def replica_spans(stage: Stage, mb_size: int) -> list[Span]:
-    """Samples of each dp replica (in `stage.devices` order) for a micro-batch of `mb_size`
-    (a replica of a replicated stage takes whole micro-batches)."""
+    """Samples of each dp member (in `stage.devices` order) for a micro-batch of `mb_size`
+    (a replica of a replicated stage takes whole micro-batches, which a dp replica's group
+    splits among its devices)."""
     if stage.mode != "dp":
         return [(0, mb_size)] * stage.replica_count()
-    spans, start = [], 0
-    for device in stage.devices:
-        n = stage.allocation[device]
-        spans.append((start, start + n))
-        start += n
-    if start != mb_size:
-        raise ValueError(f"allocation covers {start} samples of a micro-batch of {mb_size}")
+    spans = []
+    for r in range(stage.replica_count()):  # each replica's group splits its own micro-batches
+        start = 0
+        for device in stage.replica_devices(r):
+            n = stage.allocation[device]
+            spans.append((start, start + n))
+            start += n
+        if start != mb_size:
+            raise ValueError(f"allocation covers {start} samples of a micro-batch of {mb_size}")
     return spans
 
 

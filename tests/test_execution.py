@@ -83,6 +83,11 @@ PLANS = {
     "two-replicas-of-one-device": lambda n: [Stage(0, n, "single", ["d2", "d0"], replicas=2)],
     "three-replicas-with-uneven-shares": lambda n: [Stage(0, n, "single", ["d1", "d3", "d0"], replicas=3,
                                                           shares=[2, 1, 1])],
+    "dp-replicas-of-groups-with-uneven-shares": lambda n: [
+        Stage(0, n, "dp", ["d0", "d1", "d2", "d3"], allocation={"d0": 2, "d1": 1, "d2": 1, "d3": 2}, replicas=3,
+              groups=[1, 2, 1], shares=[2, 1, 1])],
+    "dp-two-replicas-of-two": lambda n: [Stage(0, n, "dp", ["d2", "d0", "d3", "d1"],
+                                               allocation={"d2": 1, "d0": 1, "d3": 2, "d1": 0}, replicas=2)],
     "tiles-in-the-middle": lambda n: [Stage(0, 2, "single", ["d0"]),
                                       Stage(2, 12, "tiles", ["d1", "d2"], grid=(1, 2), tile_devices=["d1", "d2"]),
                                       Stage(12, n, "dp", ["d3", "d0"], allocation={"d3": 1, "d0": 1})],

@@ -2,6 +2,8 @@
 data-parallel groups, the data source, memory (Asteroid eq. 3) and the schedule order."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -292,3 +294,57 @@ def test_dp_deals_whole_microbatches_to_uneven_devices(lenet):
                    devices=tuple(speeds))
     assert plan.predicted["step_time_s"] < 0.75 * simulate(even, desc, mem, cl).step_time   # 0.84 s against 1.26
 
+
+
+def test_dp_pools_small_devices_into_replica_groups(lenet):
+    """Micro-batches of 4 samples on devices of speeds 1, 1, 2, 2, 4 and 6 where only the
+    fastest holds a whole micro-batch and the others one sample each: dp pools them into
+    replicas that are dp groups, (s6 3, s4 1) and (s2, t2, s1, t1 one each), taking the
+    micro-batches as fast as each group finishes them, and every device works."""
+    from planner.baselines import plan_dp
+    from planner.inputs import PlanInputs
+
+    desc, mem = lenet
+    one = next(b for b in range(1, 2**34, 2**12) if mem.max_batch(0, 7, 1, b) >= 1)  # room for one sample
+    four = next(b for b in range(one, 2**34, 2**12) if mem.max_batch(0, 7, 1, b) >= 4)
+    speeds = {"s6": 6, "s4": 4, "s2": 2, "t2": 2, "s1": 1, "t1": 1}
+    devs = [Device(d, uniform_table(7, 0.06 / v, 0.12 / v), four if d == "s6" else one) for d, v in speeds.items()]
+    cl = Cluster(devs, np.full((6, 6), FAST), 0.0, None)
+    plan = plan_dp(PlanInputs(desc, mem, cl, 32, 8))
+    stage = plan.stages[0]
+    assert stage.mode == "dp" and stage.replica_count() == 2, stage
+    assert [stage.replica_devices(r) for r in range(2)] == [["s6", "s4"], ["s2", "t2", "s1", "t1"]]
+    assert stage.allocation == {"s6": 3, "s4": 1, "s2": 1, "t2": 1, "s1": 1, "t1": 1}
+    # a micro-batch takes the first group 0.63 s (s6's 3 samples) and the second 1.26 s: 6 and 2, or 5 and 3
+    assert plan.predicted["step_time_s"] == pytest.approx(3.78, rel=0.02)
+    alone = plan_of([Stage(0, 7, "single", ["s6"])], batch=32, micro=8, devices=tuple(speeds))
+    assert plan.predicted["step_time_s"] < 0.6 * simulate(alone, desc, mem, cl).step_time
+
+
+def test_replica_groups_finish_as_soon_as_any_choice_of_runs(lenet):
+    """The DP over runs of devices equals trying every set of disjoint runs (random times)."""
+    import itertools
+
+    from planner.baselines import _deal, _fastest_runs
+
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        k, micro = int(rng.integers(2, 6)), int(rng.integers(2, 9))
+        runs = {(i, j): (float(rng.uniform(0.2, 3.0)), {}) for i in range(k) for j in range(i + 1, k + 1)
+                if rng.random() < 0.8}
+        if not runs:
+            continue
+
+        def makespan(chosen):
+            times = [runs[ij][0] for ij in chosen]
+            shares = _deal(times, micro)
+            return max(t * s for t, s in zip(times, shares))
+
+        best = math.inf
+        for size in range(1, k + 1):
+            for chosen in itertools.combinations(runs, size):
+                cells = [c for a, b in chosen for c in range(a, b)]
+                if len(cells) == len(set(cells)):
+                    best = min(best, makespan(chosen))
+        got = _fastest_runs(runs, k, micro)
+        assert got is not None and makespan(got) == pytest.approx(best), (runs, micro, got)

@@ -204,3 +204,30 @@ def test_replicas_with_uneven_shares_lose_one(local_weights):
     assert (stage.devices, stage.shares) == (["d0", "d2"], [3, 1])
     assert coordinator.recoveries[0].how == "lightweight"
     assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+@pytest.mark.parametrize("dead,devices,allocation,groups,shares", [
+    # a group that keeps a device: its micro-batches stay with it, split among what is left
+    ("d1", ["d0", "d2", "d3"], {"d0": 2, "d2": 2, "d3": 2}, [1, 1, 1], [2, 1, 1]),
+    # a group that loses its only device: its micro-batch goes to the group that kept up best
+    ("d3", ["d0", "d1", "d2"], {"d0": 2, "d1": 1, "d2": 1}, [1, 2], [3, 1]),
+])
+def test_replicas_of_dp_groups_lose_one(local_weights, dead, devices, allocation, groups, shares):
+    """Replicas that are dp groups (d0 alone | d1 and d2 | d3 alone, taking 2, 1 and 1
+    micro-batches), shifted over the survivors, replay to the failure-free weights."""
+    cfg = _cfg()
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, 64, 3)
+    n = len(trainer.desc.layers)
+    plan = Plan("yolov2-16", 64, 8, 4, [Stage(0, n, "dp", ["d0", "d1", "d2", "d3"],
+                                              allocation={"d0": 2, "d1": 1, "d2": 1, "d3": 2}, replicas=3,
+                                              groups=[1, 2, 1], shares=[2, 1, 1])],
+                devices={d: {} for d in DEVICES})
+    plan.backups = backup_holders(plan)
+    coordinator = train_plan_in_process(plan, trainer, data, STEPS, events=[(1, "kill", dead, 0.0)], strategy="dp",
+                                        backup_interval=1, timeout_s=60, recovery="light")
+    stage = coordinator.plan.stages[0]
+    assert (stage.devices, stage.allocation, stage.groups, stage.replica_shares(4)) == (devices, allocation,
+                                                                                         groups, shares)
+    assert coordinator.recoveries[0].how == "lightweight"
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9

@@ -8,7 +8,7 @@ sums: the group's gradient all-reduce at the end of the step adds them up. The r
 BatchNorm2d on the whole micro-batch, and running statistics advance identically
 everywhere.
 
-Replicas of a stage that each run their own micro-batches (a replicated single or tiles
+Replicas of a stage that each run their own micro-batches (a replicated single, dp or tiles
 stage) end each step by combining their running statistics as one device running every
 micro-batch in order would have moved them (merge_running_stats, replay_running_stats).
 """
@@ -150,13 +150,15 @@ async def replay_running_stats(ep, step: int, p: int, stage, mine: list[int], ou
     await trio.to_thread.run_sync(apply)
 
 
-async def merge_running_stats(ep, step: int, p: int, copy, group: list[str], shares: list[int],
-                              timeout_s: float) -> None:
-    """A replicated single stage: each replica's running statistics moved from zero over its
-    micro-batches; gather them all and combine them with the step's starting statistics as
-    the micro-batches in order would have moved them."""
+async def merge_running_stats(ep, step: int, p: int, copy, microbatches: int, timeout_s: float) -> None:
+    """A replicated single or dp stage: each replica's running statistics moved from zero over
+    its micro-batches (alike on every device of a dp replica, whose group BatchNorm moves them
+    together); gather them from all the stage's devices and combine one per replica with the
+    step's starting statistics as the micro-batches in order would have moved them."""
+    stage = copy.stage
     moved, parts = copy.running_moved(), []
     if moved.numel():
-        gathered = await allgather(ep, group, channels.running(step, p), [moved], timeout_s)
-        parts = [part[0] for part in gathered]
-    await trio.to_thread.run_sync(copy.merge_running, parts, shares)
+        gathered = await allgather(ep, stage.devices, channels.running(step, p), [moved], timeout_s)
+        firsts = [stage.devices.index(stage.replica_devices(r)[0]) for r in range(stage.replica_count())]
+        parts = [gathered[i][0] for i in firsts]
+    await trio.to_thread.run_sync(copy.merge_running, parts, stage.replica_shares(microbatches))

@@ -533,8 +533,11 @@ def describe_plan(plan: Plan) -> str:
             if s.block() > 1:
                 how += f", {s.block()} micro-batches at a time"
         elif s.mode == "dp":
-            how += " " + ",".join(f"{d}:{n}" for d, n in s.allocation.items())
-        if s.shares:
+            how += " " + " | ".join(",".join(f"{d}:{s.allocation[d]}" for d in s.replica_devices(r))
+                                    for r in range(s.replica_count()))
+        if s.shares and s.mode == "dp":
+            how += f", {s.replica_count()} replicas taking " + ",".join(str(k) for k in s.shares) + " micro-batches"
+        elif s.shares:
             how += f", {s.replica_count()} replicas taking " + ",".join(f"{d}:{k}" for d, k in zip(s.devices, s.shares)) \
                    + " micro-batches"
         elif s.replica_count() > 1:

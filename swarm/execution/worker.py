@@ -92,13 +92,23 @@ class DeviceWorker:
         return await trio.to_thread.run_sync(run)
 
     def group_of(self, p: int) -> list[str]:
+        """The devices stage p's gradients are summed over: all of its devices."""
         return list(self.plan.stages[p].devices)
+
+    def bn_group_of(self, p: int) -> list[str]:
+        """The devices sharing this device's micro-batches of stage p (its BatchNorm sums): the
+        stage's devices, or in a replicated dp stage this device's replica."""
+        stage = self.plan.stages[p]
+        for r in range(stage.replica_count()):
+            if self.device in stage.replica_devices(r):
+                return stage.replica_devices(r)
+        return list(stage.devices)
 
     def bn_exchange(self, step: int, p: int, m: int, layer: str):
         """The group BatchNorm exchange for one layer of one micro-batch (called from the
         compute thread; blocks it, with the compute lock released, until the group answers or
         the job is cancelled)."""
-        group = self.group_of(p)
+        group = self.bn_group_of(p)
 
         def exchange(tag: str, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             key = channels.bn(step, p, m, layer, tag)
@@ -136,7 +146,7 @@ class DeviceWorker:
 
     async def _build_stage(self, p: int) -> None:
         copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
-                                             len(self.group_of(p)))
+                                             len(self.bn_group_of(p)))
         states = await self.backups.states_for(p, self.job.moves)
         await trio.to_thread.run_sync(copy.load_states, states)
         self.copies[p] = copy
@@ -167,7 +177,7 @@ class DeviceWorker:
         self.busy_s = self.compute_cpu_s = 0.0
         cpu0 = time.process_time()
         for copy in self.copies.values():
-            if copy.stage.mode == "single" and copy.stage.replica_count() > 1:
+            if copy.stage.mode != "tiles" and copy.stage.replica_count() > 1:
                 copy.running_from_zero()
         self.ep.mailbox.waited.clear()
         losses: list[float] = []
@@ -337,8 +347,7 @@ class DeviceWorker:
             await replay_running_stats(self.ep, step, p, copy.stage, mine, ours, self.tile_workers[p][mine[0]].parts,
                                        self.job.timeout_s)
         else:
-            await merge_running_stats(self.ep, step, p, copy, self.group_of(p),
-                                      copy.stage.replica_shares(self.plan.microbatches), self.job.timeout_s)
+            await merge_running_stats(self.ep, step, p, copy, self.plan.microbatches, self.job.timeout_s)
 
     def _window(self, p: int, tile: int) -> tuple[int, int, int, int]:
         """(row0, col0, H, W) of a tile's owned output in the stage's output map."""
