@@ -248,9 +248,25 @@ def plan_dp(inputs: PlanInputs) -> Plan:
         shares = list(dealt.values())
         plans.append(inputs.finish(inputs.plan([Stage(0, inputs.num_layers, "single", list(dealt), replicas=len(dealt),
                                                       shares=shares if len(set(shares)) > 1 else None)], "dp")))
-    for stage in replica_groups(inputs, group):  # groups of devices, each taking whole micro-batches
-        plans.append(inputs.finish(inputs.plan([stage], "dp")))
+    for devices in without_slow_links(inputs, group):  # groups of devices, each taking whole micro-batches
+        for stage in replica_groups(inputs, devices):
+            plans.append(inputs.finish(inputs.plan([stage], "dp")))
     return min(plans, key=lambda p: (not p.predicted["fits"], p.predicted["step_time_s"]))
+
+
+def without_slow_links(inputs: PlanInputs, group: list[str]) -> list[list[str]]:
+    """`group`, and `group` without the devices on its slowest links, one rate after another:
+    every device of a dp stage moves about twice the gradients over its link each step, so
+    one slow link paces the whole ring, and the way around it is to leave its device out."""
+    cluster = inputs.cluster
+    # a device's own link: the best rate it reaches anyone at (a pair runs at the slower end's)
+    link = {d: max((cluster.bw(d, e) for e in group if e != d), default=math.inf) for d in group}
+    out = [group]
+    for rate in sorted(set(link.values()))[:-1]:
+        left = [d for d in out[-1] if link[d] > rate]
+        if len(left) >= 2:
+            out.append(left)
+    return out
 
 
 def replica_groups(inputs: PlanInputs, group: list[str]) -> list[Stage]:

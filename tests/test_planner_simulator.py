@@ -319,6 +319,13 @@ def test_dp_pools_small_devices_into_replica_groups(lenet):
     assert plan.predicted["step_time_s"] == pytest.approx(3.78, rel=0.02)
     alone = plan_of([Stage(0, 7, "single", ["s6"])], batch=32, micro=8, devices=tuple(speeds))
     assert plan.predicted["step_time_s"] < 0.6 * simulate(alone, desc, mem, cl).step_time
+    # s4 on a link so slow that its share of the gradient ring would take longer than the
+    # step: dp leaves it out, s6 takes whole micro-batches and the four small ones pool
+    bw = np.full((6, 6), FAST)
+    bw[1, :] = bw[:, 1] = 1e4
+    slow = plan_dp(PlanInputs(desc, mem, Cluster(devs, bw, 0.0, None), 32, 8))
+    stage = slow.stages[0]
+    assert [stage.replica_devices(r) for r in range(stage.replica_count())] == [["s6"], ["s2", "t2", "s1", "t1"]]
 
 
 def test_replica_groups_finish_as_soon_as_any_choice_of_runs(lenet):
