@@ -32,18 +32,35 @@ def flags(settings: dict) -> list[str]:
     return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
+def torchrun_ddp(settings: dict, *extra) -> None:
+    """ddp.py under torchrun on 2 local ranks."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                        "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "bench" / "peers" / "ddp.py"),
+                        *flags(settings), *map(str, extra)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     """ddp.py on 2 local ranks for TINY: (metrics lines, trained weights)."""
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                        "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "bench" / "peers" / "ddp.py"),
-                        *flags(TINY), "--metrics", str(out / "m.jsonl"), "--save", str(out / "w.pt")],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun_ddp(TINY, "--metrics", out / "m.jsonl", "--save", out / "w.pt")
     lines = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
     return lines, torch.load(out / "w.pt", weights_only=True)
+
+
+def test_ddp_carries_on_from_its_checkpoint(ddp_run, tmp_path):
+    """A worker restarted after step 1 (as torchrun's elastic agent restarts it) resumes from
+    rank 0's checkpoint and ends with the weights of the run that was never stopped."""
+    checkpoint = tmp_path / "ddp.ckpt"
+    torchrun_ddp({**TINY, "steps": 1}, "--checkpoint", checkpoint)
+    assert torch.load(checkpoint, weights_only=True)["step"] == 1
+    torchrun_ddp(TINY, "--checkpoint", checkpoint, "--metrics", tmp_path / "m.jsonl", "--save", tmp_path / "w.pt")
+    assert [json.loads(line)["step"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [2]
+    resumed, whole = torch.load(tmp_path / "w.pt", weights_only=True), ddp_run[1]
+    for k, v in whole.items():
+        torch.testing.assert_close(resumed[k], v, rtol=1e-6, atol=1e-7)
 
 
 def test_ddp_writes_one_metrics_line_per_step(ddp_run):
@@ -92,6 +109,15 @@ def test_versus_help():
     r = run_script(ROOT / "bench" / "versus.py", "--help")
     assert r.returncode == 0, r.stderr
     assert "--runs" in r.stdout and "--cpu 0.1,0.1,0.2,0.2,0.4,0.6" in r.stdout
+
+
+@pytest.mark.parametrize("bad, says", [(["--kill", "dev0"], "--kill must be one of dev1"),
+                                       (["--steps", "4", "--kill-after-step", "3"], "at least two steps after it"),
+                                       (["--runs", "fast"], "--runs")])
+def test_versus_kill_bad_flags_are_one_line(bad, says):
+    r = run_script(ROOT / "bench" / "versus_kill.py", *bad)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("bad", [["--runs", "auto,fast"], ["--runs", "dp,dp"], ["--devices", "6", "--cpu", "0.1,0.2"]])

@@ -10,8 +10,10 @@ up to --microbatches micro-batches and accumulates their gradients, all-reducing
 last (no_sync on the others). BatchNorm statistics are per rank and micro-batch, as plain DDP
 has them. One compute thread per rank. Rank 0 appends one JSON line per step to --metrics:
 step, seconds (loading its share, forward, backward, all-reduce, optimizer step), samples
-(the global batch), samples_per_s, loss (the global batch's), and rank_cpu_s (each rank's
-CPU seconds in the step: how busy it was).
+(the global batch), samples_per_s, loss (the global batch's), rank_cpu_s (each rank's
+CPU seconds in the step: how busy it was) and ranks. With --checkpoint a worker starts from the
+checkpoint when there is one, and rank 0 writes one every --save-every steps: what torchrun's
+elastic agent restarts workers from after a lost node (bench/versus_kill.py).
 """
 from __future__ import annotations
 
@@ -53,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=non_negative_int, default=20, help="steps of lr warm-up (default: 20)")
     p.add_argument("--metrics", metavar="FILE", help="rank 0 appends one JSON object per step to FILE")
     p.add_argument("--save", metavar="PATH", help="rank 0 saves the trained weights (a state dict) here")
+    p.add_argument("--checkpoint", metavar="PATH", help="resume from PATH when it exists; rank 0 writes it "
+                   "(weights, optimizer, step; atomically) every --save-every steps: what a worker restarted by "
+                   "torchrun's elastic agent (--max-restarts) carries on from")
+    p.add_argument("--save-every", type=positive_int, default=1, help="steps between checkpoints (default: 1)")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.batch_size < world:
@@ -116,11 +122,29 @@ def gather_step(part: float, cpu_s: float) -> tuple[float, list[float]]:
     return float(values[0]), values[1:].tolist()
 
 
+def resume(path: str | None, model, optimizer) -> int:
+    """Load the checkpoint at `path` if there is one; the step it was written after (0: none)."""
+    if not path or not os.path.exists(path):
+        return 0
+    state = torch.load(path, weights_only=True)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def save_checkpoint(path: str, model, optimizer, step: int) -> None:
+    """Rank 0's checkpoint after `step` steps, written beside and renamed into place."""
+    part = f"{path}.part"
+    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, part)
+    os.replace(part, path)
+
+
 def train(args: argparse.Namespace, cfg: TrainConfig, train_set) -> None:
     model, loss_fn, optimizer = setup(cfg)
+    start = resume(args.checkpoint, model, optimizer)
     metrics = open(args.metrics, "a") if args.metrics and dist.get_rank() == 0 else None  # noqa: SIM115
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             t0, c0 = time.monotonic(), time.process_time()
             part, samples = train_step(step, cfg, train_set, model, loss_fn, optimizer)
             seconds, cpu_s = time.monotonic() - t0, time.process_time() - c0
@@ -128,8 +152,10 @@ def train(args: argparse.Namespace, cfg: TrainConfig, train_set) -> None:
             if metrics:
                 metrics.write(json.dumps({"step": step + 1, "seconds": seconds, "samples": samples,
                                           "samples_per_s": samples / seconds, "loss": loss,
-                                          "rank_cpu_s": rank_cpu_s}) + "\n")
+                                          "rank_cpu_s": rank_cpu_s, "ranks": dist.get_world_size()}) + "\n")
                 metrics.flush()
+            if args.checkpoint and dist.get_rank() == 0 and (step + 1) % args.save_every == 0:
+                save_checkpoint(args.checkpoint, model, optimizer, step + 1)
     finally:
         if metrics:
             metrics.close()
