@@ -4,28 +4,48 @@ A cluster comes from the live swarm (profiles and a measured bandwidth matrix) o
 hand-written description (docs/planner.md documents the JSON). Bandwidths are directional
 bytes/s (an uplink can be slower than the downlink); latency is seconds per message.
 
+A device with an accelerator (a Jetson's GPU) is planned on it: its `costs` and `memory` are
+the accelerator's, every message it sends or receives is copied between host and
+accelerator once at its end, and its CPU's own figures stay beside them
+(`Cluster.on_cpus()` plans the same devices with their accelerators ignored).
+
     cluster = Cluster(devices=[Device("pi-1", table, memory=900 * 2**20), ...],
                       bandwidth=matrix_bytes_per_s, latency=0.0005, data_source="laptop")
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from planner.costs import CostTable
-from planner.units import mbit_to_bytes_per_s, parse_bytes
+from planner.units import format_bytes, mbit_to_bytes_per_s, parse_bytes
 
 
 class ClusterError(ValueError):
     """A cluster description that cannot be used; the message says where and why."""
 
 
+ACCELERATOR_KINDS = ("cuda",)
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Where a device computes when it is not its CPU, and what reaching it costs."""
+
+    kind: str  # "cuda": what the runtime places the device's work on
+    copy_s_per_byte: float  # seconds per byte copied between host and accelerator (either way)
+    shared_memory: bool = False  # one memory for CPU and accelerator (a Jetson): its budget is counted once
+
+    def copy_time(self, nbytes: float) -> float:
+        return max(0.0, nbytes) * self.copy_s_per_byte
+
+
 @dataclass
 class Device:
     name: str
-    costs: CostTable
-    memory: float  # bytes this device may spend on training (its budget u_d)
+    costs: CostTable  # what the device computes at: its accelerator's when it has one
+    memory: float  # bytes this device may spend on training (its budget u_d): its accelerator's when it has one
     tier: str | None = None  # "device" | "edge" | "cloud": HierTrain's roles, when given
     power_w: float | None = None  # compute power, for JointDNN's energy objective
     radio: dict | None = None  # JointDNN eq. 21: {"up_mw_per_mbps", "down_mw_per_mbps", "base_mw"}
@@ -40,10 +60,28 @@ class Device:
     # the quota like everything else. A message's one-way time is the latency plus both
     # ends' msg_s.
     msg_s: float = 0.0
+    accelerator: Accelerator | None = None  # None: the device computes on its CPU
+    # the CPU's own figures when an accelerator is given (None: `costs` and `memory` are the CPU's)
+    cpu_costs: CostTable | None = None
+    cpu_memory: float | None = None
+
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds to copy `nbytes` of a message between host and accelerator at this end (0 on a CPU)."""
+        return self.accelerator.copy_time(nbytes) if self.accelerator else 0.0
+
+    def on_cpu(self) -> "Device":
+        """The same device planned on its CPU alone."""
+        if self.accelerator is None:
+            return self
+        return replace(self, costs=self.cpu_costs or self.costs,
+                       memory=self.memory if self.cpu_memory is None else self.cpu_memory,
+                       accelerator=None, cpu_costs=None, cpu_memory=None)
 
     def summary(self) -> dict:
         d = dict(self.facts)
         d.update(memory=int(self.memory), speed=self.costs.source)
+        if self.accelerator:
+            d["accelerator"] = self.accelerator.kind
         if self.tier:
             d["tier"] = self.tier
         return d
@@ -97,11 +135,19 @@ class Cluster:
         return float(self.bandwidth[self._index[a], self._index[b]])
 
     def transfer_time(self, a: str, b: str, nbytes: float) -> float:
-        """Seconds to move `nbytes` from a to b (nothing when they are the same device)."""
+        """Seconds to move `nbytes` from a to b (nothing when they are the same device): the
+        message over the link, and its copy out of a's accelerator and into b's, if any."""
         if a == b or nbytes <= 0:
             return 0.0
-        cpu = max(self.device(a).comm_s_per_byte, self.device(b).comm_s_per_byte)
-        return self.message_time(a, b) + nbytes * max(1 / self.bw(a, b), cpu)
+        da, db = self.device(a), self.device(b)
+        cpu = max(da.comm_s_per_byte, db.comm_s_per_byte)
+        copies = da.copy_time(nbytes) + db.copy_time(nbytes)
+        return self.message_time(a, b) + nbytes * max(1 / self.bw(a, b), cpu) + copies
+
+    def copy_per_byte(self, names: list[str]) -> float:
+        """The largest seconds per byte copied between host and accelerator among a group (0: all on CPUs)."""
+        return max((self.device(n).accelerator.copy_s_per_byte for n in names if self.device(n).accelerator),
+                   default=0.0)
 
     def message_time(self, a: str, b: str) -> float:
         """One-way time of an empty message from a to b: the latency and both ends' extra handling."""
@@ -140,11 +186,22 @@ class Cluster:
     def describe(self) -> dict:
         return {d.name: d.summary() for d in self.devices}
 
+    @property
+    def accelerated(self) -> list[str]:
+        """The devices that compute on an accelerator."""
+        return [d.name for d in self.devices if d.accelerator is not None]
+
+    def on_cpus(self) -> "Cluster":
+        """The same cluster with every accelerator ignored: each device planned on its CPU."""
+        return Cluster([d.on_cpu() for d in self.devices], self.bandwidth.copy(), self.latency, self.data_source,
+                       self.name)
+
 
 # ---- the JSON description -------------------------------------------------------------
 
 DEVICE_KEYS = {"name", "memory", "speed", "gflops", "mem_gbps", "profile", "tier", "power_w", "radio", "link_mbps",
-               "cores", "note", "comm_ns_per_byte", "msg_us"}
+               "cores", "note", "comm_ns_per_byte", "msg_us", "accelerator"}
+ACCELERATOR_KEYS = {"kind", "speed", "gflops", "mem_gbps", "profile", "copy_gbps", "memory", "shared_memory", "note"}
 CLUSTER_KEYS = {"name", "description", "reference", "data_source", "bandwidth_mbps", "latency_ms", "links", "devices",
                 "note"}
 
@@ -208,20 +265,8 @@ def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
     extra = set(spec) - DEVICE_KEYS
     if extra:
         raise ClusterError(f"{where}: unknown field(s) {', '.join(sorted(extra))}; known: {', '.join(sorted(DEVICE_KEYS))}")
-    given = [k for k in ("speed", "gflops", "profile") if k in spec]
-    if len(given) != 1:
-        raise ClusterError(f"{where}: give exactly one of \"speed\" (times the reference), \"gflops\" or \"profile\""
-                           + (f"; got {', '.join(given)}" if given else ""))
     try:
-        if "gflops" in spec:
-            costs = CostTable.from_flops(desc, float(spec["gflops"]), spec.get("mem_gbps"))
-        elif "profile" in spec:
-            costs = resolve_profile(spec["profile"])
-        else:
-            if reference is None:
-                raise ClusterError(f"{where}: \"speed\" is relative to the cluster's \"reference\", which is missing "
-                                   "(\"reference\": \"local\", a profile file, or {\"gflops\": N})")
-            costs = reference.scaled(float(spec["speed"]))
+        costs = _costs_from_dict(spec, where, desc, reference, resolve_profile)
         if "memory" not in spec:
             raise ClusterError(f"{where}: \"memory\" (the bytes it may use for training, e.g. \"900 MiB\") is missing")
         memory = parse_bytes(spec["memory"], f"{where}: memory")
@@ -232,8 +277,76 @@ def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
     facts = {k: spec[k] for k in ("cores", "note") if k in spec}
     comm = _non_negative(spec, "comm_ns_per_byte", "nanoseconds", where)
     msg = _non_negative(spec, "msg_us", "microseconds", where)
-    return Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts,
-                  comm_s_per_byte=comm * 1e-9, msg_s=msg * 1e-6)
+    device = Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts,
+                    comm_s_per_byte=comm * 1e-9, msg_s=msg * 1e-6)
+    if "accelerator" in spec:
+        accelerator, acc_costs, acc_memory = _accelerator_from_dict(spec["accelerator"], memory, where, desc, reference,
+                                                                    resolve_profile)
+        device = replace(device, costs=acc_costs, memory=acc_memory, accelerator=accelerator, cpu_costs=costs,
+                         cpu_memory=memory)
+    return device
+
+
+def _costs_from_dict(spec: dict, where: str, desc, reference, resolve_profile) -> CostTable:
+    """A device's (or an accelerator's) cost table from exactly one of speed, gflops, profile."""
+    given = [k for k in ("speed", "gflops", "profile") if k in spec]
+    if len(given) != 1:
+        raise ClusterError(f"{where}: give exactly one of \"speed\" (times the reference), \"gflops\" or \"profile\""
+                           + (f"; got {', '.join(given)}" if given else ""))
+    if "gflops" in spec:
+        return CostTable.from_flops(desc, float(spec["gflops"]), spec.get("mem_gbps"))
+    if "profile" in spec:
+        return resolve_profile(spec["profile"])
+    if reference is None:
+        raise ClusterError(f"{where}: \"speed\" is relative to the cluster's \"reference\", which is missing "
+                           "(\"reference\": \"local\", a profile file, or {\"gflops\": N})")
+    return reference.scaled(float(spec["speed"]))
+
+
+def _accelerator_from_dict(spec, host_memory: float, where: str, desc, reference, resolve_profile
+                           ) -> tuple[Accelerator, CostTable, float]:
+    """A device's "accelerator": (what it is, its cost table, the device's memory budget on it).
+
+    Its memory is the budget for weights and activations on it: a discrete GPU's own (required),
+    or, where it shares the host's memory (a Jetson), part of that one memory (default: all of
+    the device's budget; never more, since the same bytes are not counted twice)."""
+    where = f"{where}: accelerator"
+    if not isinstance(spec, dict):
+        raise ClusterError(f"{where}: expected an object such as {{\"kind\": \"cuda\", \"gflops\": 70, "
+                           "\"copy_gbps\": 4, \"shared_memory\": true}")
+    extra = set(spec) - ACCELERATOR_KEYS
+    if extra:
+        raise ClusterError(f"{where}: unknown field(s) {', '.join(sorted(extra))}; known: "
+                           f"{', '.join(sorted(ACCELERATOR_KEYS))}")
+    kind = spec.get("kind")
+    if kind not in ACCELERATOR_KINDS:
+        raise ClusterError(f"{where}: \"kind\" must be one of {', '.join(ACCELERATOR_KINDS)}; got {kind!r}")
+    shared = spec.get("shared_memory", False)
+    if not isinstance(shared, bool):
+        raise ClusterError(f"{where}: \"shared_memory\" is true (one memory with the CPU, as on a Jetson) or false; "
+                           f"got {shared!r}")
+    copy = spec.get("copy_gbps")
+    if not isinstance(copy, (int, float)) or isinstance(copy, bool) or not copy > 0:
+        raise ClusterError(f"{where}: \"copy_gbps\" (the host<->accelerator copy rate, GB/s) must be a positive "
+                           f"number; got {copy!r}")
+    try:
+        costs = _costs_from_dict(spec, where, desc, reference, resolve_profile)
+        if "memory" in spec:
+            memory = parse_bytes(spec["memory"], f"{where}: memory")
+        elif shared:
+            memory = host_memory
+        else:
+            raise ClusterError(f"{where}: \"memory\" (its own memory for training, e.g. \"7 GiB\") is missing; "
+                               "or \"shared_memory\": true where it shares the device's")
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ClusterError):
+            raise
+        raise ClusterError(f"{where}: {exc}") from None
+    if shared and memory > host_memory:
+        raise ClusterError(f"{where}: memory {format_bytes(memory)} is more than the device's "
+                           f"{format_bytes(host_memory)}, which it shares (\"shared_memory\": true): give at most the device's memory")
+    costs = replace(costs, source=f"{kind}: {costs.source}")
+    return Accelerator(kind, 1 / (float(copy) * 1e9), shared), costs, float(memory)
 
 
 def _non_negative(spec: dict, key: str, unit: str, where: str) -> float:

@@ -85,8 +85,9 @@ def two_party_costs(inputs: PlanInputs, mobile: str, cloud: str) -> TwoPartyCost
     down_w = radio_power_w(mob.radio, "down", cl.bw(cloud, mobile))
     for b in range(1, L):
         nbytes = inputs.batch_size * mem.boundary(b)
-        t_up = M * cl.latency + nbytes / cl.bw(mobile, cloud)  # activations up, gradients come down
-        t_down = M * cl.latency + nbytes / cl.bw(cloud, mobile)
+        copies = cl.device(mobile).copy_time(nbytes) + cl.device(cloud).copy_time(nbytes)  # host<->accelerator
+        t_up = M * cl.latency + nbytes / cl.bw(mobile, cloud) + copies  # activations up, gradients come down
+        t_down = M * cl.latency + nbytes / cl.bw(cloud, mobile) + copies
         cross[0, b] = cross[1, b] = t_up + t_down
         e_cross[0, b] = e_cross[1, b] = t_up * up_w + t_down * down_w
     image = inputs.batch_size * inputs.desc.input_bytes // 4 * IMAGE_BYTES_PER_VALUE

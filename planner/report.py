@@ -60,7 +60,9 @@ def plan_table(plan: Plan, timeline: Timeline) -> str:
     for d in plan.used_devices():
         peak, budget = timeline.peak_memory[d], timeline.budgets[d]
         busy = timeline.busy.get(d, 0.0)
-        dev_rows.append([d, ",".join(str(p) for p in plan.stages_of_device(d)), format_seconds(busy),
+        accelerator = (plan.devices.get(d) or {}).get("accelerator")
+        name = f"{d} ({accelerator})" if accelerator else d
+        dev_rows.append([name, ",".join(str(p) for p in plan.stages_of_device(d)), format_seconds(busy),
                          f"{100 * busy / timeline.step_time:.0f}%" if timeline.step_time else "-",
                          format_bytes(peak), format_bytes(budget), "yes" if peak <= budget else "NO"])
     devices = table(dev_rows, ["device", "stages", "busy", "use", "peak memory", "budget", "fits"])

@@ -10,14 +10,14 @@ free and ready.
 Transfers: forward activations and backward gradients between the devices holding the
 same samples in consecutive stages, input images from the data source. Every device has
 one uplink and one downlink; a transfer occupies both ends' links for latency + bytes /
-bandwidth, first come first served, and overlaps with computation — except for the CPU
-it costs its ends (bytes x time per byte moved, plus the time per message): each device
-pays what its idle time since its last computation did not cover before its next one (or
-at the end of the step), since on a small device the sockets and the layers share one
-CPU. After its last
-backward a group all-reduces its gradients; when every group is done, the step commits
-(a round trip to the data source's coordinator: two message latencies) and each device
-runs the optimizer step on its stages.
+bandwidth (plus, at an end that computes on an accelerator, the message's copy between the
+accelerator and the host: `Cluster.transfer_time`), first come first served, and overlaps
+with computation — except for the CPU it costs its ends (bytes x time per byte moved, plus
+the time per message): each device pays what its idle time since its last computation did
+not cover before its next one (or at the end of the step), since on a small device the
+sockets and the layers share one CPU. After its last backward a group all-reduces its
+gradients; when every group is done, the step commits (a round trip to the data source's
+coordinator: two message latencies) and each device runs the optimizer step on its stages.
 
     timeline = simulate(plan, desc, mem, cluster)
     timeline.step_time, timeline.throughput, timeline.peak_memory["pi-1"]

@@ -38,13 +38,16 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
     Each device sends and receives that much at once: the ring runs no faster than a device's
     CPU moves twice the bytes. The data goes in `buckets` rings (one per bucket of layers,
     started as the backward finishes each): their latencies overlap, but every member
-    handles a message out and one in at each of a ring's 2(g-1) steps."""
+    handles a message out and one in at each of a ring's 2(g-1) steps. A member computing on
+    an accelerator copies its gradients to the host and the sums back: twice the bytes at the
+    slowest member's copy rate."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
     messages = max(1, buckets) * 2 * (g - 1) * 2 * cluster.msg_cpu(group)
-    return 2 * (g - 1) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte
+    copies = 2 * nbytes * cluster.copy_per_byte(group)
+    return 2 * (g - 1) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
 
 
 def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:

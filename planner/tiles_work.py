@@ -109,8 +109,10 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
             worst = max(max(sent.values()), max(recv.values()))
             moved = max(sent[d] + recv[d] for d in devices)
             messages = max(count.values())  # a message per halo region, handled at both ends
+            # halos leave and reach an accelerator through the host: one copy each way per device
+            copies = max(cluster.device(d).copy_time(sent[d] + recv[d]) for d in devices)
             if worst > 0:
-                total += cluster.latency + messages * msg + max(worst / minbw, moved * cpu)
+                total += cluster.latency + messages * msg + max(worst / minbw, moved * cpu) + copies
         return total
 
     bn = sum(2 * allgather_time(8 + 16 * c, devices, cluster) for c in cost.bn_channels) if g > 1 else 0.0

@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", metavar="PLAN.json", help="write the plan (JSON) here")
     p.add_argument("--show", metavar="PLAN.png", help="draw one step's timeline per device (and tile grids) here")
     p.add_argument("--compare", action="store_true", help="run every planner and compare them side by side")
+    p.add_argument("--accelerators", choices=("on", "off"), default="on",
+                   help="off: plan every device on its CPU, ignoring the accelerators (GPUs) the cluster gives "
+                        "(default: on, a device with an accelerator computes on it)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.add_argument("--local", action="store_true", help="plan for this machine alone, without looking for the swarm")
     p.add_argument("--wait", type=non_negative_float, default=2.0, metavar="SECONDS",
@@ -207,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         cluster, measured, why = live_cluster(args, desc, classes)
         if cluster is None:
             cluster = this_machine(desc, profiles, why)
+    if args.accelerators == "off":
+        cluster = cluster.on_cpus()
     measured = profiles.profile or measured
     mem = MemoryModel.for_devices(desc, args.optimizer, measured.act_bytes if measured is not None else None)
     inputs = PlanInputs(desc, mem, cluster, args.batch_size, args.microbatches)
