@@ -107,7 +107,7 @@ def _scan(images: Path, labels: Path) -> Scan:
     return scan
 
 
-def _class_names(root: Path) -> list[str] | None:
+def class_names(root: Path) -> list[str] | None:
     candidates = [root / "classes.txt", root / "obj.names"] + sorted(root.glob("*.names"))
     for path in candidates:
         if path.is_file():
@@ -115,6 +115,20 @@ def _class_names(root: Path) -> list[str] | None:
             if names:
                 return names
     return None
+
+
+def image_to_input(im, img_size: int, channels: int) -> np.ndarray:
+    """A PIL image as the network takes it, (C, img_size, img_size) uint8: converted to RGB
+    (or grey for one channel) and resized to the square with bilinear filtering, without
+    keeping its aspect ratio (boxes stay relative to the image, so they carry over). The one
+    rule for training, evaluation and `swarm detect`."""
+    from PIL import Image
+
+    im = im.convert("L" if channels == 1 else "RGB")
+    im = im.resize((img_size, img_size), Image.BILINEAR)
+    arr = np.asarray(im, dtype=np.uint8)
+    arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+    return np.ascontiguousarray(arr)
 
 
 class YoloDirectory:
@@ -143,13 +157,10 @@ class YoloDirectory:
         path, boxes = self.samples[index]
         try:
             with Image.open(path) as im:
-                im = im.convert("L" if self.channels == 1 else "RGB")
-                im = im.resize((self.img_size, self.img_size), Image.BILINEAR)
-                arr = np.asarray(im, dtype=np.uint8)
+                arr = image_to_input(im, self.img_size, self.channels)
         except (OSError, ValueError, SyntaxError) as exc:
             raise SwarmError(f"{path}: cannot decode the image ({exc}); fix or remove it and run again") from None
-        arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-        return np.ascontiguousarray(arr), boxes
+        return arr, boxes
 
 
 def open_yolo_directory(root: str | Path, img_size: int, channels: int) -> tuple[YoloDirectory, YoloDirectory]:
@@ -171,7 +182,7 @@ def open_yolo_directory(root: str | Path, img_size: int, channels: int) -> tuple
     if not train:
         detail = f"; first problem: {scan.skipped[0]}" if scan.skipped else ""
         raise SwarmError(f"no usable training samples in {root}{detail}")
-    names = _class_names(root)
+    names = class_names(root)
     max_cls = max((int(b[:, 0].max()) for _, b in train + held if len(b)), default=-1)
     if names is None:
         names = [str(i) for i in range(max_cls + 1)] or ["0"]
