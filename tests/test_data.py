@@ -127,17 +127,32 @@ def test_yolo_folder_errors(tmp_path, setup, message):
         open_datasets(str(root), 32, 3)
 
 
-def test_truncated_image_fails_cleanly_at_load(tmp_path):
-    _write_yolo(tmp_path, n=3, size=(400, 300))
-    path = tmp_path / "images" / "img00.jpg"
+def test_truncated_images_are_skipped_at_the_scan_which_is_cached(tmp_path, monkeypatch):
+    """A JPEG cut short passes a header check but not a whole decode: the scan decodes every
+    image, skips it and names it; a second scan of unchanged files decodes nothing, and a
+    file that changed is decoded again."""
+    from swarm.data import yolo_dir
+
+    monkeypatch.setenv("SWARM_STATE_DIR", str(tmp_path / "state"))
+    root = tmp_path / "data"
+    _write_yolo(root, n=4, size=(400, 300))
+    path = root / "images" / "img00.jpg"
     Image.fromarray(np.zeros((300, 400, 3), np.uint8) + 100).save(path, quality=95)
-    (tmp_path / "labels" / "img00.txt").write_text("0 0.5 0.5 0.2 0.2\n")
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 3])
-    train, _ = open_datasets(str(tmp_path), 32, 3)
-    names = [p.name for p, _ in train.samples]
-    if "img00.jpg" in names:  # verify() passed: the decode must fail with the file named
-        with pytest.raises(SwarmError, match="img00.jpg"):
-            train.load(names.index("img00.jpg"))
-    else:
-        assert any("img00.jpg" in s for s in train.skipped)
+    (root / "labels" / "img00.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 3])
+    with Image.open(path) as im:
+        im.verify()  # what a header check sees: nothing wrong
+    decoded = []
+    real = yolo_dir.decode_problem
+    monkeypatch.setattr(yolo_dir, "decode_problem", lambda p: decoded.append(p.name) or real(p))
+    train, held = open_datasets(str(root), 32, 3)
+    assert len(decoded) == 5 and len(train) + len(held) == 4
+    assert any("img00.jpg: not a readable image" in s for s in train.skipped)
+    decoded.clear()
+    open_datasets(str(root), 32, 3)
+    assert decoded == []
+    path.write_bytes(whole)  # mended: decoded again, and used
+    decoded.clear()
+    train, held = open_datasets(str(root), 32, 3)
+    assert decoded == ["img00.jpg"] and len(train) + len(held) == 5

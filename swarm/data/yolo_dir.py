@@ -7,12 +7,16 @@ Accepted layouts (labels are `class cx cy w h` per line, relative to the image):
     DIR/images/train  DIR/labels/train  DIR/images/val ... (or valid/)
 
 Class names come from DIR/classes.txt or a DIR/*.names file when there is one.
-Samples that cannot be used (no label file, a malformed line, an unreadable image) are
-skipped, and the loader says how many and which.
+Samples that cannot be used (no label file, a malformed line, an image that does not decode
+whole: unreadable or truncated) are skipped, and the loader says how many and which. Every
+image is decoded once at the scan, in parallel, and what that found is cached by path, size
+and modification time (DecodeCache), so a second run does not pay it again.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,32 +82,113 @@ def parse_label_file(path: Path) -> np.ndarray:
     return np.array(rows, dtype=np.float32).reshape(-1, 5)
 
 
-def _scan(images: Path, labels: Path) -> Scan:
+def decode_problem(path: Path) -> str | None:
+    """Why the image at `path` cannot be used, or None: it is decoded whole (a truncated JPEG
+    passes a header check and fails only here)."""
     from PIL import Image, UnidentifiedImageError
 
+    try:
+        with Image.open(path) as im:
+            im.load()
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        return f"{path}: not a readable image ({exc})"
+    return None
+
+
+class DecodeCache:
+    """What decoding each image found, kept by path, size and modification time in the state
+    directory, so that a second scan of the same files does not decode them again."""
+
+    def __init__(self, root: Path):
+        import hashlib
+
+        from swarm.host.state import default_state_dir
+
+        key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+        self.path = default_state_dir() / "scans" / f"{key}.json"
+        try:
+            self.known = json.loads(self.path.read_text())
+            if not isinstance(self.known, dict):
+                self.known = {}
+        except (OSError, ValueError):
+            self.known = {}
+        self.changed = False
+
+    @staticmethod
+    def stamp(path: Path) -> str:
+        st = path.stat()
+        return f"{st.st_size}:{st.st_mtime_ns}"
+
+    def get(self, path: Path) -> tuple[bool, str | None]:
+        """(whether it is known, its problem)."""
+        entry = self.known.get(str(path))
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == self.stamp(path):
+            return True, entry[1]
+        return False, None
+
+    def put(self, path: Path, problem: str | None) -> None:
+        self.known[str(path)] = [self.stamp(path), problem]
+        self.changed = True
+
+    def save(self) -> None:
+        """Written beside and renamed into place; a cache that cannot be written is no cache."""
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            part = self.path.with_suffix(f".{os.getpid()}.part")
+            part.write_text(json.dumps(self.known))
+            os.replace(part, self.path)
+        except OSError:
+            pass
+
+
+def decode_all(files: list[Path], cache: DecodeCache | None) -> dict[Path, str | None]:
+    """Each image's problem (None: it decodes), decoding those the cache does not know in
+    parallel threads (the codecs let go of the interpreter while they work)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from swarm.host.resources import usable_cores
+
+    problems, todo = {}, []
+    for path in files:
+        known, problem = cache.get(path) if cache else (False, None)
+        if known:
+            problems[path] = problem
+        else:
+            todo.append(path)
+    if todo:
+        with ThreadPoolExecutor(max_workers=max(1, min(8, usable_cores()))) as pool:
+            for path, problem in zip(todo, pool.map(decode_problem, todo)):
+                problems[path] = problem
+                if cache:
+                    cache.put(path, problem)
+    return problems
+
+
+def _scan(images: Path, labels: Path, cache: DecodeCache | None = None) -> Scan:
     if not images.is_dir():
         raise SwarmError(f"image folder {images} does not exist")
     files = sorted(p for p in images.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise SwarmError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {images}")
     scan = Scan()
+    labelled = []
     for img in files:
         label = labels / (img.stem + ".txt")
         if not label.is_file():
             scan.skipped.append(f"{img}: no label file {label}")
             continue
         try:
-            boxes = parse_label_file(label)
+            labelled.append((img, parse_label_file(label)))
         except SwarmError as exc:
             scan.skipped.append(str(exc))
-            continue
-        try:
-            with Image.open(img) as im:
-                im.verify()
-        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
-            scan.skipped.append(f"{img}: not a readable image ({exc})")
-            continue
-        scan.samples.append((img, boxes))
+    problems = decode_all([img for img, _ in labelled], cache)
+    for img, boxes in labelled:
+        if problems[img]:
+            scan.skipped.append(problems[img])
+        else:
+            scan.samples.append((img, boxes))
     return scan
 
 
@@ -171,14 +256,16 @@ def open_yolo_directory(root: str | Path, img_size: int, channels: int) -> tuple
     if not root.is_dir():
         raise SwarmError(f"--data {root} is not a folder")
     (train_img, train_lab), val = _split_dirs(root)
-    scan = _scan(train_img, train_lab)
+    cache = DecodeCache(root)
+    scan = _scan(train_img, train_lab, cache)
     if val is None:
         held = [s for i, s in enumerate(scan.samples) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
         train = [s for i, s in enumerate(scan.samples) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
         skipped_val: list[str] = []
     else:
-        vscan = _scan(*val)
+        vscan = _scan(*val, cache)
         train, held, skipped_val = scan.samples, vscan.samples, vscan.skipped
+    cache.save()
     if not train:
         detail = f"; first problem: {scan.skipped[0]}" if scan.skipped else ""
         raise SwarmError(f"no usable training samples in {root}{detail}")
