@@ -9,14 +9,21 @@ from swarm.errors import SwarmError
 from swarm.host import malloc
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = ("train", "eval", "join", "status", "token", "testbed", "plan", "profile", "service", "plot")
+COMMANDS = ("train", "eval", "join", "status", "token", "testbed", "plan", "profile", "service", "plot", "detect", "data")
+
+
+class Parser(argparse.ArgumentParser):
+    """A mistake in the flags is one line naming the flag and what it accepts (and where the
+    help is), not the usage text first: the subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(
-        prog="swarm", description="Train convolutional networks across the small devices on your LAN.")
+    parser = Parser(prog="swarm", description="Train convolutional networks across the small devices on your LAN.")
     parser.add_argument("--version", action="version", version=f"swarm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -63,6 +63,12 @@ def test_user_mistakes_get_a_message_not_a_traceback(tmp_path, args, message):
     assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line, not the usage text first
+
+
+def test_the_largest_size_is_said(tmp_path):
+    r = run_swarm("train", "--img-size", "4096", cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "multiples of 16 from 16 to 2048" in r.stderr
 
 
 def test_corrupt_checkpoint_for_resume(tmp_path):

@@ -102,7 +102,7 @@ def test_bad_image_size_names_valid_sizes():
 
 def test_summarise_sizes():
     assert summarise_sizes([32]) == "only 32"
-    assert summarise_sizes(list(range(16, 2049, 16))) == "multiples of 16 from 16"
+    assert summarise_sizes(list(range(16, 2049, 16))) == "multiples of 16 from 16 to 2048"
     assert summarise_sizes(list(range(5, 100))) == "any size from 5 to 99"
 
 

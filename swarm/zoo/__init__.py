@@ -139,7 +139,7 @@ def summarise_sizes(valid: list[int]) -> str:
     if len(valid) == 1:
         return f"only {lo}"
     if valid == list(range(lo, hi + 1, step)):
-        upto = f" to {hi}" if hi < MAX_IMG_SIZE - step + 1 else ""
+        upto = f" to {hi}"  # always said: the largest size this swarm takes is a limit too
         if step == 1:
             return f"any size from {lo}{upto}"
         if lo % step == 0:

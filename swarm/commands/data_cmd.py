@@ -1,0 +1,62 @@
+"""`swarm data sample DIR`: a small data set in the YOLO folder format, to look at and train on."""
+from __future__ import annotations
+
+import argparse
+
+from swarm.commands.flags import _number
+
+SAMPLE_SIZES = _number(int, "a whole number", lambda v: 32 <= v <= 2048, "must be between 32 and 2048")
+SAMPLE_COUNT = _number(int, "a whole number", lambda v: 10 <= v <= 100000, "must be between 10 and 100000")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("data", help="data set tools", description="Tools for data sets in the YOLO folder format.")
+    tools = p.add_subparsers(dest="tool", metavar="TOOL", required=True)
+    s = tools.add_parser("sample", help="write a small YOLO-format data set",
+                         description="Write a small data set in the YOLO folder format: DIR/train/images/*.jpg with "
+                                     "DIR/train/labels/*.txt (one 'class cx cy w h' line per object, relative to the "
+                                     "image), the same under DIR/val/, and DIR/classes.txt. The pictures are the "
+                                     "built-in shapes at --width x --height, so `swarm train --data DIR` works on "
+                                     "it at once, and it shows what your own folder should look like.")
+    s.add_argument("dir", metavar="DIR", help="the folder to write (must not exist, or be empty)")
+    s.add_argument("--count", type=SAMPLE_COUNT, default=200, help="images in all (default: 200)")
+    s.add_argument("--val", type=float, default=0.1, help="share of them held out in val/ (default: 0.1)")
+    s.add_argument("--width", type=SAMPLE_SIZES, default=320, help="image width in pixels (default: 320)")
+    s.add_argument("--height", type=SAMPLE_SIZES, default=240, help="image height in pixels (default: 240)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from PIL import Image
+
+    from swarm.data.shapes import CLASSES, SyntheticShapes
+    from swarm.errors import SwarmError
+
+    if not 0 < args.val < 1:
+        raise SwarmError(f"--val is the share held out, between 0 and 1 (exclusive); got {args.val}")
+    root = Path(args.dir)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise SwarmError(f"{root} already exists and is not an empty folder; name a new one")
+    held = max(1, round(args.count * args.val))
+    side = max(args.width, args.height)
+    shapes = {"train": SyntheticShapes("train", side, 3, size=args.count - held),
+              "val": SyntheticShapes("heldout", side, 3, size=held)}
+    try:
+        for split, data in shapes.items():
+            (root / split / "images").mkdir(parents=True, exist_ok=True)
+            (root / split / "labels").mkdir(parents=True, exist_ok=True)
+            for k in range(len(data)):
+                arr, boxes = data.load(k)  # drawn square, then stretched: boxes stay relative
+                im = Image.fromarray(arr.transpose(1, 2, 0)).resize((args.width, args.height), Image.BILINEAR)
+                name = f"{split}{k:05d}"
+                im.save(root / split / "images" / f"{name}.jpg", quality=90)
+                (root / split / "labels" / f"{name}.txt").write_text(
+                    "".join(f"{int(c)} {cx:.6f} {cy:.6f} {w:.6f} {h:.6f}\n" for c, cx, cy, w, h in boxes))
+        (root / "classes.txt").write_text("".join(f"{name}\n" for name in CLASSES))
+    except OSError as exc:
+        raise SwarmError(f"cannot write {root}: {exc.strerror or exc}") from None
+    print(f"wrote {args.count - held} training and {held} held-out images ({args.width}x{args.height}, "
+          f"{len(CLASSES)} classes) to {root}; train on it with: swarm train --data {root}")
+    return 0
