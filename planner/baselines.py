@@ -299,8 +299,12 @@ def replica_groups(inputs: PlanInputs, group: list[str]) -> list[Stage]:
         chosen = _fastest_runs(usable, k, micro)
         if chosen is None or len(chosen) < 2 or tuple(chosen) in seen:
             continue
-        seen.add(tuple(chosen))
         shares = _deal([usable[ij][0] for ij in chosen], micro)
+        chosen = [ij for ij, k in zip(chosen, shares) if k]  # a group dealt nothing is not in the plan
+        shares = [k for k in shares if k]
+        if len(chosen) < 2 or tuple(chosen) in seen:
+            continue
+        seen.add(tuple(chosen))
         allocation = {d: y for ij in chosen for d, y in usable[ij][1].items()}
         stages.append(Stage(0, n, "dp", list(allocation), allocation=allocation, replicas=len(chosen),
                             groups=[len(usable[ij][1]) for ij in chosen],

@@ -13,7 +13,18 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def plan(*args, tmp_path, env=None):
-    return run_swarm("plan", *args, cwd=tmp_path, env={"SWARM_STATE_DIR": str(tmp_path / "state"), **(env or {})})
+    """`swarm plan` at 416 (the papers' size) unless the arguments give a size."""
+    size = [] if "--img-size" in args or "--model" not in args else ["--img-size", "416"]
+    return run_swarm("plan", *size, *args, cwd=tmp_path,
+                     env={"SWARM_STATE_DIR": str(tmp_path / "state"), **(env or {})})
+
+
+def test_plan_plans_at_the_size_train_trains_at(tmp_path):
+    """No --img-size: the size swarm train would train at (128 for yolov2-16), not the .cfg's 416."""
+    r = run_swarm("plan", "--model", "yolov2-16", "--devices", EXAMPLES / "rama-pi-cluster.json", "--strategy", "dp",
+                  cwd=tmp_path, env={"SWARM_STATE_DIR": str(tmp_path / "state")})
+    assert r.returncode == 0, r.stderr
+    assert "yolov2-16 at 128x128" in r.stdout
 
 
 def test_plan_a_described_cluster_with_picture_and_plan_file(tmp_path):

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
                                    "(docs/planner.md); without it, the devices of the swarm (`swarm join`) are "
                                    "profiled and planned, or this machine alone when none answers.")
     p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
-    p.add_argument("--img-size", type=positive_int, help="input size (default: the model's own)")
+    p.add_argument("--img-size", type=positive_int, help="input size (default: as swarm train: 128 for the "
+                   "built-in YOLO models, a .cfg file's own)")
     p.add_argument("--classes", type=positive_int, help="classes of a built-in detector's head (default: the built-in "
                    "data's)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="samples per optimizer step (default: 16)")
@@ -117,8 +118,9 @@ class LocalProfiles:
 
 def describe(args: argparse.Namespace):
     from swarm.profiling.profiler import default_classes
-    from swarm.zoo import describe_model
+    from swarm.zoo import default_img_size, describe_model
 
+    args.img_size = default_img_size(args.model, args.img_size)  # what swarm train trains at
     classes = args.classes if args.classes is not None else default_classes(args.model, args.img_size)
     return describe_model(args.model, args.img_size, classes), classes
 

@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
                                    "memory a training step needs, and cache it in the state directory (swarm plan "
                                    "and swarm train use the cache).")
     p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
-    p.add_argument("--img-size", type=positive_int, help="input size (default: the model's own)")
+    p.add_argument("--img-size", type=positive_int, help="input size (default: as swarm train: 128 for the "
+                   "built-in YOLO models, a .cfg file's own)")
     p.add_argument("--classes", type=positive_int, help="classes of the head (default: the built-in data's)")
     p.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="1,2,4,8",
                    help="batch sizes to time (default: 1,2,4,8)")
@@ -45,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from swarm.profiling.profiler import DEFAULT_BATCH_SIZES, DEFAULT_REPEATS, load_or_profile, write_profile
 
     log = lambda text: print(f"profiling: {text}", file=sys.stderr, flush=True)  # noqa: E731
+    from swarm.zoo import default_img_size
+
+    args.img_size = default_img_size(args.model, args.img_size)  # what swarm train and plan use
     profile, _, path = load_or_profile(args.model, args.img_size, args.classes, state_dir_from(args.state_dir),
                                        args.batch_sizes or DEFAULT_BATCH_SIZES, args.repeats or DEFAULT_REPEATS,
                                        args.threads, refresh=True, log=log)

@@ -14,6 +14,15 @@ from swarm.zoo.build import describe, make_modules
 from swarm.zoo.darknet import Section, parse_cfg
 
 BUILTIN = ("yolov2-16", "yolov2", "yolov2-tiny", "vgg16", "alexnet", "lenet5")
+# The input size a built-in model trains, plans and is evaluated at unless --img-size says
+# otherwise, whatever the data (a .cfg file's own [net] size for other models; lenet5's own 32):
+# small enough that the main job trains in minutes on one machine.
+DEFAULT_IMG_SIZE = {"yolov2-16": 128, "yolov2": 128, "yolov2-tiny": 128, "vgg16": 64, "alexnet": 96}
+
+
+def default_img_size(model: str, img_size: int | None) -> int | None:
+    """`img_size`, or the size `model` takes by default (None: the model's own)."""
+    return img_size if img_size is not None else DEFAULT_IMG_SIZE.get(model)
 MAX_IMG_SIZE = 2048
 
 
