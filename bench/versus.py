@@ -85,9 +85,8 @@ def run_list(text: str) -> list[str]:
     return runs
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="versus.py", description=__doc__.splitlines()[0],
-               formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
+def add_testbed_flags(p: argparse.ArgumentParser) -> None:
+    """The testbed's devices and the training job every run shares."""
     p.add_argument("--devices", type=positive_int, default=8, help="testbed devices, all used by every run")
     p.add_argument("--cpu", type=per_device(positive_float), default="0.2", help="cores per device, or one each")
     p.add_argument("--mem", type=per_device(memory_size), default="1G", help="memory per device, or one each")
@@ -97,6 +96,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--img-size", type=positive_int, default=416)
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--microbatches", type=positive_int, default=8)
+
+
+def check_testbed_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for flag in ("cpu", "mem", "bandwidth"):
+        count = len(getattr(args, flag).split(","))
+        if count not in (1, args.devices):
+            p.error(f"--{flag} gives {count} values for {args.devices} devices (give one, or one per device)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog="versus.py", description=__doc__.splitlines()[0],
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
+    add_testbed_flags(p)
     p.add_argument("--steps", type=positive_int, default=4)
     p.add_argument("--repeat", type=positive_int, default=2, help="rounds (default: 2)")
     p.add_argument("--runs", type=run_list, default="auto,dp,tiles,ddp",
@@ -104,10 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=positive_float, default=1800, help="seconds one run may take (default: 1800)")
     p.add_argument("--json", metavar="FILE", help="also write the raw results here")
     args = p.parse_args(argv)
-    for flag in ("cpu", "mem", "bandwidth"):
-        count = len(getattr(args, flag).split(","))
-        if count not in (1, args.devices):
-            p.error(f"--{flag} gives {count} values for {args.devices} devices (give one, or one per device)")
+    check_testbed_flags(p, args)
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step, which starts everything up, is not counted)")
     return args

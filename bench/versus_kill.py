@@ -36,10 +36,9 @@ import time
 from pathlib import Path
 
 from peers import run_ddp as ddp  # bench/peers, beside this file
-from versus import Parser, load_swarm_bench, per_device, run_list, train_args  # bench/, beside this file
+from versus import Parser, add_testbed_flags, check_testbed_flags, load_swarm_bench, run_list, train_args  # bench/
 
 from swarm.commands.flags import positive_float, positive_int
-from swarm.commands.testbed_cmd import bandwidth_rate, memory_size
 from swarm.testbed import testbed
 from swarm.testbed.names import device_address, device_name
 
@@ -49,15 +48,7 @@ POLL_S = 0.1
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="versus_kill.py", description=__doc__.splitlines()[0],
                formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
-    p.add_argument("--devices", type=positive_int, default=8, help="testbed devices, all used by every run")
-    p.add_argument("--cpu", type=per_device(positive_float), default="0.2", help="cores per device, or one each")
-    p.add_argument("--mem", type=per_device(memory_size), default="1G", help="memory per device, or one each")
-    p.add_argument("--bandwidth", type=per_device(bandwidth_rate), default="100mbit",
-                   help="link cap per device, or one each")
-    p.add_argument("--model", default="yolov2-16")
-    p.add_argument("--img-size", type=positive_int, default=416)
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--microbatches", type=positive_int, default=8)
+    add_testbed_flags(p)
     p.add_argument("--steps", type=positive_int, default=8)
     p.add_argument("--kill", default="dev3", help="the device lost (not dev0; default: dev3)")
     p.add_argument("--kill-after-step", type=positive_int, default=3, help="the loss comes in the step after this")
@@ -67,10 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=positive_float, default=1800, help="seconds one run may take (default: 1800)")
     p.add_argument("--json", metavar="FILE", help="also write the raw results here")
     args = p.parse_args(argv)
-    for flag in ("cpu", "mem", "bandwidth"):
-        count = len(getattr(args, flag).split(","))
-        if count not in (1, args.devices):
-            p.error(f"--{flag} gives {count} values for {args.devices} devices (give one, or one per device)")
+    check_testbed_flags(p, args)
     names = [device_name(k) for k in range(1, args.devices)]
     if args.kill not in names:
         p.error(f"--kill must be one of {', '.join(names)} (dev0 holds the coordinator and the rendezvous)")
