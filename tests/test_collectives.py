@@ -64,7 +64,7 @@ def test_allgather_sends_log2_messages_per_member():  # g - 1 = 7 each before
     assert len(sent) == 8 * 3
 
 
-@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
 def test_allreduce_sum_is_the_sum_with_the_same_bits_everywhere(n):
     torch.manual_seed(n)
     values = [torch.randn(1001, dtype=torch.float32) for _ in range(n)]
@@ -77,3 +77,39 @@ def test_allreduce_sum_is_the_sum_with_the_same_bits_everywhere(n):
     for i in range(n):
         assert torch.equal(results[i], results[0])
         assert torch.allclose(results[i], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [0, 3, 7, 8, 1001])
+def test_allreduce_sum_of_arrays_smaller_than_the_group(size):
+    values = [torch.arange(size, dtype=torch.float64) * (i + 1) for i in range(8)]
+
+    async def body(ep, names, i):
+        return await allreduce_sum(ep, names, ("g", 0), values[i].clone())
+
+    results, _ = _run_group(8, body)
+    for i in range(8):
+        assert torch.equal(results[i], torch.arange(size, dtype=torch.float64) * 36)
+
+
+@pytest.mark.parametrize("n, messages", [(8, 6), (4, 4), (2, 2), (6, 10)])
+def test_allreduce_sum_messages_per_member(n, messages):
+    """A group of 2^k halves and doubles (2k messages each, the bytes of a ring); others ring."""
+    sent = []
+    network = LocalNetwork()
+    names = [f"d{i}" for i in range(n)]
+    eps = [network.endpoint(name) for name in names]
+    for ep in eps:
+        original = ep.send
+
+        async def counting(dst, key, payload, original=original):
+            sent.append(key)
+            await original(dst, key, payload)
+        ep.send = counting
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for i, ep in enumerate(eps):
+                nursery.start_soon(allreduce_sum, ep, names, ("k",), torch.ones(840))
+    trio.run(main)
+    assert len(sent) == n * messages
+    assert network.bytes_sent == n * 2 * (n - 1) * (840 // n) * 4

@@ -1,0 +1,170 @@
+"""What swarm's own ring all-reduce of yolov2-16's gradients costs each testbed device (root).
+
+    sudo python bench/ring_swarm.py [--devices 8] [--cpu 0.2] [--bandwidth 100mbit]
+                                    [--repeats 5] [--keep]
+
+The same measurement as bench/ring_floor.py, through swarm's stack instead of bare sockets:
+each device, in its namespace and CPU cgroup, opens authenticated connections to the
+devices it sends to (serve_peers, RunLinks with connect_peer: sealed frames), behind the
+endpoint training uses (swarm.execution.train_job.WireEndpoint, JobData messages), and sums yolov2-16's five
+gradient buckets (the sizes GradReducer makes, the top one first, all under way at once)
+with swarm.execution.collectives.allreduce_sum. It prints, as medians over the devices of
+each one's median over --repeats (the first is left out: connections warm up), the process
+CPU seconds and the wall seconds of the five all-reduces, next to ring_floor's bare ring.
+
+With a testbed already up (`swarm testbed up`), it runs on that one and leaves it up;
+otherwise it brings one up and down.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+PORT = 4762
+TOKEN = "ring-bench-token-0123456789abcdef"
+# yolov2-16's gradient buckets in bytes (planner.stage_work.buckets_of), in backward order
+BUCKETS = (5300424, 5249024, 1181696, 1313792, 703104)
+
+
+def ring_child(me: int, addresses: list[str], repeats: int) -> None:
+    import torch
+    import trio
+
+    from swarm.execution.collectives import allreduce_sum
+    from swarm.execution.links import RunLinks
+    from swarm.execution.train_job import WireEndpoint
+    from swarm.net import Credentials, connect_peer, serve_peers
+    from swarm.wire import JobData
+
+    torch.set_num_threads(1)
+    n = len(addresses)
+    names = [f"dev{k}" for k in range(n)]
+    creds = Credentials(f"ring-node-{me}", TOKEN)
+
+    async def main() -> None:
+        devices = {names[k]: {"node_id": f"ring-node-{k}", "address": f"{addresses[k]}:{PORT}"} for k in range(n)}
+
+        async def connect(address: str):
+            host, port = address.rsplit(":", 1)
+            deadline = time.monotonic() + 30
+            while True:  # the other device may not listen yet
+                try:
+                    return await connect_peer(host, int(port), creds)
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await trio.sleep(0.1)
+
+        async def report(name: str, why: str) -> None:
+            raise RuntimeError(f"link to {name} broke: {why}")
+
+        links = RunLinks(devices, connect, report)
+        by_node = {d["node_id"]: name for name, d in devices.items()}
+
+        async def send_to(node_id: str, body: dict) -> None:
+            await links.send(by_node[node_id], JobData("ring", 0, "x", body))
+
+        ep = WireEndpoint(names[me], {name: d["node_id"] for name, d in devices.items()}, send_to)
+
+        async def handler(incoming) -> None:
+            async for message in incoming:
+                ep.deliver(message.body)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_peers, handler, creds, [addresses[me]], PORT)
+            cpu, wall = [], []
+            for r in range(repeats + 1):
+                grads = [torch.full((size // 4,), float(me + 1)) for size in BUCKETS]
+                c0, t0 = time.process_time(), time.monotonic()
+                async with trio.open_nursery() as ring:
+                    for b, flat in enumerate(grads):
+                        ring.start_soon(allreduce_sum, ep, names, ("grads", r, b), flat, 60.0)
+                if r:
+                    cpu.append(time.process_time() - c0)
+                    wall.append(time.monotonic() - t0)
+                want = n * (n + 1) / 2
+                assert all(bool((g == want).all()) for g in grads), "wrong sum"
+            await trio.sleep(1.0)  # let the others finish before our connections close
+            await links.aclose()
+            print(json.dumps({"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
+                              "cpus": cpu}), flush=True)
+            nursery.cancel_scope.cancel()
+
+    if os.environ.get("RING_PROFILE") == str(me):  # CPU time by function, for one device
+        import cProfile
+        profile = cProfile.Profile(time.process_time)
+        profile.runcall(trio.run, main)
+        profile.dump_stats(f"/tmp/ring_swarm_{me}.prof")
+    else:
+        trio.run(main)
+
+
+def swarm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def measure(n: int, args) -> dict:
+    from swarm.testbed import cgroups, testbed
+
+    try:
+        record = testbed.require()
+        own = False
+    except Exception:
+        record, own = None, True
+    if own:
+        swarm("testbed", "up", "--devices", str(n), "--cpu", args.cpu, "--mem", "1G", "--bandwidth", args.bandwidth)
+        record = testbed.require()
+    try:
+        devices = record.devices[:n]
+        addresses = [d.address for d in devices]
+        children = []
+        for k, device in enumerate(devices):
+            cmd = ["ip", "netns", "exec", device.namespace, sys.executable, __file__, "--child", str(k),
+                   ",".join(addresses), str(args.repeats)]
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            cgroups.add_process([Path(c) for c in device.cgroups], child.pid)  # the device's CPU share
+            children.append(child)
+        results = [json.loads(child.communicate(timeout=900)[0]) for child in children]
+    finally:
+        if own:
+            swarm("testbed", "down")
+    return {"devices": n, "cpu_s": statistics.median(r["cpu_s"] for r in results),
+            "cpu_s_range": [min(r["cpu_s"] for r in results), max(r["cpu_s"] for r in results)],
+            "wall_s": statistics.median(r["wall_s"] for r in results)}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        me, addresses, repeats = sys.argv[2:5]
+        ring_child(int(me), addresses.split(","), int(repeats))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", default="8")
+    p.add_argument("--cpu", default="0.2")
+    p.add_argument("--bandwidth", default="100mbit")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("the namespace testbed needs root")
+    mbytes = sum(BUCKETS) / 1e6
+    print(f"swarm all-reduce of {mbytes:.2f} MB in {len(BUCKETS)} buckets over testbed devices "
+          f"({args.cpu} core, {args.bandwidth} each)")
+    print(f"{'devices':>8} {'CPU s':>7} {'(range)':>13} {'wall s':>7} {'MB out/in':>10}")
+    for n in (int(x) for x in args.devices.split(",")):
+        r = measure(n, args)
+        moved = 2 * (n - 1) / n * mbytes
+        print(f"{n:>8} {r['cpu_s']:7.3f} {r['cpu_s_range'][0]:6.3f}-{r['cpu_s_range'][1]:.3f} {r['wall_s']:7.2f} "
+              f"{moved:10.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
