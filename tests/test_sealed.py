@@ -145,6 +145,33 @@ def test_large_tensors_are_split_into_records_and_decrypted_in_place():
     assert np.array_equal(got.body, big) and got.body.flags.owndata
 
 
+
+def test_a_tensor_that_arrives_with_its_frame_is_decrypted_straight_into_its_array():
+    """The frame's body and the tensor's records in one read: each tensor record is opened
+    into the new array (no plaintext copy of it is made on the way)."""
+    client, server = open_pair(Limits(frame=1 << 20, payload=1 << 26, record=1 << 16))
+    big = np.random.default_rng(1).random(100_000)  # 800 kB: 13 records of 64 KiB
+    stream = sent(client, JobData("job", 1, "grads", big), Ping(7))
+    opener = server._opener
+    calls = {"decrypt": 0, "decrypt_into": 0}
+
+    class Counting:
+        def __init__(self, aead):
+            self.aead = aead
+
+        def decrypt(self, *args):
+            calls["decrypt"] += 1
+            return self.aead.decrypt(*args)
+
+        def decrypt_into(self, *args):
+            calls["decrypt_into"] += 1
+            return self.aead.decrypt_into(*args)
+
+    opener._aead = Counting(opener._aead)
+    got = delivered(server, b"".join(stream))
+    assert np.array_equal(got[0].body, big) and got[1] == Ping(7)
+    assert calls == {"decrypt": 2, "decrypt_into": 13}  # the two bodies as bytes; the tensor in place
+
 # -- a relay between two real endpoints -------------------------------------------------
 
 class Relay:

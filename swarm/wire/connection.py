@@ -259,6 +259,7 @@ class Connection:
                 self._decoder.payload_received(plain)
             elif plain:  # (an empty record is no end of stream)
                 self._decoder.feed(plain)
+                self._decoder.prepare()  # a tensor's records that are here already open straight into it
 
     # -- sending ----------------------------------------------------------------------
 

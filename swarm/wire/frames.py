@@ -78,6 +78,7 @@ class FrameDecoder:
         self._body = None  # decoded body waiting for its tensors' bytes
         self._targets: list[memoryview] = []  # byte views of the arrays still to fill
         self._filled = 0  # bytes already in _targets[0]
+        self._ready = INCOMPLETE  # a whole frame prepare() read ahead, for next_frame()
         self.eof = False
 
     # -- input ------------------------------------------------------------------------
@@ -107,7 +108,7 @@ class FrameDecoder:
     @property
     def in_frame(self) -> bool:
         """True while part of a frame has arrived but not all of it."""
-        return self._body is not None or self._start < len(self._buffer)
+        return self._body is not None or self._ready is not INCOMPLETE or self._start < len(self._buffer)
 
     def take_unread(self) -> bytes:
         """The bytes buffered but not yet read as a frame, removed (they belong to what
@@ -122,11 +123,40 @@ class FrameDecoder:
     def next_frame(self):
         """The next complete frame's body (tensors filled in), or INCOMPLETE if more bytes
         are needed. Raises RemoteProtocolError for an oversized or malformed frame."""
+        if self._ready is not INCOMPLETE:  # read ahead by prepare()
+            body, self._ready = self._ready, INCOMPLETE
+            return body
         if self._body is not None:  # waiting for tensor bytes
             self._fill_from_buffer()
             if self._targets:
                 return INCOMPLETE
             return self._take_body()
+        body = self._read_body()
+        if body is INCOMPLETE or not self._targets:
+            return body
+        self._body = body
+        return self.next_frame()
+
+    def prepare(self) -> None:
+        """Read the next frame's body now if all of it is buffered and no frame is under way,
+        so that its tensors are allocated and the bytes that follow can go straight into them
+        (payload_buffer). next_frame() returns it. Raises as next_frame() does."""
+        if self._body is not None or self._ready is not INCOMPLETE:
+            return
+        body = self._read_body()
+        if body is INCOMPLETE:
+            return
+        if self._targets:
+            self._body = body
+            self._fill_from_buffer()
+        else:
+            self._ready = body
+
+    # -- inside -----------------------------------------------------------------------
+
+    def _read_body(self):
+        """The next frame's body from the buffer (its tensors allocated, not filled), or
+        INCOMPLETE; the length is checked before the body is waited for."""
         available = len(self._buffer) - self._start
         if available < LENGTH.size:
             return INCOMPLETE
@@ -140,12 +170,7 @@ class FrameDecoder:
             body = self._unpack(body_bytes)
         self._start = begin + length
         self._compact()
-        if self._targets:
-            self._body = body
-            return self.next_frame()
         return body
-
-    # -- inside -----------------------------------------------------------------------
 
     def _unpack(self, body: memoryview):
         total = 0
