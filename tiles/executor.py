@@ -161,7 +161,7 @@ class TileWorker:
             x = x.to(dtype)
         if tuple(x.shape[2:]) != t.input_rect.shape:
             raise TilingError(f"tile {self.tile} needs its input on {t.input_rect.shape}, got {tuple(x.shape[2:])}")
-        state = MicroBatchState(x.shape[0], ops.Spread(splits))
+        state = MicroBatchState(x.shape[0], ops.Spread(splits, x.device))
         self.saved[mb] = state
         have, have_rect = x, t.input_rect
         for l in range(lay.first, lay.last):

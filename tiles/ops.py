@@ -43,10 +43,12 @@ def assemble(shape_bc: tuple[int, int], rect: Rect, parts: list[tuple[Rect, torc
 class Spread:
     """Per-micro-batch rows (G, C) -> a tensor that broadcasts over a (B, C, h, w) block."""
 
-    def __init__(self, splits: tuple[int, ...]):
+    def __init__(self, splits: tuple[int, ...], device: torch.device | None = None):
         self.splits = tuple(splits)
+        self.device = device  # where the block's maps are (None: the CPU)
         self.owner = None if len(self.splits) == 1 else \
-            torch.repeat_interleave(torch.arange(len(self.splits)), torch.tensor(self.splits))
+            torch.repeat_interleave(torch.arange(len(self.splits), device=device),
+                                    torch.tensor(self.splits, device=device))
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         if self.owner is None:
@@ -59,7 +61,7 @@ class Spread:
 
     def counts(self, pixels: int) -> torch.Tensor:
         """(G, 1) float64: values each micro-batch's statistics are taken over."""
-        return torch.tensor([[s * pixels] for s in self.splits], dtype=torch.float64)
+        return torch.tensor([[s * pixels] for s in self.splits], dtype=torch.float64, device=self.device)
 
 
 def forward_sums(z_own: torch.Tensor) -> torch.Tensor:

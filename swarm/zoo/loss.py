@@ -55,10 +55,10 @@ class RegionLoss:
         H, W) places this block of cells inside a full H x W grid (a tile of the output)."""
         _, _, h, w, _ = p.shape
         r0, c0, gh, gw = window if window is not None else (0, 0, h, w)
-        ys = (r0 + torch.arange(h, dtype=p.dtype)).view(1, 1, h, 1)
-        xs = (c0 + torch.arange(w, dtype=p.dtype)).view(1, 1, 1, w)
-        aw = self.anchors[:, 0].view(1, -1, 1, 1).to(p.dtype)
-        ah = self.anchors[:, 1].view(1, -1, 1, 1).to(p.dtype)
+        ys = (r0 + torch.arange(h, dtype=p.dtype, device=p.device)).view(1, 1, h, 1)
+        xs = (c0 + torch.arange(w, dtype=p.dtype, device=p.device)).view(1, 1, 1, w)
+        aw = self.anchors[:, 0].view(1, -1, 1, 1).to(p.device, p.dtype)
+        ah = self.anchors[:, 1].view(1, -1, 1, 1).to(p.device, p.dtype)
         cx = (xs + torch.sigmoid(p[..., 0])) / gw
         cy = (ys + torch.sigmoid(p[..., 1])) / gh
         bw = torch.exp(p[..., 2].clamp(max=10)) * aw / gw
@@ -87,12 +87,12 @@ class RegionLoss:
                 iou = iou.masked_fill(~valid.unsqueeze(1), 0.0)
                 best_iou = iou.max(dim=-1).values.view(bsz, na, bh_cells, bw_cells)
             else:
-                best_iou = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=p.dtype)
-            assigned = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=torch.bool)
-            tbox = torch.zeros(bsz, na, bh_cells, bw_cells, 4, dtype=p.dtype)
-            tcls = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=torch.long)
-            tscale = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=p.dtype)
-            anchors = self.anchors.to(p.dtype)
+                best_iou = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=p.dtype, device=p.device)
+            assigned = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=torch.bool, device=p.device)
+            tbox = torch.zeros(bsz, na, bh_cells, bw_cells, 4, dtype=p.dtype, device=p.device)
+            tcls = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=torch.long, device=p.device)
+            tscale = torch.zeros(bsz, na, bh_cells, bw_cells, dtype=p.dtype, device=p.device)
+            anchors = self.anchors.to(p.device, p.dtype)
             bi, ni = valid.nonzero(as_tuple=True)
             if bi.numel():
                 t = targets[bi, ni]  # (T, 5)
@@ -107,8 +107,8 @@ class RegionLoss:
                 ci, cj = gx.long(), gy.long()
                 # Two truths on the same (cell, anchor): the later one wins, as in darknet.
                 flat = ((bi * na + ai) * gh + cj) * gw + ci
-                order = torch.arange(flat.numel())
-                last = torch.zeros(bsz * na * gh * gw, dtype=torch.long).scatter_reduce(
+                order = torch.arange(flat.numel(), device=p.device)
+                last = torch.zeros(bsz * na * gh * gw, dtype=torch.long, device=p.device).scatter_reduce(
                     0, flat, order, reduce="amax", include_self=False)
                 keep = last[flat] == order
                 # ... and only truths whose cell lies in this block are this block's to learn
@@ -128,7 +128,7 @@ class RegionLoss:
                 obj_target = box_iou_cxcywh(pred[assigned].unsqueeze(-2),
                                             truth_at(assigned, tbox, anchors, (r0, c0, gh, gw)).unsqueeze(-2)).view(-1)
             else:
-                obj_target = torch.ones(int(assigned.sum()), dtype=p.dtype)
+                obj_target = torch.ones(int(assigned.sum()), dtype=p.dtype, device=p.device)
 
         obj = torch.sigmoid(p[..., 4])
         loss = self.noobject_scale * (obj[noobj] ** 2).sum()
@@ -158,9 +158,10 @@ class RegionLoss:
                 sel = idx[cls == c]
                 keep = nms(boxes[b, sel], scores[b, sel, c], nms_iou)
                 sel = sel[keep]
-                rows.append(torch.cat([torch.full((sel.numel(), 1), float(c)), scores[b, sel, c].unsqueeze(1),
+                rows.append(torch.cat([torch.full((sel.numel(), 1), float(c), device=out.device),
+                                       scores[b, sel, c].unsqueeze(1),
                                        boxes[b, sel]], dim=1))
-            det = torch.cat(rows) if rows else torch.zeros(0, 6)
+            det = torch.cat(rows) if rows else torch.zeros(0, 6, device=out.device)
             det = det[det[:, 1].argsort(descending=True)[:max_det]]
             result.append(det)
         return result
@@ -180,7 +181,7 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_thresh: float) -> torch.T
     order = scores.argsort(descending=True)
     boxes = boxes[order]
     iou = box_iou_cxcywh(boxes, boxes)
-    keep = torch.ones(len(order), dtype=torch.bool)
+    keep = torch.ones(len(order), dtype=torch.bool, device=boxes.device)
     for k in range(len(order)):
         if keep[k]:
             keep[k + 1:] &= iou[k, k + 1:] <= iou_thresh
