@@ -135,7 +135,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"\x00not a checkpoint")
-    with pytest.raises(SwarmError, match="not a readable swarm checkpoint"):
+    with pytest.raises(SwarmError, match="is not a swarm checkpoint: it is not a torch file"):
         load_checkpoint(bad)
     torch.save({"hello": 1}, tmp_path / "other.pt")
     with pytest.raises(SwarmError, match="not a swarm checkpoint"):

@@ -84,6 +84,8 @@ def add_parser(sub) -> None:
                    "often as keeps backups to about a tenth of the time; a device lost later rolls the run back to "
                    "the last backup and replays")
     p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint; flags not given are taken from it")
+    p.add_argument("--weights", metavar="FILE", help="start from these weights: darknet .weights (a whole model, or "
+                   "a backbone such as darknet19_448.conv.23: the layers it covers) or a swarm checkpoint's model")
     p.add_argument("--metrics", metavar="FILE", help="append one JSON object per step to FILE")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
     add_network_args(p)
@@ -97,6 +99,8 @@ def training_config(args: argparse.Namespace):
 
     cfg = TrainConfig()
     state = None
+    if args.resume and args.weights:
+        raise SwarmError("--weights starts a new run; --resume continues one with its own weights: give one of them")
     if args.resume:
         from swarm.local.checkpoint import load_checkpoint
 

@@ -9,6 +9,7 @@ import os
 import re
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -122,10 +123,137 @@ def load_checkpoint(path: str | Path) -> dict:
     remove_stale_temp_files(path)
     if not path.is_file():
         raise SwarmError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many kinds for a damaged file
-        raise SwarmError(f"{path} is not a readable swarm checkpoint ({type(exc).__name__}: {exc})") from None
-    if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
-        raise SwarmError(f"{path} is not a swarm checkpoint (it lacks {', '.join(k for k in REQUIRED if not isinstance(state, dict) or k not in state)})")
+    state = _torch_load(path, f"{path} is not a swarm checkpoint")
+    if not isinstance(state, dict):
+        raise SwarmError(f"{path} is not a swarm checkpoint: it is a torch file holding a {type(state).__name__}, "
+                         "not a dictionary")
+    if "model" not in state:
+        raise SwarmError(f"{path} is not a swarm checkpoint: it is {_describe_dict(state)} without 'model'")
+    if not isinstance(state["model"], dict) or not all(torch.is_tensor(v) for v in state["model"].values()):
+        raise SwarmError(f"{path} is not a swarm checkpoint: its 'model' is a {type(state['model']).__name__}, "
+                         "not a state dict of tensors")
+    missing = [k for k in REQUIRED if k not in state]
+    if missing:
+        raise SwarmError(f"{path} is not a swarm checkpoint: it is {_describe_dict(state)} that lacks "
+                         f"{', '.join(missing)}")
     return state
+
+
+def _torch_load(path: Path, not_what: str):
+    """torch.load(path, weights_only=True), or a SwarmError "`not_what`: what the file is instead"."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many kinds for a file it cannot read
+        raise SwarmError(f"{not_what}: {describe_file(path, exc)}") from None
+
+
+def _describe_dict(state: dict) -> str:
+    keys = list(state)
+    if keys and all(torch.is_tensor(v) for v in state.values()):
+        return f"a torch state dict ({len(keys)} tensor{'s' if len(keys) > 1 else ''}, such as '{keys[0]}')"
+    shown = ", ".join(repr(k) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
+    return f"a torch dictionary with keys {shown}" if keys else "an empty torch dictionary"
+
+
+def describe_file(path: Path, error: BaseException | None = None) -> str:
+    """What a file that torch cannot read as a checkpoint looks like, in a few words."""
+    from swarm.zoo.darknet_weights import looks_like_darknet
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"it cannot be read ({exc.strerror or exc})"
+    if not head:
+        return "it is an empty file"
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, OSError):
+            return "it is a damaged or cut-short zip archive (torch's format), perhaps an interrupted copy"
+        if any(name.endswith("data.pkl") for name in names):
+            if error is not None and "weights only load failed" in str(error).lower():
+                return ("it is a torch file holding Python objects besides tensors (a whole pickled model?); "
+                        "swarm reads plain dictionaries of tensors")
+            return f"it is a damaged torch file ({type(error).__name__ if error else 'unreadable'})"
+        return f"it is a zip archive of {len(names)} file(s), not a torch file"
+    if head.startswith(b"\x80"):
+        return "it is a Python pickle that torch cannot read as tensors (an old-format or damaged torch file?)"
+    for magic, kind in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"\x1f\x8b", "a gzip file")):
+        if head.startswith(magic):
+            return f"it is {kind}"
+    if looks_like_darknet(head, size):
+        return "it looks like darknet weights, not a torch file (give it to swarm train --weights)"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:  # a character cut at the end of `head` still reads as text
+        text = head[:exc.start].decode("utf-8") if exc.start >= len(head) - 3 else None
+    if text and all(c.isprintable() or c in "\r\n\t" for c in text):
+        first = text.strip().splitlines()[0][:40] if text.strip() else ""
+        return f"it is a text file (starting {first!r})"
+    return f"it is not a torch file (it starts with bytes {head[:8].hex(' ')})"
+
+
+def load_initial_weights(net, path: str | Path) -> str:
+    """Load the weights a training run starts from into `net` (a zoo network): darknet
+    .weights (a whole model, or a backbone's first layers) or a swarm checkpoint's model.
+    Layers the file does not cover keep their initial weights. Returns what was loaded, in
+    words; a file that does not fit is a SwarmError naming the layer and both shapes."""
+    from swarm.zoo.darknet_weights import looks_like_darknet, read_weights
+
+    path = Path(path)
+    if not path.is_file():
+        raise SwarmError(f"weights file {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    own = net.state_dict()
+    if head.startswith((b"PK\x03\x04", b"\x80")):  # a torch file: zip, or the old pickle format
+        state = load_checkpoint(path)
+        tensors = state["model"]
+        odd = [k for k in tensors if not re.fullmatch(r"layers\.\d+\..+", k)]
+        if odd:
+            raise SwarmError(f"{path} does not hold a swarm network: its 'model' has keys such as '{odd[0]}' "
+                             "where a swarm network's are layers.N.*")
+        for layer in sorted({_layer_of(k) for k in tensors}):
+            theirs = {k: tuple(v.shape) for k, v in tensors.items() if _layer_of(k) == layer}
+            mine = {k: tuple(v.shape) for k, v in own.items() if _layer_of(k) == layer}
+            if theirs != mine:
+                raise SwarmError(f"{path} does not fit {net.desc.name} at layer {layer}: "
+                                 f"{_differences(theirs, mine)} (the file was saved from {state['model_name']})")
+        layers = sorted({_layer_of(k) for k in tensors})
+        seen = f"step {state['step']} of {state['model_name']}"
+    elif looks_like_darknet(head, path.stat().st_size):
+        darknet = read_weights(path.read_bytes(), {k: tuple(v.shape) for k, v in own.items()}, net.desc, str(path))
+        tensors = {k: torch.from_numpy(v) for k, v in darknet.tensors.items()}
+        layers = darknet.layers
+        seen = f"darknet {'.'.join(map(str, darknet.version))}, {darknet.seen} images seen"
+    else:
+        raise SwarmError(f"{path} is neither darknet weights nor a swarm checkpoint: {describe_file(path)}")
+    with torch.no_grad():
+        for key, value in tensors.items():
+            own[key].copy_(value)
+    total = len({_layer_of(k) for k in own})
+    covered = "" if not layers else f" (layer {layers[0]})" if len(layers) == 1 else f" (layers {layers[0]}-{layers[-1]})"
+    return f"started from {path} ({seen}): {len(layers)} of {total} layers with weights loaded{covered}"
+
+
+def _differences(theirs: dict, mine: dict) -> str:
+    """How one layer's tensor shapes in a file differ from the model's, in words."""
+    def listed(shapes: dict) -> str:
+        return ", ".join(f"{k.split('.', 2)[2]} {_shape(v)}" for k, v in shapes.items()
+                         if not k.endswith("num_batches_tracked")) or "no weights"
+
+    if theirs.keys() == mine.keys():
+        return "; ".join(f"{k.split('.', 2)[2]} is {_shape(theirs[k])} in the file and {_shape(mine[k])} in the model"
+                         for k in theirs if theirs[k] != mine[k])
+    return f"the file has {listed(theirs)}; the model has {listed(mine)}"
+
+
+def _layer_of(key: str) -> int:
+    return int(key.split(".")[1])
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape)) or "a scalar"

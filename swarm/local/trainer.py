@@ -21,7 +21,7 @@ from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datas
                         steps_per_epoch)
 from swarm.errors import SwarmError
 from swarm.host.resources import usable_cores
-from swarm.local.checkpoint import save_checkpoint
+from swarm.local.checkpoint import load_initial_weights, save_checkpoint
 from swarm.local.progress import Progress
 from swarm.zoo import BUILTIN, build_model
 from swarm.zoo.loss import make_loss
@@ -46,6 +46,7 @@ class TrainConfig:
     seed: int = 0  # initial weights and the order of samples
     classes: int | None = None  # built-in models: None means the data set's number of classes
     dtype: str = "float32"  # float64: slower, but any plan then matches local to ~1e-12 (see README)
+    weights: str | None = None  # darknet .weights or swarm checkpoint loaded over the seeded initial weights
 
     def resolved_lr(self) -> float:
         if self.lr is not None:
@@ -107,6 +108,9 @@ class LocalTrainer:
         self.loss_fn = make_loss(self.desc)
         self.optimizer = make_optimizer(self.net.named_parameters(), cfg)
         self.step_count = 0
+        self.started_from = None  # what --weights loaded, in words
+        if state is None and cfg.weights:
+            self.started_from = load_initial_weights(self.net, cfg.weights)
         if state is not None:
             try:
                 self.net.load_state_dict(state["model"])
@@ -271,6 +275,8 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
         shown = "\n  ".join(skipped[:5]) + (f"\n  ... and {len(skipped) - 5} more" if len(skipped) > 5 else "")
         log(f"skipped {len(skipped)} unusable sample(s):\n  {shown}")
     desc = trainer.desc
+    if trainer.started_from:
+        log(trainer.started_from)
     log(f"model {desc.name}: {len(desc.layers)} layers, {desc.params / 1e6:.2f} M parameters, "
         f"{desc.img_size}x{desc.img_size} input, {desc.flops / 1e9:.2f} GFLOPs forward per sample")
     log(f"data: {train_set.name}, {len(train_set)} images, {train_set.num_classes} classes; "

@@ -1,0 +1,200 @@
+"""`swarm export`: a checkpoint's network as ONNX, TorchScript or darknet .cfg/.weights, checked against torch."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import logging
+import warnings
+from pathlib import Path
+
+from swarm.commands.flags import positive_int
+from swarm.errors import SwarmError
+
+FORMATS = ("onnx", "torchscript", "darknet")
+CHECK_BATCH = 2  # images in the input the exported model is checked on
+TOLERANCE = 1e-4  # relative to the largest output value
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a checkpoint's network as ONNX, TorchScript or darknet files",
+                       description=(
+                           "Write a trained network for other programs. ONNX and TorchScript take a float32 batch "
+                           "(B, C, H, W) of RGB images in [0, 1] at the trained size and give the last layer's raw "
+                           "output; both are run on a test batch and compared with torch (ONNX when onnxruntime is "
+                           "installed). darknet writes OUT.cfg and OUT.weights in darknet's own layout."))
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint written by swarm train")
+    p.add_argument("--format", required=True, choices=FORMATS, help="onnx, torchscript, or darknet (.cfg + .weights)")
+    p.add_argument("--out", required=True, metavar="PATH", help="the file to write (darknet: PATH.cfg and "
+                   "PATH.weights)")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.set_defaults(run=run)
+
+
+def checkpoint_network(state: dict, path: str):
+    """The checkpoint's network in float32, in inference mode, and its description."""
+    import torch
+
+    from swarm.zoo import build_model
+
+    config = state.get("config", {})
+    net, desc, text = build_model(state["model_name"], state["img_size"], config.get("classes"),
+                                  cfg_text=state.get("cfg"))
+    try:
+        net.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise SwarmError(f"{path}: the weights do not fit {state['model_name']} ({first})") from None
+    return net.to(torch.float32).eval(), desc, text
+
+
+def check_input(desc):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return torch.rand(CHECK_BATCH, desc.in_channels, desc.img_size, desc.img_size, generator=gen)
+
+
+def compare(expected, got) -> tuple[float, bool]:
+    """(max abs difference, within TOLERANCE of the largest output)."""
+    import torch
+
+    got = torch.as_tensor(got)
+    if tuple(got.shape) != tuple(expected.shape):
+        return float("inf"), False
+    diff = float((got - expected).abs().max())
+    return diff, diff <= TOLERANCE * max(1.0, float(expected.abs().max()))
+
+
+def export_onnx(net, desc, out: Path) -> str:
+    """Write `out` with torch's exporter (torch.export-based; needs onnx and onnxscript);
+    the batch dimension stays free. Checked in onnxruntime when it is installed."""
+    import torch
+
+    if "dynamo" not in inspect.signature(torch.onnx.export).parameters:
+        raise SwarmError(f"ONNX export needs torch 2.5 or newer (this is {torch.__version__})")
+    missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SwarmError(f"ONNX export needs {' and '.join(missing)}: pip install onnx onnxscript onnxruntime "
+                         "(or swarm-train[export])")
+    x = check_input(desc)
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the exporter logs that optional torchvision ops are skipped
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(net, (x,), dynamo=True, verbose=False, input_names=["images"],
+                                        output_names=["output"],
+                                        dynamic_shapes=({0: torch.export.Dim("batch")},))
+            program.save(str(out), external_data=False)
+    except Exception as exc:
+        raise SwarmError(f"ONNX export of {desc.name} failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    finally:
+        quiet.setLevel(level)
+    if importlib.util.find_spec("onnxruntime") is None:
+        return "not checked: onnxruntime is not installed (pip install onnxruntime)"
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"images": x.numpy()})[0]
+    return _verdict("onnxruntime", net, x, got)
+
+
+def export_torchscript(net, desc, out: Path) -> str:
+    """Trace the network into `out` and run the saved file on the check batch."""
+    import torch
+
+    x = check_input(desc)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(net, (x,))
+        torch.jit.save(traced, str(out))
+        got = torch.jit.load(str(out))(x)
+    return _verdict("the saved TorchScript", net, x, got)
+
+
+def _verdict(runner: str, net, x, got) -> str:
+    import torch
+
+    with torch.no_grad():
+        expected = net(x)
+    diff, ok = compare(expected, got)
+    text = f"{runner} against torch: max abs difference {diff:.2g} on {len(x)} images"
+    if not ok:
+        raise ExportMismatch(f"{text}, more than {TOLERANCE:g} of the largest output {float(expected.abs().max()):.3g}")
+    return text
+
+
+class ExportMismatch(Exception):
+    """The exported model computes something else than the torch network."""
+
+
+def export_darknet(net, desc, cfg_text: str, source: str, out: Path, seen: int) -> tuple[list[Path], str, list[str]]:
+    """Write OUT.cfg and OUT.weights; read the weights back to check every tensor."""
+    import io
+    import os
+
+    import numpy as np
+
+    from swarm.local.checkpoint import atomic_write
+    from swarm.zoo.darknet_weights import darknet_cfg, read_weights, write_weights
+
+    base = out.with_suffix("") if out.suffix in (".cfg", ".weights") else out
+    cfg_path, weights_path = Path(f"{base}.cfg"), Path(f"{base}.weights")
+    text, notes = darknet_cfg(cfg_text, desc, source)
+    state = {k: v.detach().numpy() for k, v in net.state_dict().items()}
+    buffer = io.BytesIO()
+    count = write_weights(buffer, state, desc, seen)
+    data = buffer.getvalue()
+    umask = os.umask(0)
+    os.umask(umask)
+    for path, content in ((cfg_path, text.encode()), (weights_path, data)):
+        atomic_write(path, lambda f, content=content: f.write(content))
+        os.chmod(path, 0o666 & ~umask)  # readable like any file written here, not private like a checkpoint
+    back = read_weights(weights_path.read_bytes(), {k: v.shape for k, v in state.items()}, desc, str(weights_path))
+    if back.layers != [d.index for d in desc.layers if d.kind in ("conv", "connected")] or \
+            not all(np.array_equal(v, state[k]) for k, v in back.tensors.items()):
+        raise ExportMismatch(f"{weights_path} does not read back as the weights written")
+    return [cfg_path, weights_path], f"{count} values in {len(back.layers)} layers, read back identical", notes
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from swarm.local.checkpoint import load_checkpoint
+    from swarm.local.trainer import set_threads
+    from swarm.zoo import model_source
+
+    set_threads(args.threads)
+    state = load_checkpoint(args.checkpoint)
+    net, desc, cfg_text = checkpoint_network(state, args.checkpoint)
+    out = Path(args.out)
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise SwarmError(f"cannot write {out}: folder {folder} does not exist")
+    what = f"{desc.name} at step {state['step']}"
+    try:
+        if args.format == "darknet":
+            if cfg_text is None:
+                _, cfg_text, _ = model_source(state["model_name"])
+            seen = int(state["step"]) * int(state.get("config", {}).get("batch_size", 0))
+            source = f"{Path(state['model_name']).stem}.cfg"
+            paths, check, notes = export_darknet(net, desc, cfg_text, source, out, seen)
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
+            print(f"wrote {' and '.join(map(str, paths))}: {what}; {check}")
+            return 0
+        check = (export_onnx if args.format == "onnx" else export_torchscript)(net, desc, out)
+    except ExportMismatch as exc:
+        print(f"swarm export: {out} was written but {exc}", file=sys.stderr)
+        return 1
+    import torch
+
+    with torch.no_grad():
+        shape = tuple(net(check_input(desc)[:1]).shape[1:])
+    c, s = desc.in_channels, desc.img_size
+    colour = "RGB " if c == 3 else ""
+    print(f"wrote {out}: {what}; input 'images' float32 (batch, {c}, {s}, {s}) {colour}in [0, 1], output 'output' "
+          f"(batch, {', '.join(map(str, shape))}); {check}")
+    return 0

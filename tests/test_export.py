@@ -1,0 +1,238 @@
+"""swarm export and swarm train --weights: ONNX and TorchScript compute what torch computes, darknet
+files have darknet's layout and come back as the same tensors (whole, or a backbone's first
+layers), and files that do not fit or are not checkpoints get one line, not a traceback."""
+from __future__ import annotations
+
+import importlib.util
+import struct
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from swarm.cli import main
+from swarm.commands.export_cmd import checkpoint_network
+from swarm.local.checkpoint import load_checkpoint
+from swarm.local.trainer import LocalTrainer, TrainConfig, train
+from swarm.zoo.darknet_weights import read_weights, weighted_layers, write_weights
+from tests.conftest import run_swarm
+
+DETECTOR = {"model": "yolov2-16", "img_size": 32}  # BatchNorm convolutions, a [region] head
+CLASSIFIER = {"model": "lenet5"}  # convolutions with biases, two [connected] layers
+BATCH, STEPS = 4, 3
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Checkpoints of a detector and a classifier after a few real optimizer steps."""
+    folder = tmp_path_factory.mktemp("trained")
+    paths = {}
+    for name, model in (("detector", DETECTOR), ("classifier", CLASSIFIER)):
+        cfg = TrainConfig(**model, batch_size=BATCH, steps=STEPS, seed=3)
+        paths[name] = folder / f"{name}.pt"
+        train(cfg, save=str(paths[name]), threads=1, evaluate_at_end=False, log=lambda s: None)
+    return paths
+
+
+def _export(capsys, checkpoint, fmt, out) -> str:
+    assert main(["export", "--checkpoint", str(checkpoint), "--format", fmt, "--out", str(out), "--threads", "1"]) == 0
+    return capsys.readouterr().out
+
+
+def _torch_output(checkpoint, x):
+    net, _, _ = checkpoint_network(load_checkpoint(checkpoint), str(checkpoint))
+    with torch.no_grad():
+        return net(x)
+
+
+def _other_batch(checkpoint):
+    """Three images, unlike the two the command checks itself on: the batch size stays free."""
+    _, desc, _ = checkpoint_network(load_checkpoint(checkpoint), str(checkpoint))
+    return torch.rand(3, desc.in_channels, desc.img_size, desc.img_size, generator=torch.Generator().manual_seed(9))
+
+
+def _assert_close(got, expected):
+    got = torch.as_tensor(got)
+    assert got.shape == expected.shape
+    assert float((got - expected).abs().max()) <= 1e-4 * max(1.0, float(expected.abs().max()))
+
+
+ONNX_MISSING = [m for m in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]
+
+
+@pytest.mark.skipif(bool(ONNX_MISSING), reason=f"{', '.join(ONNX_MISSING)} not installed (the test extra has them)")
+@pytest.mark.parametrize("which", ["detector", "classifier"])
+def test_onnx_in_onnxruntime_gives_the_torch_output(trained, tmp_path, capsys, which):
+    import onnxruntime
+
+    out = _export(capsys, trained[which], "onnx", tmp_path / "m.onnx")
+    assert "onnxruntime against torch: max abs difference" in out
+    x = _other_batch(trained[which])
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    _assert_close(session.run(None, {"images": x.numpy()})[0], _torch_output(trained[which], x))
+
+
+@pytest.mark.parametrize("which", ["detector", "classifier"])
+def test_torchscript_gives_the_torch_output(trained, tmp_path, capsys, which):
+    out = _export(capsys, trained[which], "torchscript", tmp_path / "m.ts")
+    assert "TorchScript against torch: max abs difference" in out
+    x = _other_batch(trained[which])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates TorchScript for torch.export
+        got = torch.jit.load(str(tmp_path / "m.ts"))(x)
+    _assert_close(got, _torch_output(trained[which], x))
+
+
+def _floats(path, start, count):
+    return np.frombuffer(path.read_bytes(), dtype="<f4", count=count, offset=start)
+
+
+def _started_from(weights, **model) -> LocalTrainer:
+    cfg = TrainConfig(**model, weights=str(weights), seed=11)  # another seed: nothing equal by chance
+    return LocalTrainer(cfg)
+
+
+def _same_weights(loaded: dict, saved: dict, layers=None) -> None:
+    """Every tensor equal, BatchNorm running statistics included (not num_batches_tracked, which
+    darknet does not keep and torch reads only when BatchNorm's momentum is None)."""
+    keys = [k for k in saved if not k.endswith("num_batches_tracked")
+            and (layers is None or int(k.split(".")[1]) in layers)]
+    assert keys
+    for k in keys:
+        assert torch.equal(loaded[k], saved[k]), k
+
+
+def test_darknet_export_has_darknets_layout_and_imports_as_the_same_tensors(trained, tmp_path, capsys):
+    state = load_checkpoint(trained["detector"])
+    out = _export(capsys, trained["detector"], "darknet", tmp_path / "det")
+    assert "read back identical" in out
+    weights, cfg = tmp_path / "det.weights", tmp_path / "det.cfg"
+    data = weights.read_bytes()
+    assert struct.unpack("<3iQ", data[:20]) == (0, 2, 0, STEPS * BATCH)  # version 0.2.0, images seen
+    model = state["model"]
+    assert len(data) == 20 + 4 * sum(v.numel() for k, v in model.items() if not k.endswith("num_batches_tracked"))
+    first = model["layers.0.conv.weight"].shape[0]  # BN biases, scales, rolling mean, rolling variance, weights
+    expected = torch.cat([model[f"layers.0.bn.{k}"] for k in ("bias", "weight", "running_mean", "running_var")]
+                         + [model["layers.0.conv.weight"].flatten()])
+    assert np.array_equal(_floats(weights, 20, 4 * first + model["layers.0.conv.weight"].numel()), expected.numpy())
+    # the .cfg says the trained size and class count: it builds the same network
+    text = cfg.read_text()
+    assert "width=32" in text and "height=32" in text and f"classes={state['config']['classes']}" in text
+    trainer = _started_from(weights, model=str(cfg))
+    n = len(weighted_layers(trainer.desc))
+    assert trainer.started_from.endswith(f"{n} of {n} layers with weights loaded (layers 0-16)")
+    _same_weights(trainer.net.state_dict(), model)
+    # and as --model yolov2-16, the way a user goes on training it
+    _same_weights(_started_from(weights, **DETECTOR, classes=state["config"]["classes"]).net.state_dict(), model)
+
+
+def test_darknet_round_trip_of_a_classifier_with_connected_layers(trained, tmp_path, capsys):
+    state = load_checkpoint(trained["classifier"])
+    _export(capsys, trained["classifier"], "darknet", tmp_path / "cls.weights")  # the suffix is optional
+    weights = tmp_path / "cls.weights"
+    model = state["model"]
+    fc = [model["layers.6.fc.bias"], model["layers.6.fc.weight"].flatten()]  # the last layer: biases, then weights
+    count = sum(t.numel() for t in fc)
+    assert np.array_equal(_floats(weights, len(weights.read_bytes()) - 4 * count, count), torch.cat(fc).numpy())
+    _same_weights(_started_from(weights, **CLASSIFIER, classes=state["config"]["classes"]).net.state_dict(), model)
+
+
+def test_older_darknet_headers_read_the_same(trained):
+    """Version 0.1 files keep `seen` in an int32; versions of 1000 and up store connected weights
+    transposed (darknet's load_weights_upto)."""
+    state = load_checkpoint(trained["classifier"])
+    _, desc, _ = checkpoint_network(state, "classifier")
+    arrays = {k: v.numpy() for k, v in state["model"].items()}
+    shapes = {k: v.shape for k, v in arrays.items()}
+    import io
+
+    buffer = io.BytesIO()
+    write_weights(buffer, arrays, desc, seen=12)
+    current = read_weights(buffer.getvalue(), shapes, desc)
+    old = struct.pack("<3ii", 0, 1, 0, 12) + buffer.getvalue()[20:]
+    transposed = bytearray(struct.pack("<3ii", 1000, 0, 0, 12))
+    for _, keys in weighted_layers(desc):
+        for key in keys:
+            transposed += np.ascontiguousarray(arrays[key].T if key.endswith("fc.weight") else arrays[key],
+                                               dtype="<f4").tobytes()
+    for other in (read_weights(old, shapes, desc), read_weights(bytes(transposed), shapes, desc)):
+        assert other.seen == current.seen == 12 and other.layers == current.layers
+        assert all(np.array_equal(other.tensors[k], v) for k, v in current.tensors.items())
+
+
+def test_a_backbone_file_loads_only_its_layers(trained, tmp_path, capsys):
+    state = load_checkpoint(trained["detector"])
+    _export(capsys, trained["detector"], "darknet", tmp_path / "det")
+    model = state["model"]
+    covered = [0, 2, 4]  # the first three convolutions, as `darknet partial ... 3` would cut them
+    size = 20 + 4 * sum(model[k].numel() for k in model if int(k.split(".")[1]) in covered
+                        and not k.endswith("num_batches_tracked"))
+    backbone = tmp_path / "det.conv.3"
+    backbone.write_bytes((tmp_path / "det.weights").read_bytes()[:size])
+    classes = state["config"]["classes"]
+    trainer = _started_from(backbone, **DETECTOR, classes=classes)
+    assert f"3 of {len(weighted_layers(trainer.desc))} layers with weights loaded (layers 0-4)" in trainer.started_from
+    loaded = trainer.net.state_dict()
+    _same_weights(loaded, model, covered)
+    fresh = LocalTrainer(TrainConfig(**DETECTOR, classes=classes, seed=11)).net.state_dict()
+    rest = [k for k in fresh if int(k.split(".")[1]) not in covered]
+    assert rest and all(torch.equal(loaded[k], fresh[k]) for k in rest)  # initialised as without --weights
+
+
+def test_a_swarm_checkpoint_as_weights(trained):
+    state = load_checkpoint(trained["detector"])
+    trainer = _started_from(trained["detector"], **DETECTOR, classes=state["config"]["classes"])
+    assert f"step {STEPS} of yolov2-16" in trainer.started_from
+    _same_weights(trainer.net.state_dict(), state["model"])
+    assert trainer.step_count == 0  # the weights only: a new run
+
+
+def _one_line_error(r, *parts):
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("swarm "), r.stderr
+    for part in parts:
+        assert part in line, r.stderr
+
+
+QUICK = ["--img-size", "32", "--batch-size", "4", "--steps", "1", "--threads", "1", "--no-eval", "--save", "o.pt"]
+
+
+def test_weights_that_do_not_fit_name_the_layer_and_both_shapes(trained, tmp_path, capsys):
+    _export(capsys, trained["detector"], "darknet", tmp_path / "det")
+    state = load_checkpoint(trained["detector"])
+    classes, model = state["config"]["classes"], state["model"]
+    other = classes + 2
+    head = model["layers.16.conv.weight"].shape[1]
+    file_shape, model_shape = f"{5 * (5 + classes)}x{head}x1x1", f"{5 * (5 + other)}x{head}x1x1"
+    r = run_swarm("train", "--model", "yolov2-16", "--classes", other, *QUICK, "--weights", "det.weights", cwd=tmp_path)
+    _one_line_error(r, "does not fit yolov2-16 at layer 16", f"weights there are {file_shape}, the model's {model_shape}")
+    r = run_swarm("train", "--model", "yolov2-16", "--classes", other, *QUICK, "--weights", trained["detector"],
+                  cwd=tmp_path)
+    _one_line_error(r, "at layer 16", f"conv.weight is {file_shape} in the file and {model_shape} in the model")
+    cut = 20 + 4 * sum(v.numel() for k, v in model.items() if k.startswith(("layers.0.", "layers.2."))
+                       and not k.endswith("num_batches_tracked")) + 4000  # 1000 values into layer 4
+    (tmp_path / "cut.weights").write_bytes((tmp_path / "det.weights").read_bytes()[:cut])
+    r = run_swarm("train", "--model", "yolov2-16", "--classes", classes, *QUICK, "--weights", "cut.weights",
+                  cwd=tmp_path)
+    shape = "x".join(map(str, model["layers.4.conv.weight"].shape))
+    _one_line_error(r, "cut.weights ends inside layer 4", f"conv.weight {shape}", "the file has 1000 left")
+
+
+def test_files_that_are_not_checkpoints_say_what_they_are(trained, tmp_path):
+    (tmp_path / "notes.txt").write_text("hello\n")
+    torch.save({"conv1.weight": torch.zeros(2)}, tmp_path / "plain.pt")
+    (tmp_path / "d.weights").write_bytes(struct.pack("<3iQ", 0, 2, 0, 0) + bytes(64))
+    _one_line_error(run_swarm("eval", "--checkpoint", "notes.txt", cwd=tmp_path),
+                    "notes.txt is not a swarm checkpoint: it is a text file")
+    _one_line_error(run_swarm("train", "--resume", "plain.pt", cwd=tmp_path),
+                    "plain.pt is not a swarm checkpoint: it is a torch state dict", "without 'model'")
+    _one_line_error(run_swarm("export", "--checkpoint", "d.weights", "--format", "onnx", "--out", "m.onnx",
+                              cwd=tmp_path), "d.weights is not a swarm checkpoint: it looks like darknet weights")
+    _one_line_error(run_swarm("train", "--model", "yolov2-16", *QUICK, "--weights", "notes.txt", cwd=tmp_path),
+                    "notes.txt is neither darknet weights nor a swarm checkpoint: it is a text file")
+    _one_line_error(run_swarm("train", "--resume", trained["detector"], "--weights", "d.weights", cwd=tmp_path),
+                    "give one of them")
+
