@@ -355,3 +355,19 @@ def test_replica_groups_finish_as_soon_as_any_choice_of_runs(lenet):
                     best = min(best, makespan(chosen))
         got = _fastest_runs(runs, k, micro)
         assert got is not None and makespan(got) == pytest.approx(best), (runs, micro, got)
+
+
+def test_groups_of_a_power_of_two_sum_in_fewer_steps(lenet):
+    """swarm sums over 2^k members by halving and doubling (2k steps) and over others round a
+    ring (2(g-1)): the same bytes, fewer messages and latencies."""
+    from planner.stage_work import allreduce_steps, ring_allreduce_time
+
+    assert [allreduce_steps(g) for g in (1, 2, 3, 4, 6, 8, 16)] == [0, 2, 4, 4, 10, 6, 8]
+    lat, m = 0.002, 0.003
+    table = uniform_table(7, 0.01, 0.02)
+    names = [f"d{k}" for k in range(8)]
+    cl = cluster_of({d: table for d in names}, latency=lat)
+    for d in names:
+        cl.device(d).msg_s = m
+    assert ring_allreduce_time(1.0, names, cl) == pytest.approx(6 * lat + 6 * 2 * m, rel=1e-6)
+    assert ring_allreduce_time(1.0, names[:6], cl) == pytest.approx(10 * lat + 10 * 2 * m, rel=1e-6)
