@@ -145,3 +145,30 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
 def test_diverging_loss_stops_with_advice(tmp_path):
     with pytest.raises(SwarmError, match="smaller --lr"):
         _run(tmp_path, "x", lr=1e6, warmup=0, steps=5)
+
+
+@pytest.mark.parametrize("every_s, saves", [(0.0, 1), (1e-9, 3)])
+def test_a_local_run_saves_its_checkpoint_by_time(tmp_path, monkeypatch, every_s, saves):
+    """Besides --save-every N, a run on this machine writes its checkpoint whenever the last
+    one is older than save_every_s (swarm train: ten minutes), and at the end."""
+    from swarm.local import trainer as module
+
+    written = []
+    monkeypatch.setattr(module, "save_checkpoint", lambda path, state: written.append(state["step"]))
+    cfg = TrainConfig(model="lenet5", batch_size=4, steps=3, seed=1)
+    train(cfg, save=str(tmp_path / "t.pt"), threads=1, evaluate_at_end=False, save_every_s=every_s,
+          log=lambda s: None)
+    assert len(written) == saves and written[-1] == 3
+    assert module.SAVE_EVERY_S == 600.0
+
+
+def test_a_held_out_problem_does_not_hide_the_saved_model(tmp_path, monkeypatch):
+    from swarm.local import evaluate
+
+    def broken(*args, **kw):
+        raise SwarmError("val/img3.jpg: cannot decode the image")
+    monkeypatch.setattr(evaluate, "evaluate", broken)
+    cfg = TrainConfig(model="lenet5", batch_size=4, steps=2, seed=1)
+    summary = train(cfg, save=str(tmp_path / "t.pt"), threads=1, log=lambda s: None)
+    assert summary["eval"] is None and "cannot decode" in summary["eval_error"]
+    assert load_checkpoint(tmp_path / "t.pt")["step"] == 2

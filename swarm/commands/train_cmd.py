@@ -29,8 +29,8 @@ def add_parser(sub) -> None:
         "Train a model. With no other device on the network (or --strategy local) it trains on "
         "this machine; with no --data it uses the built-in synthetic shapes data set."))
     p.add_argument("--model", help="yolov2-16 (default), yolov2, yolov2-tiny, vgg16, alexnet, lenet5, or a .cfg path")
-    p.add_argument("--img-size", type=positive_int, help="input size in pixels (default: the model's own; 128 for "
-                   "the YOLO models on the built-in data)")
+    p.add_argument("--img-size", type=positive_int, help="input size in pixels (default: 128 for the built-in YOLO "
+                   "models whatever the data, 64 vgg16, 96 alexnet, 32 lenet5; a .cfg file's own width)")
     p.add_argument("--data", help="a YOLO-format folder (images/, labels/); default: built-in synthetic shapes")
     p.add_argument("--classes", type=positive_int, help="number of classes for a built-in model (default: the data's)")
     p.add_argument("--strategy", choices=STRATEGIES, default="auto", help="how to split the work over the devices "
@@ -188,7 +188,7 @@ def runner_for(args: argparse.Namespace, log):
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.local.trainer import train
+    from swarm.local.trainer import SAVE_EVERY_S, train
 
     cfg, state = training_config(args)
     save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"
@@ -198,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
 
     swarm_run = isinstance(run_steps, SwarmRunner)  # saves at intervals itself, with collected weights
     summary = train(cfg, state=state, save=save, metrics=args.metrics, threads=args.threads,
-                    evaluate_at_end=not args.no_eval, save_every=0 if swarm_run else args.save_every, log=log,
+                    evaluate_at_end=not args.no_eval, save_every=0 if swarm_run else args.save_every,
+                    save_every_s=0.0 if swarm_run else SAVE_EVERY_S, log=log,
                     make_trainer=make_trainer, run_steps=run_steps)
     first, last = summary["first_loss"], summary["last_loss"]
     parts = [f"trained {cfg.model} for {summary['steps']} steps"]
@@ -208,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
         parts.append(str(summary["eval"]))
     parts.append(f"checkpoint: {summary['checkpoint']}")
     print("; ".join(parts))
+    if summary.get("eval_error"):
+        print(f"the held-out evaluation failed ({summary['eval_error']}); the trained model is saved all the same: "
+              f"{summary['checkpoint']}", file=sys.stderr)
     if summary["interrupted"]:
         print(f"resume with: swarm train --resume {save}", file=sys.stderr)
         return 130

@@ -28,6 +28,7 @@ from swarm.execution.train_job import CHANNEL, WireEndpoint, job_spec_dict
 from swarm.execution.worker import JobSpec
 from swarm.host.state import find_token, process_id, state_dir_from
 from swarm.local.checkpoint import save_checkpoint
+from swarm.local.trainer import SAVE_EVERY_S
 from swarm.net import ConnectionLost, Credentials, parse_peers, resolve_network
 from swarm.profiling.bandwidth import measure_bandwidth
 from swarm.profiling.profiler import profile_devices
@@ -106,6 +107,7 @@ class SwarmRunner:
         went_local = run_trio(self._main, trainer, train_set, start, total, report)
         if went_local:
             report.save_every = self.options.local_save_every
+            report.save_every_s = SAVE_EVERY_S
             self.fallback(trainer, train_set, start, total, report)
 
     async def _main(self, trainer, train_set, start: int, total: int, report) -> bool:

@@ -63,7 +63,7 @@ class TrainConfig:
 
 
 DEFAULT_STEPS = 300
-DEFAULT_IMG_SIZE_SYNTHETIC = {"yolov2-16": 128, "yolov2": 128, "yolov2-tiny": 128, "vgg16": 64, "alexnet": 96}
+SAVE_EVERY_S = 600.0  # a run on this machine writes its checkpoint at least this often (seconds)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -191,10 +191,9 @@ def check_classes(desc, cfg: TrainConfig, train) -> None:
 
 def prepare(cfg: TrainConfig, cfg_text: str | None = None):
     """Fill in defaults that depend on the model and data; returns (cfg, train, heldout)."""
-    from swarm.zoo import describe_model
+    from swarm.zoo import default_img_size, describe_model
 
-    if cfg.img_size is None and cfg.data is None and cfg.model in DEFAULT_IMG_SIZE_SYNTHETIC:
-        cfg.img_size = DEFAULT_IMG_SIZE_SYNTHETIC[cfg.model]
+    cfg.img_size = default_img_size(cfg.model, cfg.img_size)  # the same with --data: no silent change of size
     desc0 = describe_model(cfg.model, cfg.img_size, None, cfg_text)
     train_set, heldout = open_datasets(cfg.data, desc0.img_size, desc0.in_channels)
     if cfg.classes is None and cfg.model in BUILTIN:
@@ -206,13 +205,16 @@ class StepReporter:
     """What happens after every committed step: the progress line, the metrics file, and
     the periodic checkpoint."""
 
-    def __init__(self, cfg: TrainConfig, progress: Progress, metrics_file, save_hook=None, save_every: int = 0):
+    def __init__(self, cfg: TrainConfig, progress: Progress, metrics_file, save_hook=None, save_every: int = 0,
+                 save_every_s: float = 0.0):
         self.cfg = cfg
         self.progress = progress
         self.metrics_file = metrics_file
         self.save_hook = save_hook
-        self.save_every = save_every
+        self.save_every = save_every  # steps between checkpoints (0: none by steps)
+        self.save_every_s = save_every_s  # and seconds at the most between them (0: none by time)
         self.t_start = time.monotonic()
+        self.last_save = self.t_start
         self.first_loss: float | None = None
         self.last_loss: float | None = None
 
@@ -228,8 +230,12 @@ class StepReporter:
             record.update(fields or {})
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
-        if self.save_hook and self.save_every and step % self.save_every == 0 and step < self.progress.total:
+        now = time.monotonic()
+        due = (self.save_every and step % self.save_every == 0) or \
+            (self.save_every_s and now - self.last_save >= self.save_every_s)
+        if self.save_hook and due and step < self.progress.total:
             self.save_hook()
+            self.last_save = now
 
 
 def run_local_steps(trainer: "LocalTrainer", train_set, start: int, total: int, report: StepReporter) -> None:
@@ -254,7 +260,8 @@ def run_local_steps(trainer: "LocalTrainer", train_set, start: int, total: int, 
 
 
 def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = None, metrics: str | None = None,
-          threads: int | None = None, evaluate_at_end: bool = True, save_every: int = 0, log=print,
+          threads: int | None = None, evaluate_at_end: bool = True, save_every: int = 0,
+          save_every_s: float = 0.0, log=print,
           make_trainer=LocalTrainer, run_steps=run_local_steps) -> dict:
     """Train; returns a summary dict (steps, losses, metric, checkpoint path).
 
@@ -287,7 +294,8 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
     metrics_file = open(metrics, "a") if metrics else None  # noqa: SIM115 - closed in finally
     progress = Progress(total_steps, start)
     report = StepReporter(cfg, progress, metrics_file,
-                          (lambda: save_checkpoint(save, trainer.state())) if save else None, save_every)
+                          (lambda: save_checkpoint(save, trainer.state())) if save else None, save_every,
+                          save_every_s)
     interrupted = False
     old_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if _main_thread() else None
     try:
@@ -307,7 +315,10 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
         save_checkpoint(save, trainer.state())
         summary["checkpoint"] = str(Path(save).resolve())
     if evaluate_at_end and not interrupted:
-        summary["eval"] = evaluate(trainer.net, desc, heldout)
+        try:  # a problem with the held-out data must not hide the model just saved
+            summary["eval"] = evaluate(trainer.net, desc, heldout)
+        except SwarmError as exc:
+            summary["eval_error"] = str(exc)
     summary["trainer"] = trainer
     return summary
 
