@@ -71,6 +71,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=non_negative_int, help="fixes initial weights and sample order (default: 0)")
     p.add_argument("--dtype", choices=("float32", "float64"), help="arithmetic of weights and activations (default "
                    "float32; float64 is slower but makes every plan agree with --strategy local to ~1e-12)")
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), help="where this machine computes with --strategy "
+                   "local (or tiles --in-process): cuda (an NVIDIA GPU or a Jetson's) or cpu (default: cuda when "
+                   "torch sees one)")
     p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
     p.add_argument("--save", metavar="PATH", help="checkpoint path (default: swarm-MODEL.pt, or the --resume path)")
     p.add_argument("--save-every", type=non_negative_int, default=0, metavar="N",
@@ -118,6 +121,11 @@ def training_config(args: argparse.Namespace):
         value = getattr(args, f.name, None)
         if value is not None:
             setattr(cfg, f.name, value)
+    if not (args.strategy == "local" or (args.in_process and args.strategy == "tiles")):
+        if args.accelerator:
+            raise SwarmError("--accelerator applies to training on this machine (--strategy local, or tiles "
+                             "--in-process)")
+        cfg.accelerator = "cpu"  # a run across devices ships weights from this machine's copy: it stays on the host
     if args.steps is not None and args.epochs is not None:
         raise SwarmError("give --steps or --epochs, not both")
     if args.epochs is not None:

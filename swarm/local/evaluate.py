@@ -79,12 +79,12 @@ def evaluate(net, desc, dataset, batch_size: int = 16) -> EvalResult:
         for start in range(0, len(dataset), batch_size):
             idx = range(start, min(start + batch_size, len(dataset)))
             images, targets = make_batch(dataset, idx)
-            out = net(torch.from_numpy(images))
+            out = net(torch.from_numpy(images).to(next(net.parameters()).device))
             if isinstance(loss, RegionLoss):
-                dets += [d.numpy() for d in loss.detections(out)]
+                dets += [d.cpu().numpy() for d in loss.detections(out)]
                 truths += [t[t[:, 0] >= 0] for t in targets]
             else:
-                correct += int((out.flatten(1).argmax(1).numpy() == class_targets(targets)).sum())
+                correct += int((out.flatten(1).argmax(1).cpu().numpy() == class_targets(targets)).sum())
     finally:
         net.train(was_training)
     if isinstance(loss, RegionLoss):

@@ -42,7 +42,8 @@ class TiledTrainer(LocalTrainer):
     def forward_backward(self, images: np.ndarray, targets: np.ndarray, keys: list[int], batch_total: int) -> float:
         mb, self.microbatch = self.microbatch, self.microbatch + 1
         n = len(self.desc.layers)
-        y = self.stage.forward(mb, torch.from_numpy(images)).requires_grad_(True)  # (B, C, H, W) stage output
+        x = torch.from_numpy(images).to(self.device, non_blocking=True)
+        y = self.stage.forward(mb, x).requires_grad_(True)  # (B, C, H, W) stage output
         out = y if self.last == n else self.net.forward_range(self.last, n, {self.last - 1: y}, keys)[n - 1]
         loss = self.loss_fn(out, self.targets_for_loss(targets), batch_total)
         loss.backward()

@@ -22,6 +22,7 @@ from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datas
 from swarm.errors import SwarmError
 from swarm.host.resources import usable_cores
 from swarm.local.checkpoint import load_initial_weights, save_checkpoint
+from swarm.local.compute_device import compute_device
 from swarm.local.progress import Progress
 from swarm.zoo import BUILTIN, build_model
 from swarm.zoo.loss import make_loss
@@ -47,6 +48,7 @@ class TrainConfig:
     classes: int | None = None  # built-in models: None means the data set's number of classes
     dtype: str = "float32"  # float64: slower, but any plan then matches local to ~1e-12 (see README)
     weights: str | None = None  # darknet .weights or swarm checkpoint loaded over the seeded initial weights
+    accelerator: str | None = None  # where this machine computes: cpu, cuda, None: its accelerator if torch sees one
 
     def resolved_lr(self) -> float:
         if self.lr is not None:
@@ -103,7 +105,8 @@ class LocalTrainer:
         self.cfg = cfg
         self.net, self.desc, self.cfg_text = build_model(cfg.model, cfg.img_size, cfg.classes, cfg.seed, cfg_text)
         cfg.img_size = self.desc.img_size
-        self.net.to(torch_dtype(cfg.dtype))
+        self.device = compute_device(cfg.accelerator)
+        self.net.to(self.device, torch_dtype(cfg.dtype))
         self.net.train()
         self.loss_fn = make_loss(self.desc)
         self.optimizer = make_optimizer(self.net.named_parameters(), cfg)
@@ -126,19 +129,20 @@ class LocalTrainer:
             "step": self.step_count,
             "model_name": self.cfg.model if self.cfg.model in BUILTIN else self.desc.name,
             "img_size": self.desc.img_size,
-            "config": {k: v for k, v in asdict(self.cfg).items() if v is not None},
+            # where it ran is not part of what it is: a resumed run computes where it resumes
+            "config": {k: v for k, v in asdict(self.cfg).items() if v is not None and k != "accelerator"},
             "cfg": self.cfg_text,
         }
 
     def targets_for_loss(self, targets: np.ndarray) -> torch.Tensor:
         if self.desc.loss == "region":
-            return torch.from_numpy(targets).to(self.net.dtype)
-        return torch.from_numpy(class_targets(targets))
+            return torch.from_numpy(targets).to(self.device, self.net.dtype)
+        return torch.from_numpy(class_targets(targets)).to(self.device)
 
     def forward_backward(self, images: np.ndarray, targets: np.ndarray, keys: list[int], batch_total: int) -> float:
         """Forward and backward of one micro-batch, accumulating gradients; returns its loss
         (already divided by the mini-batch size). Other execution modes override this."""
-        out = self.net(torch.from_numpy(images), keys)
+        out = self.net(torch.from_numpy(images).to(self.device, non_blocking=True), keys)
         loss = self.loss_fn(out, self.targets_for_loss(targets), batch_total)
         loss.backward()
         return float(loss.detach())

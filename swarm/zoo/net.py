@@ -78,4 +78,4 @@ class Net(nn.Module):
         for key in keys:
             gen = torch.Generator().manual_seed(dropout_seed(int(key), layer))
             masks.append(torch.rand(x.shape[1:], generator=gen) >= p)
-        return x * torch.stack(masks).to(x.dtype) / (1.0 - p)
+        return x * torch.stack(masks).to(x.device, x.dtype) / (1.0 - p)  # drawn on the CPU: alike on every device

@@ -1,0 +1,29 @@
+"""Which torch device this machine computes on: its accelerator when torch can use one, else
+its CPU; and what exact, repeatable results on it take."""
+from __future__ import annotations
+
+import torch
+
+from swarm.errors import SwarmError
+
+ACCELERATORS = ("cpu", "cuda")
+
+
+def compute_device(choice: str | None = None) -> torch.device:
+    """The device for `choice` ("cpu", "cuda", or None: CUDA when torch sees a GPU, else the CPU).
+
+    On CUDA, cuDNN is told to use deterministic kernels and not to pick them by timing
+    (cudnn.deterministic, no benchmark): the same seed then gives the same weights run after
+    run, and float64 runs agree with the CPU to rounding, at the cost of some speed in
+    convolutions (cuDNN's fastest kernels for a shape are not always the deterministic ones)."""
+    if choice is None:
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice not in ACCELERATORS:
+        raise SwarmError(f"--accelerator takes {' or '.join(ACCELERATORS)}, not '{choice}'")
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise SwarmError("--accelerator cuda: torch sees no CUDA device on this machine (a CPU build of torch, "
+                             "or no driver); use --accelerator cpu")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    return torch.device(choice)

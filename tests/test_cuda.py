@@ -1,0 +1,57 @@
+"""Training on CUDA gives what the CPU gives (float64, deterministic cuDNN); skipped without a
+CUDA device. The device-generic code these run is the code every CPU test runs: the device is
+a parameter (swarm.local.compute_device), never a literal (checked below on any machine)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.data import make_batch, open_datasets, step_indices
+from swarm.local.trainer import LocalTrainer, TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+def _train(cfg: TrainConfig, trainer_class=LocalTrainer, steps: int = 3, **kw) -> dict:
+    trainer = trainer_class(TrainConfig(**vars(cfg)), **kw)
+    data, _ = open_datasets(None, cfg.img_size, 3)
+    for s in range(steps):
+        trainer.step(*make_batch(data, step_indices(len(data), cfg.batch_size, s, cfg.seed)))
+    return {k: v.detach().cpu() for k, v in trainer.net.state_dict().items()}
+
+
+def _worst(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp(min=1e-30))
+               for k in a if a[k].is_floating_point())
+
+
+def _cfg(accelerator: str) -> TrainConfig:
+    return TrainConfig(model="yolov2-16", img_size=64, batch_size=8, microbatches=2, seed=5, classes=5,
+                       dtype="float64", accelerator=accelerator)
+
+
+@needs_cuda
+def test_local_training_on_cuda_equals_the_cpu():
+    assert _worst(_train(_cfg("cuda")), _train(_cfg("cpu"))) < 1e-9
+
+
+@needs_cuda
+def test_tiles_on_cuda_equal_untiled_on_the_cpu():
+    from swarm.local.tiled import TiledTrainer
+
+    tiled = _train(_cfg("cuda"), TiledTrainer, grid=(2, 2), sync="all")
+    assert _worst(tiled, _train(_cfg("cpu"))) < 1e-9
+
+
+def test_no_device_literal_where_the_work_is_done():
+    """Execution, tiles and the trainers take their device as a parameter: a "cpu" (or
+    "cuda") written into them would pin work to one device."""
+    files = [*(ROOT / "swarm" / "execution").glob("*.py"), *(ROOT / "tiles").glob("*.py"),
+             ROOT / "swarm" / "local" / "trainer.py", ROOT / "swarm" / "local" / "tiled.py"]
+    found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
+             if re.search(r"""["'](cpu|cuda)(:\d+)?["']""", line)]
+    assert not found, found
