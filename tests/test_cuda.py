@@ -55,3 +55,24 @@ def test_no_device_literal_where_the_work_is_done():
     found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
              if re.search(r"""["'](cpu|cuda)(:\d+)?["']""", line)]
     assert not found, found
+
+
+@needs_cuda
+@pytest.mark.parametrize("stages", ["pipeline", "dp"])
+def test_a_plan_with_a_cuda_part_and_a_cpu_part_equals_local(stages):
+    """Two devices in this process, d0 computing on CUDA (its plan facts say so) and d1 on
+    the CPU: what crosses between them goes through the host once per message."""
+    from planner.plan import Plan, Stage
+    from swarm.execution.inprocess import train_plan_in_process
+
+    cfg = _cfg("cpu")
+    if stages == "pipeline":
+        parts = [Stage(0, 8, "single", ["d0"]), Stage(8, 17, "single", ["d1"])]
+    else:
+        parts = [Stage(0, 17, "dp", ["d0", "d1"], allocation={"d0": 2, "d1": 2})]
+    plan = Plan("yolov2-16", 64, 8, 2, parts, devices={"d0": {"accelerator": "cuda"}, "d1": {}})
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, 64, 3)
+    train_plan_in_process(plan, trainer, data, 3, timeout_s=120)
+    ours = {k: v.detach().cpu() for k, v in trainer.net.state_dict().items()}
+    assert _worst(ours, _train(cfg)) < 1e-9

@@ -22,6 +22,7 @@ from torch import nn
 
 from swarm.execution import channels
 from swarm.execution.collectives import allgather
+from swarm.local.compute_device import to_host
 from tiles.ops import update_running_stats
 
 # exchange(tag, tensors) -> list over the group (in group order) of each member's tensors
@@ -39,19 +40,19 @@ class _GroupBatchNorm(torch.autograd.Function):
             m2 = ((x.double() - _bc(mean, x)) ** 2).sum(dims)
         else:  # a replica with no samples in this micro-batch still takes part
             mean = m2 = torch.zeros(x.shape[1], dtype=torch.float64)
-        parts = exchange("fwd", [count, mean, m2])
+        parts = exchange("fwd", [count, to_host(mean), to_host(m2)])  # over the wire: from the host
         n = sum(p[0] for p in parts)
         gmean = sum(p[0] * p[1] for p in parts) / n
         gm2 = sum(p[2] + p[0] * (p[1] - gmean) ** 2 for p in parts)
         var = gm2 / n
-        invstd = torch.rsqrt(var + eps).to(x.dtype)
-        gmean = gmean.to(x.dtype)
+        invstd = torch.rsqrt(var + eps).to(x.device, x.dtype)
+        gmean = gmean.to(x.device, x.dtype)
         xhat = (x - _bc(gmean, x)) * _bc(invstd, x)
         y = xhat * _bc(weight, x) + _bc(bias, x)
         ctx.save_for_backward(xhat, invstd, weight)
         ctx.exchange = exchange
         ctx.n = float(n)
-        unbiased = (gm2 / max(float(n) - 1.0, 1.0)).to(x.dtype)
+        unbiased = (gm2 / max(float(n) - 1.0, 1.0)).to(x.device, x.dtype)
         ctx.mark_non_differentiable(gmean, unbiased)
         return y, gmean, unbiased
 
@@ -61,9 +62,9 @@ class _GroupBatchNorm(torch.autograd.Function):
         dims = [d for d in range(dy.dim()) if d != 1]
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * xhat).sum(dims)
-        parts = ctx.exchange("bwd", [sum_dy.double(), sum_dy_xhat.double()])
-        g_dy = sum(p[0] for p in parts).to(dy.dtype)
-        g_dy_xhat = sum(p[1] for p in parts).to(dy.dtype)
+        parts = ctx.exchange("bwd", [to_host(sum_dy.double()), to_host(sum_dy_xhat.double())])
+        g_dy = sum(p[0] for p in parts).to(dy.device, dy.dtype)
+        g_dy_xhat = sum(p[1] for p in parts).to(dy.device, dy.dtype)
         n = ctx.n
         dx = _bc(weight * invstd / n, dy) * (n * dy - _bc(g_dy, dy) - xhat * _bc(g_dy_xhat, dy))
         return dx, sum_dy_xhat, sum_dy, None, None
@@ -128,7 +129,7 @@ async def replay_running_stats(ep, step: int, p: int, stage, mine: list[int], ou
     if stage.replica_tiles(own)[0] == ep.name and ours:
         keys = sorted(ours)
         records = [[m, layer, ours[(m, layer)][2], ours[(m, layer)][0].numel()] for m, layer in keys]
-        flat = torch.cat([torch.cat([ours[k][0], ours[k][1]]) for k in keys])
+        flat = to_host(torch.cat([torch.cat([ours[k][0], ours[k][1]]) for k in keys]))
         for d in stage.devices:
             if d not in stage.replica_tiles(own):
                 await ep.send(d, channels.bnstats(step, p, own), {"records": records, "arrays": [flat]})
@@ -146,7 +147,8 @@ async def replay_running_stats(ep, step: int, p: int, stage, mine: list[int], ou
         with torch.no_grad():
             for m, layer in sorted(stats):
                 mean, var, count = stats[(m, layer)]
-                update_running_stats(modules[layer].bn, mean, var, count)
+                where = modules[layer].bn.running_mean.device
+                update_running_stats(modules[layer].bn, mean.to(where), var.to(where), count)
     await trio.to_thread.run_sync(apply)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
 from swarm.execution import channels
+from swarm.local.compute_device import to_host
 from tiles.grouping import Grouping
 from tiles.layout import StageLayout, build_layout
 from tiles.regions import LayerGeometry, Rect, TilingError
@@ -99,11 +100,13 @@ class DeviceTiles:
                 for k in live[1:]:
                     local += requests[k].values
                 if len(self.group) > 1:
-                    parts = await allgather(w.ep, self.group, channels.tile_sums(self.step, self.p, key), [local],
-                                            w.job.timeout_s)
+                    where = local.device
+                    parts = await allgather(w.ep, self.group, channels.tile_sums(self.step, self.p, key),
+                                            [to_host(local)], w.job.timeout_s)
                     local = parts[0][0].clone()
                     for part in parts[1:]:
                         local += part[0]
+                    local = local.to(where)
                 answers = {k: local for k in live}
                 continue
             mail = {}
@@ -114,7 +117,7 @@ class DeviceTiles:
                         mail[(k, dst, rect)] = tensor
                     else:
                         await w.ep.send(where, channels.halo(self.step, self.p, key, k, dst, _coords(rect)),
-                                        {"arrays": [tensor.contiguous()]})
+                                        {"arrays": [to_host(tensor.contiguous())]})
             answers = {}
             for k in live:
                 got = []
@@ -124,7 +127,7 @@ class DeviceTiles:
                     else:
                         msg = await w.ep.mailbox.get(channels.halo(self.step, self.p, key, src, k, _coords(rect)),
                                                      w.job.timeout_s)
-                        got.append(msg["arrays"][0])
+                        got.append(msg["arrays"][0].to(w.compute_on, non_blocking=True))
                 answers[k] = got
         return results
 

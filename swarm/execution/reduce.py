@@ -12,6 +12,7 @@ import trio
 
 from planner.stage_work import buckets_of
 from swarm.execution.collectives import allreduce_sum
+from swarm.local.compute_device import to_host
 
 
 class GradReducer:
@@ -89,11 +90,11 @@ class GradReducer:
         params = [q for layer in self.buckets[bucket] for q in self.params[layer]]
         t0 = trio.current_time()
         flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params])
-        total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), flat, self.timeout)
+        total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), to_host(flat), self.timeout)
         offset = 0
         for q in params:  # the sum's own storage, a slice per parameter (the step sets grads to None)
             n = q.numel()
-            q.grad = total[offset:offset + n].view_as(q)
+            q.grad = total[offset:offset + n].view_as(q).to(q.device)  # on an accelerator: one copy back
             offset += n
         self.seconds += trio.current_time() - t0
         self.started[bucket].set()

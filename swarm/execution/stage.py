@@ -13,6 +13,7 @@ from planner.model_desc import ModelDesc
 from planner.plan import Plan
 from swarm.execution.group_bn import GroupBatchNorm, replace_batchnorm
 from swarm.execution.threads import stop_if_cancelled
+from swarm.local.compute_device import HOST, to_host
 from swarm.local.trainer import TrainConfig, make_optimizer, set_lr, torch_dtype
 from swarm.zoo import build_model
 from swarm.zoo.loss import make_loss
@@ -41,19 +42,21 @@ class StageCopy:
     inflight: dict[tuple[int, int], InFlight] = field(default_factory=dict)  # (part, micro-batch)
     start_stats: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # replicas: the step's starting BN statistics
     tile_dy: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (tile, mb): dL/d(tile output)
+    device: torch.device = HOST  # where this copy computes; what it sends and keeps for others is on the host
 
     @classmethod
-    def build(cls, plan: Plan, p: int, cfg: TrainConfig, cfg_text: str | None, group_size: int) -> "StageCopy":
+    def build(cls, plan: Plan, p: int, cfg: TrainConfig, cfg_text: str | None, group_size: int,
+              device: torch.device = HOST) -> "StageCopy":
         stage = plan.stages[p]
         net, desc, _ = build_model(cfg.model, plan.img_size, cfg.classes, cfg_text=cfg_text,
                                    only=range(stage.first, stage.last))
-        net.to(torch_dtype(cfg.dtype))
+        net.to(device, torch_dtype(cfg.dtype))
         net.train()
         group_bns = replace_batchnorm(net) if stage.mode == "dp" and group_size > 1 else []
         for i in range(stage.first, stage.last):  # a cancelled job stops its forward at the next layer
             net.layers[i].register_forward_pre_hook(stop_if_cancelled)
         optimizer = make_optimizer(net.named_parameters(), cfg)
-        return cls(plan, p, desc, cfg, net, optimizer, group_bns)
+        return cls(plan, p, desc, cfg, net, optimizer, group_bns, device=device)
 
     @property
     def stage(self):
@@ -64,8 +67,9 @@ class StageCopy:
         return self.p == len(self.plan.stages) - 1
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers of this stage's layers (state_dict keys of the whole net)."""
-        return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+        """Parameters and buffers of this stage's layers (state_dict keys of the whole net), as
+        copies in host memory."""
+        return {k: v.detach().to(HOST, copy=True) for k, v in self.net.state_dict().items()}
 
     def momentum(self) -> dict[str, torch.Tensor]:
         """Optimizer state per parameter name (momentum buffers for SGD, moments for Adam)."""
@@ -74,7 +78,7 @@ class StageCopy:
         for param, st in self.optimizer.state.items():
             for k, v in st.items():
                 if torch.is_tensor(v):
-                    out[f"{by_param[id(param)]}|{k}"] = v.detach().clone()
+                    out[f"{by_param[id(param)]}|{k}"] = v.detach().to(HOST, copy=True)
         return out
 
     def states(self) -> dict[str, torch.Tensor]:
@@ -94,7 +98,7 @@ class StageCopy:
             if "|" in key:
                 name, slot = key.split("|", 1)
                 if name in params:
-                    self.optimizer.state[params[name]][slot] = value.clone()
+                    self.optimizer.state[params[name]][slot] = value.to(params[name].device, copy=True)
 
     # ---- BatchNorm running statistics of a replicated stage ----------------------------------
     def _batchnorms(self) -> list[torch.nn.modules.batchnorm._BatchNorm]:
@@ -118,7 +122,7 @@ class StageCopy:
         bns = self._batchnorms()
         if not bns:
             return torch.zeros(0)
-        return torch.cat([t.detach().reshape(-1) for bn in bns for t in (bn.running_mean, bn.running_var)])
+        return to_host(torch.cat([t.detach().reshape(-1) for bn in bns for t in (bn.running_mean, bn.running_var)]))
 
     def merge_running(self, moved: list[torch.Tensor], shares: list[int]) -> None:
         """Running statistics after all the step's micro-batches, from the step's start and each
@@ -134,7 +138,7 @@ class StageCopy:
                 for target, start, at in ((bn.running_mean, mean0, offset), (bn.running_var, var0, offset + n)):
                     total = start.double() * a ** microbatches
                     for r, part in enumerate(moved):
-                        total += part[at:at + n].double().view_as(start) * a ** sum(shares[r + 1:])
+                        total += part[at:at + n].to(start.device).double().view_as(start) * a ** sum(shares[r + 1:])
                     target.copy_(total)
                 bn.num_batches_tracked.copy_(count0 + microbatches)
                 offset += 2 * n
@@ -145,10 +149,12 @@ class StageCopy:
                 targets: torch.Tensor | None, batch_total: int, window=None) -> dict[int, torch.Tensor]:
         """Run the stage on one micro-batch; keep what backward needs; return the outputs."""
         stage = self.stage
-        if targets is not None and targets.is_floating_point():
-            targets = targets.to(self.net.dtype)
+        if targets is not None:
+            targets = targets.to(self.device, self.net.dtype if targets.is_floating_point() else None,
+                                 non_blocking=True)
         leaves = {}
-        for k, t in inputs.items():
+        for k, t in inputs.items():  # from the host: one copy each to where this stage computes
+            t = t.to(self.device, non_blocking=True)
             leaves[k] = t.detach().requires_grad_(True) if t.is_floating_point() and k >= 0 else t
         with torch.enable_grad():
             outs = self.net.forward_range(stage.first, stage.last, leaves, keys)
@@ -159,15 +165,14 @@ class StageCopy:
                 loss = loss_fn(out, targets, batch_total, window) if window is not None else \
                     loss_fn(out, targets, batch_total)
         self.inflight[(part, m)] = InFlight(leaves, outs, loss)
-        return {k: v.detach() for k, v in outs.items()}
+        return {k: to_host(v.detach()) for k, v in outs.items()}  # once per message, to the host
 
     def tile_loss(self, tile: int, m: int, out: torch.Tensor, targets: torch.Tensor, batch_total: int,
                   window) -> float:
         """A tiles last stage: the loss on the tile's own output cells (its share of the
         whole map's loss), keeping dL/d(out) for the tile's backward."""
         y = out.detach().requires_grad_(True)  # (B, A*(5+C), h, w) on the tile's owned rect
-        if targets.is_floating_point():
-            targets = targets.to(y.dtype)
+        targets = targets.to(y.device, y.dtype if targets.is_floating_point() else None)
         with torch.enable_grad():
             loss = make_loss(self.desc)(y, targets, batch_total, window)
             loss.backward()
@@ -188,10 +193,10 @@ class StageCopy:
                 out = held.outputs[k]
                 if out.requires_grad:
                     tensors.append(out)
-                    grad_tensors.append(g)
+                    grad_tensors.append(g.to(out.device, non_blocking=True))
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
-        return {k: leaf.grad for k, leaf in held.leaves.items()
+        return {k: to_host(leaf.grad) for k, leaf in held.leaves.items()
                 if k >= 0 and leaf.is_floating_point() and leaf.grad is not None}
 
     def flat_grads(self) -> torch.Tensor:

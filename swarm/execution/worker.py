@@ -35,6 +35,7 @@ from swarm.execution.reduce import GradReducer
 from swarm.execution.replay import DeviceBackups, DeviceStore
 from swarm.execution.stage import StageCopy
 from swarm.execution.threads import ComputeLock, call_in_loop
+from swarm.local.compute_device import plan_device, to_host
 from swarm.local.trainer import TrainConfig
 from swarm.zoo import describe_model
 from tiles.executor import TileWorker
@@ -64,6 +65,7 @@ class DeviceWorker:
         self.plan = job.plan
         self.cfg = job.cfg
         self.device = endpoint.name
+        self.compute_on = plan_device(self.plan.devices.get(self.device, {}))  # its accelerator, or the host
         self.parts = parts_on(self.plan, self.device)
         self.copies: dict[int, StageCopy] = {}
         self.tile_workers: dict[int, dict] = {}
@@ -146,7 +148,7 @@ class DeviceWorker:
 
     async def _build_stage(self, p: int) -> None:
         copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
-                                             len(self.bn_group_of(p)))
+                                             len(self.bn_group_of(p)), self.compute_on)
         states = await self.backups.states_for(p, self.job.moves)
         await trio.to_thread.run_sync(copy.load_states, states)
         self.copies[p] = copy
@@ -297,7 +299,7 @@ class DeviceWorker:
         gens = {}
         for part in parts:
             xs = [(await self.post.gather_inputs(step, part, m, hi - lo))[key_in] for m, lo, hi in block]
-            x = xs[0] if len(xs) == 1 else torch.cat(xs)
+            x = (xs[0] if len(xs) == 1 else torch.cat(xs)).to(self.compute_on, non_blocking=True)
             gens[part.index] = self.tile_workers[p][part.index].forward(block[0][0], x,
                                                                         sizes if len(sizes) > 1 else None)
         outs = await self._run_tiles(step, copy, gens)
@@ -309,7 +311,7 @@ class DeviceWorker:
                     losses.append(await self.compute(copy.tile_loss, part.index, m, out, targets,
                                                      plan_batch(self.plan), self._window(p, part.index)))
                 else:
-                    await self.post.send_outputs(step, part, m, hi - lo, {copy.stage.last - 1: out})
+                    await self.post.send_outputs(step, part, m, hi - lo, {copy.stage.last - 1: to_host(out)})
 
     async def tiles_backward(self, step: int, copy: StageCopy, parts: list[Part], block: list[tuple[int, int, int]]) -> None:
         p = copy.p
@@ -320,14 +322,15 @@ class DeviceWorker:
                 pieces = [copy.tile_dy.pop((part.index, m)) for m, _, _ in block]
             else:
                 pieces = [(await self.post.gather_output_grads(step, part, m, hi - lo))[last_map] for m, lo, hi in block]
-            dys[part.index] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            dys[part.index] = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(self.compute_on,
+                                                                                       non_blocking=True)
         gens = {k: self.tile_workers[p][k].backward(block[0][0], dy) for k, dy in dys.items()}
         dxs = await self._run_tiles(step, copy, gens)
         if p > 0:
             key_in = copy.stage.first - 1
             sizes = [hi - lo for _, lo, hi in block]
             for part in parts:
-                for (m, lo, hi), dx in zip(block, torch.split(dxs[part.index], sizes)):
+                for (m, lo, hi), dx in zip(block, torch.split(to_host(dxs[part.index]), sizes)):
                     await self.post.send_input_grads(step, part, m, hi - lo, {key_in: dx})
 
     async def _run_tiles(self, step: int, copy: StageCopy, gens: dict[int, object]) -> dict[int, object]:

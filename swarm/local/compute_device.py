@@ -27,3 +27,17 @@ def compute_device(choice: str | None = None) -> torch.device:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     return torch.device(choice)
+
+
+HOST = torch.device("cpu")  # where a tensor goes to cross the wire or be saved
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory: itself when it is there already, else one copy."""
+    return t if t.device == HOST else t.to(HOST)
+
+
+def plan_device(facts: dict) -> torch.device:
+    """Where a plan's device computes: its "accelerator" fact, else the host CPU (a plan that
+    says nothing was made from CPU figures)."""
+    return compute_device(facts["accelerator"]) if facts.get("accelerator") else HOST
