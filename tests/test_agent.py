@@ -57,6 +57,23 @@ async def test_agents_describe_themselves_and_send_heartbeats():
         assert all(m.health == "alive" for m in cluster.membership.members.values())
 
 
+async def test_an_agent_offers_the_accelerator_it_is_told_to():
+    """`swarm join --accelerator cpu` keeps a GPU out of the swarm: the roster sees what the
+    agent offers, not what the host has."""
+    from swarm.host.accelerator import accelerator
+
+    network = resolve_network("lo")
+    async with trio.open_nursery() as nursery:
+        offered = []
+        for i, choice in enumerate((None, "cuda", "cpu")):
+            config = AgentConfig(name=f"a{i}", node_id=f"node{i}", token=TOKEN, network=network, port=0,
+                                 advertise=False, accelerator=choice)
+            agent = await nursery.start(Agent(config).run)
+            offered.append(agent.accelerator)
+        assert offered == [accelerator(), "cuda", "cpu"]
+        nursery.cancel_scope.cancel()
+
+
 async def test_bandwidth_job_measures_both_directions_peer_to_peer():
     async with swarm_of(2) as (agents, cluster):
         ids = [a.node_id for a in agents]

@@ -56,6 +56,7 @@ class AgentConfig:
     limits: Limits = Limits()
     cores: int | None = None
     memory: int | None = None
+    accelerator: str | None = None  # what to offer: "cpu" opts a GPU out; None: what this device has
     early_messages: int = EARLY_MESSAGES  # job messages held for an assignment not yet here
     early_bytes: int = EARLY_BYTES        # ... and their bytes (held_bytes)
     early_age: float = EARLY_AGE          # seconds one may wait before it is dropped
@@ -137,7 +138,7 @@ class Agent:
         self.credentials = Credentials(config.node_id, config.token, config.limits)
         self.cores = config.cores or usable_cores()
         self.memory = config.memory or usable_memory()
-        self.accelerator = accelerator()
+        self.accelerator = config.accelerator or accelerator()
         self.port: int | None = None
         self.job: AgentJob | None = None
         self.refused_messages = 0   # job messages refused (older epoch, no room), for tests and logs

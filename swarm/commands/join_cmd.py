@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--config", metavar="FILE",
                    help="settings file (default: $SWARM_CONFIG, else /etc/swarm/swarm.toml if it exists); "
                         "flags and SWARM_* variables override it")
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), help="what this device offers to compute on: cpu "
+                   "keeps jobs off its GPU (default: cuda on an NVIDIA GPU or a Jetson, else cpu)")
     p.add_argument("--verbose", "-v", action="store_true", help="log debug detail too")
     p.set_defaults(run=run)
 
@@ -49,7 +51,7 @@ def agent_config(args):
     peers = parse_peers(args.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
     config = AgentConfig(name=args.name or socket.gethostname(), node_id=node_id(state_dir), token=token,
                          network=network, port=DEFAULT_PORT if args.port is None else args.port, peers=tuple(peers),
-                         advertise=not args.no_mdns)
+                         advertise=not args.no_mdns, accelerator=args.accelerator)
     return config, state_dir, token_from
 
 
