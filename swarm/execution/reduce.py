@@ -34,8 +34,6 @@ class GradReducer:
         self.final: dict[int, set[int]] = {}  # final layers, by bucket
         self.started: dict[int, trio.Event] = {}
         self.seconds = 0.0
-        self._loop = token or trio.lowlevel.current_trio_token()  # made in the event loop
-        self._error: BaseException | None = None  # raised by a hook's call into the event loop
 
     # ---- from the compute thread ----------------------------------------------------------
     def layer_done_from_thread(self, layer: int) -> None:
@@ -44,9 +42,7 @@ class GradReducer:
 
     def hooks(self) -> list:
         """Post-accumulate hooks for an autograd backward: a layer is final once each of its
-        parameters has its gradient. The backward does not wait for the event loop to take
-        the news (it queues it and goes on with the next layer). Returns the handles (remove
-        them afterwards)."""
+        parameters has its gradient. Returns the handles (remove them afterwards)."""
         handles = []
         seen: dict[int, set[int]] = {}
         for layer, params in self.params.items():
@@ -55,18 +51,11 @@ class GradReducer:
                     got = seen.setdefault(layer, set())
                     got.add(id(p))
                     if len(got) == n:
-                        self._loop.run_sync_soon(self._in_loop, self._layer_final, layer)
+                        trio.from_thread.run_sync(self._layer_final, layer, trio_token=self.token)
                 handles.append(param.register_post_accumulate_grad_hook(hook))
         return handles
 
     # ---- in the event loop ----------------------------------------------------------------
-    def _in_loop(self, fn, layer: int) -> None:
-        try:
-            fn(layer)
-        except BaseException as exc:  # noqa: BLE001 - given to finish(), not to trio's run loop
-            if self._error is None:
-                self._error = exc
-
     def _count(self, layer: int) -> None:
         self.counts[layer] = self.counts.get(layer, 0) + 1
         if self.counts[layer] == self.parts:
@@ -101,9 +90,6 @@ class GradReducer:
 
     async def finish(self) -> None:
         """Start what has not started (layers no hook reported), then wait for every sum."""
-        await trio.lowlevel.checkpoint()  # what the hooks queued runs first
-        if self._error is not None:
-            raise self._error
         for bucket in sorted(self.buckets, reverse=True):
             self.start(bucket)
         for event in self.started.values():
