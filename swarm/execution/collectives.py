@@ -42,8 +42,8 @@ async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.
     bits. The sum is made in `flat` itself (no copies), which is returned.
 
     A group of 2^k members halves and doubles (Rabenseifner): k rounds of reduce-scatter, in
-    round r each member swapping half of what it still sums with the member 2^r away, then
-    k rounds of all-gather back. 2k messages out and in per member (6 for 8 members) where a
+    round r each member swapping half of what it still sums with the member whose index
+    differs from its own in bit r, then k rounds of all-gather back. 2k messages out and in per member (6 for 8 members) where a
     ring takes 2(g - 1) (14), for the same bytes: every message costs CPU whatever its
     size. Other group sizes go round a ring: reduce-scatter then all-gather."""
     n = len(group)
