@@ -13,9 +13,11 @@ step, less the failure-free run's (a run's start-up is not counted in either).
   notices the loss, re-plans over the survivors, rolls back to the last backup and replays.
 - ddp: bench/peers/ddp.py under torchrun with an elastic range, one node per device in its
   namespace and cgroups: `--nnodes N-1:N --max-restarts 3 --rdzv-backend c10d
-  --rdzv-endpoint DEV0:29500`, rank 0 writing a checkpoint every --save-every steps (default
-  every step: the least a restart replays). After the loss the survivors' agents restart
-  their workers, which meet again as N-1 ranks and carry on from the checkpoint.
+  --rdzv-endpoint DEV0:29500 --rdzv-conf is_host=true|false --local-addr DEVK` (dev0 holds
+  the store; the namespaces share the host's name, so each node says its address), rank 0
+  writing a checkpoint every --save-every steps (default every step: the least a restart
+  replays). After the loss the survivors' agents restart their workers, which meet again
+  as N-1 ranks and carry on from the checkpoint.
 
 The time a step ends is when its line appears in the run's --metrics file (polled every
 0.1 s). dev0 holds swarm's coordinator and torchrun's rendezvous, so it is not the device
@@ -126,7 +128,11 @@ def elastic_node_command(k: int, n: int, ddp_args: list) -> list[str]:
     return [sys.executable, "-m", "swarm", "testbed", "exec", "--in-cgroup", device_name(k), "--",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{n - 1}:{n}", "--nproc-per-node", "1",
             "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"{device_address(0)}:{ddp.MASTER_PORT}", "--rdzv-id", "versus-kill", str(ddp.DDP),
+            f"{device_address(0)}:{ddp.MASTER_PORT}", "--rdzv-id", "versus-kill",
+            # namespaces share the host's name: say which node holds the store, and each node's
+            # own address (what the workers' process group is reached at)
+            "--rdzv-conf", f"is_host={'true' if k == 0 else 'false'}", "--local-addr", device_address(k),
+            str(ddp.DDP),
             *map(str, ddp_args)]
 
 
