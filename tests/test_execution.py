@@ -281,3 +281,35 @@ def test_a_runs_plan_line_names_each_replicas_share():
     assert "2 replicas taking a:3,b:1 micro-batches on a, b" in uneven
     even = describe_plan(one_stage(Stage(0, 7, "single", ["a", "b"], replicas=2)))
     assert "2 replicas of 2 micro-batch(es) each" in even
+
+
+def test_consecutive_stages_on_one_device_hand_over_without_the_host(monkeypatch):
+    """d0 runs stages 0 and 1, d1 stage 2: the stage 0 -> 1 hand-off is the tensor stage 0
+    computed, never brought to the host; only what crosses to d1 (activations forward, their
+    gradients back) goes through `to_host`, once per message. The weights are local training's."""
+    from swarm.execution import blocks, stage
+    from swarm.local.compute_device import to_host
+
+    cfg = _cfg("yolov2-16", 2)
+    plan = _plan("yolov2-16", [Stage(0, 6, "single", ["d0"]), Stage(6, 12, "single", ["d0"]),
+                               Stage(12, N16, "single", ["d1"])], 2)
+    to_host_calls = []
+    monkeypatch.setattr(blocks, "to_host", lambda t: to_host_calls.append(tuple(t.shape[1:])) or to_host(t))
+    monkeypatch.setattr(stage, "to_host", lambda t: pytest.fail("a stage brought its tensors to the host"))
+    outputs, inputs = {}, {}
+    forward = stage.StageCopy.forward
+
+    def spied(self, part, m, given, keys, *args):
+        inputs[(self.p, m, len(outputs))] = {k: t.data_ptr() for k, t in given.items()}
+        out = forward(self, part, m, given, keys, *args)
+        outputs[(self.p, m, len(outputs))] = {k: t.data_ptr() for k, t in out.items()}
+        return out
+
+    monkeypatch.setattr(stage.StageCopy, "forward", spied)
+    result = _planned(cfg, plan)
+    assert _worst(result.net.state_dict(), _local(cfg))[0] < 1e-9
+    handed = [(key, ptrs) for key, ptrs in inputs.items() if key[0] == 1]
+    assert handed and all(ptrs[5] in {o[5] for k, o in outputs.items() if k[0] == 0 and k[1] == key[1]}
+                          for key, ptrs in handed)
+    crossing = result.desc.layers[11].out_shape
+    assert to_host_calls == [crossing] * (2 * 2 * STEPS)  # 2 micro-batches, forward and backward, per step

@@ -3,11 +3,13 @@ the parts of neighbouring stages."""
 from __future__ import annotations
 
 import torch
+import trio
 
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
 from planner.routing import Block, Layout, Part
 from swarm.execution import channels
+from swarm.local.compute_device import HOST, to_host
 
 
 def vector_outputs(desc: ModelDesc) -> set[int]:
@@ -51,7 +53,7 @@ def empty_for(block: Block, per_sample: tuple[int, ...], like: torch.Tensor, zer
         shape[2] = _span(block.rows, per_sample[1])[1] - _span(block.rows, per_sample[1])[0]
         shape[3] = _span(block.cols, per_sample[2])[1] - _span(block.cols, per_sample[2])[0]
     make = torch.zeros if zero else torch.empty
-    return make(shape, dtype=like.dtype)
+    return make(shape, dtype=like.dtype, device=like.device)
 
 
 def assemble(block: Block, per_sample: tuple[int, ...], pieces: list[tuple[Block, torch.Tensor]],
@@ -73,7 +75,12 @@ def assemble(block: Block, per_sample: tuple[int, ...], pieces: list[tuple[Block
 class BlockPost:
     """Moves one device's blocks between the parts of neighbouring stages for one epoch: a
     part's input blocks in (the image for stage 0) and its output blocks out, and backward
-    the same for gradients. The layout (planner.routing.Layout) says who holds what."""
+    the same for gradients. The layout (planner.routing.Layout) says who holds what.
+
+    A block for a part on this device is handed over as it is, on the device that computed
+    it (consecutive stages on one accelerator never go through the host); a block for another
+    device is brought to the host once, as its message (`to_host`: from an accelerator, in a
+    thread of its own, so the copy overlaps the compute thread's next work)."""
 
     def __init__(self, ep, plan: Plan, desc: ModelDesc, layout: Layout, timeout_s: float):
         self.ep = ep
@@ -111,7 +118,7 @@ class BlockPost:
             for tensor, value in outputs.items():
                 piece = cut(value, out_block, t.block)
                 await self.ep.send(t.dst.device, channels.act(step, p + 1, t.dst.index, m, tensor, part.index),
-                                   {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
+                                   {"arrays": [await self._handed_over(piece, t.dst.device)]})
 
     async def gather_output_grads(self, step: int, part: Part, m: int, mb: int) -> dict[int, torch.Tensor]:
         """dL/d(output) on the part's output block, summed over the pieces that come back."""
@@ -140,4 +147,13 @@ class BlockPost:
                     continue
                 piece = cut(g, block, t.block)
                 await self.ep.send(t.dst.device, channels.grad(step, p - 1, t.dst.index, m, tensor, part.index),
-                                   {"arrays": [piece if t.dst.device == self.device else piece.contiguous()]})
+                                   {"arrays": [await self._handed_over(piece, t.dst.device)]})
+
+    async def _handed_over(self, piece: torch.Tensor, device: str) -> torch.Tensor:
+        """`piece` as it goes to `device`: itself for a part on this device, else its message's
+        one contiguous host copy."""
+        if device == self.device:
+            return piece
+        if piece.device != HOST:  # from an accelerator: copied in a thread, overlapping compute
+            return await trio.to_thread.run_sync(to_host, piece)
+        return to_host(piece).contiguous()

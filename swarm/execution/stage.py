@@ -147,7 +147,9 @@ class StageCopy:
     # ---- compute (worker thread) ---------------------------------------------------------
     def forward(self, part: int, m: int, inputs: dict[int, torch.Tensor], keys: list[int],
                 targets: torch.Tensor | None, batch_total: int, window=None) -> dict[int, torch.Tensor]:
-        """Run the stage on one micro-batch; keep what backward needs; return the outputs."""
+        """Run the stage on one micro-batch; keep what backward needs; return the outputs, where
+        the stage computes (the post brings them to the host for another device, once per
+        message, and hands them over as they are to a stage on this device)."""
         stage = self.stage
         if targets is not None:
             targets = targets.to(self.device, self.net.dtype if targets.is_floating_point() else None,
@@ -165,7 +167,7 @@ class StageCopy:
                 loss = loss_fn(out, targets, batch_total, window) if window is not None else \
                     loss_fn(out, targets, batch_total)
         self.inflight[(part, m)] = InFlight(leaves, outs, loss)
-        return {k: to_host(v.detach()) for k, v in outs.items()}  # once per message, to the host
+        return {k: v.detach() for k, v in outs.items()}
 
     def tile_loss(self, tile: int, m: int, out: torch.Tensor, targets: torch.Tensor, batch_total: int,
                   window) -> float:
@@ -183,7 +185,8 @@ class StageCopy:
         return float(self.inflight[(part, m)].loss.detach())
 
     def backward(self, part: int, m: int, grads: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
-        """Backward for one micro-batch; returns gradients of the stage's float inputs."""
+        """Backward for one micro-batch; returns gradients of the stage's float inputs, where the
+        stage computes (as the forward's outputs)."""
         held = self.inflight.pop((part, m))
         if self.is_last:
             held.loss.backward()
@@ -196,7 +199,7 @@ class StageCopy:
                     grad_tensors.append(g.to(out.device, non_blocking=True))
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
-        return {k: to_host(leaf.grad) for k, leaf in held.leaves.items()
+        return {k: leaf.grad for k, leaf in held.leaves.items()
                 if k >= 0 and leaf.is_floating_point() and leaf.grad is not None}
 
     def flat_grads(self) -> torch.Tensor:

@@ -35,7 +35,7 @@ from swarm.execution.reduce import GradReducer
 from swarm.execution.replay import DeviceBackups, DeviceStore
 from swarm.execution.stage import StageCopy
 from swarm.execution.threads import ComputeLock, call_in_loop
-from swarm.local.compute_device import plan_device, to_host
+from swarm.local.compute_device import plan_device
 from swarm.local.trainer import TrainConfig
 from swarm.zoo import describe_model
 from tiles.executor import TileWorker
@@ -311,7 +311,7 @@ class DeviceWorker:
                     losses.append(await self.compute(copy.tile_loss, part.index, m, out, targets,
                                                      plan_batch(self.plan), self._window(p, part.index)))
                 else:
-                    await self.post.send_outputs(step, part, m, hi - lo, {copy.stage.last - 1: to_host(out)})
+                    await self.post.send_outputs(step, part, m, hi - lo, {copy.stage.last - 1: out})
 
     async def tiles_backward(self, step: int, copy: StageCopy, parts: list[Part], block: list[tuple[int, int, int]]) -> None:
         p = copy.p
@@ -330,7 +330,7 @@ class DeviceWorker:
             key_in = copy.stage.first - 1
             sizes = [hi - lo for _, lo, hi in block]
             for part in parts:
-                for (m, lo, hi), dx in zip(block, torch.split(to_host(dxs[part.index]), sizes)):
+                for (m, lo, hi), dx in zip(block, torch.split(dxs[part.index], sizes)):
                     await self.post.send_input_grads(step, part, m, hi - lo, {key_in: dx})
 
     async def _run_tiles(self, step: int, copy: StageCopy, gens: dict[int, object]) -> dict[int, object]:

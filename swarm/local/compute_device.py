@@ -33,8 +33,33 @@ HOST = torch.device("cpu")  # where a tensor goes to cross the wire or be saved
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` in host memory: itself when it is there already, else one copy."""
-    return t if t.device == HOST else t.to(HOST)
+    """`t` in host memory: itself when it is there already, else one copy. From CUDA the copy
+    lands in a pinned (page-locked) buffer, from torch's cache of them, and runs on a copy
+    stream of its own, after the work that produced `t` and without waiting for the compute
+    queued since: called from a thread other than the compute thread, it overlaps that
+    compute. It returns once the bytes are there. Pinning needs CUDA: host tensors are never
+    pinned."""
+    if t.device == HOST:
+        return t
+    if t.device.type != "cuda":
+        return t.to(HOST)
+    buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    stream = _copy_stream(t.device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        buffer.copy_(t, non_blocking=True)
+    stream.synchronize()
+    return buffer
+
+
+_COPY_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _copy_stream(device: torch.device):
+    """One side stream per CUDA device for copies to the host."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def plan_device(facts: dict) -> torch.device:
