@@ -311,6 +311,31 @@ def _accelerator_from_dict(spec, host_memory: float, where: str, desc, reference
     or, where it shares the host's memory (a Jetson), part of that one memory (default: all of
     the device's budget; never more, since the same bytes are not counted twice)."""
     where = f"{where}: accelerator"
+    accelerator = accelerator_from_dict(spec, where)
+    kind, shared = accelerator.kind, accelerator.shared_memory
+    try:
+        costs = _costs_from_dict(spec, where, desc, reference, resolve_profile)
+        if "memory" in spec:
+            memory = parse_bytes(spec["memory"], f"{where}: memory")
+        elif shared:
+            memory = host_memory
+        else:
+            raise ClusterError(f"{where}: \"memory\" (its own memory for training, e.g. \"7 GiB\") is missing; "
+                               "or \"shared_memory\": true where it shares the device's")
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ClusterError):
+            raise
+        raise ClusterError(f"{where}: {exc}") from None
+    if shared and memory > host_memory:
+        raise ClusterError(f"{where}: memory {format_bytes(memory)} is more than the device's "
+                           f"{format_bytes(host_memory)}, which it shares (\"shared_memory\": true): give at most the device's memory")
+    costs = replace(costs, source=f"{kind}: {costs.source}")
+    return accelerator, costs, float(memory)
+
+
+def accelerator_from_dict(spec, where: str) -> Accelerator:
+    """What an "accelerator" entry says the accelerator is: its kind, copy rate and whether it
+    shares the host's memory (a cluster file's, or a profile's as the profiler measured it)."""
     if not isinstance(spec, dict):
         raise ClusterError(f"{where}: expected an object such as {{\"kind\": \"cuda\", \"gflops\": 70, "
                            "\"copy_gbps\": 4, \"shared_memory\": true}")
@@ -329,24 +354,7 @@ def _accelerator_from_dict(spec, host_memory: float, where: str, desc, reference
     if not isinstance(copy, (int, float)) or isinstance(copy, bool) or not copy > 0:
         raise ClusterError(f"{where}: \"copy_gbps\" (the host<->accelerator copy rate, GB/s) must be a positive "
                            f"number; got {copy!r}")
-    try:
-        costs = _costs_from_dict(spec, where, desc, reference, resolve_profile)
-        if "memory" in spec:
-            memory = parse_bytes(spec["memory"], f"{where}: memory")
-        elif shared:
-            memory = host_memory
-        else:
-            raise ClusterError(f"{where}: \"memory\" (its own memory for training, e.g. \"7 GiB\") is missing; "
-                               "or \"shared_memory\": true where it shares the device's")
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ClusterError):
-            raise
-        raise ClusterError(f"{where}: {exc}") from None
-    if shared and memory > host_memory:
-        raise ClusterError(f"{where}: memory {format_bytes(memory)} is more than the device's "
-                           f"{format_bytes(host_memory)}, which it shares (\"shared_memory\": true): give at most the device's memory")
-    costs = replace(costs, source=f"{kind}: {costs.source}")
-    return Accelerator(kind, 1 / (float(copy) * 1e9), shared), costs, float(memory)
+    return Accelerator(kind, 1 / (float(copy) * 1e9), shared)
 
 
 def _non_negative(spec: dict, key: str, unit: str, where: str) -> float:

@@ -76,3 +76,30 @@ def test_a_plan_with_a_cuda_part_and_a_cpu_part_equals_local(stages):
     train_plan_in_process(plan, trainer, data, 3, timeout_s=120)
     ours = {k: v.detach().cpu() for k, v in trainer.net.state_dict().items()}
     assert _worst(ours, _train(cfg)) < 1e-9
+
+
+@needs_cuda
+def test_the_profilers_cuda_layer_times_are_positive_and_ordered_like_the_flops():
+    """Layers timed on the GPU by CUDA events: every time positive, the convolutions' times
+    rising with their FLOPs; the profile carries the accelerator as a cluster file gives one."""
+    import numpy as np
+
+    from planner.cluster import accelerator_from_dict
+    from swarm.profiling.profiler import profile_model
+    from swarm.zoo import describe_model
+
+    profile = profile_model("yolov2-16", 128, batch_sizes=(2, 4), repeats=3, threads=1, device=torch.device("cuda"))
+    costs = profile.costs
+    assert (costs.fwd > 0).all() and (costs.bwd > 0).all() and all(t > 0 for t in profile.step_time.values())
+    desc = describe_model("yolov2-16", 128, profile.classes)
+    convs = [i for i, layer in enumerate(desc.layers) if layer.kind == "convolutional"]
+    flops = [desc.layers[i].flops for i in convs]
+    times = costs.fwd[convs, -1] + costs.bwd[convs, -1]
+    ranks = [np.argsort(np.argsort(v)) for v in (np.array(flops), times)]
+    assert np.corrcoef(*ranks)[0, 1] > 0.5  # rank correlation
+    entry = profile.device["accelerator"]
+    accelerator = accelerator_from_dict(entry, "profile")
+    assert accelerator.kind == "cuda" and entry["copy_gbps"] > 0
+    assert accelerator.shared_memory == torch.cuda.get_device_properties(0).is_integrated
+    assert ("memory" in entry) != accelerator.shared_memory  # a discrete GPU's own budget; a Jetson's is the device's
+    assert all(v > 0 for v in profile.peak_bytes.values())

@@ -49,3 +49,52 @@ async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
     assert cluster.device("dev0").memory == pytest.approx(2**31 - profile.runtime_bytes - JOB_BYTES)
     plan = make_plan("dp", PlanInputs(desc, MemoryModel(desc, profile.act_bytes), cluster, 8, 2))
     assert plan.predicted["fits"] and set(plan.used_devices()) <= {"dev0", "dev1"}
+
+
+async def test_an_advertised_accelerator_reaches_the_profile_and_the_plan(tmp_path, monkeypatch):
+    """dev0's agent offers cuda, dev1's opts out (`swarm join --accelerator cpu` on a GPU
+    device): the profile jobs are asked for those, dev0's is taken on cuda (a stand-in
+    profile here: no GPU, so torch is told it sees one and the measuring is replaced), and
+    the plan says dev0's parts compute on cuda, dev1's on its CPU."""
+    import torch
+
+    from planner.plan import Plan
+    from swarm.profiling import profiler
+
+    monkeypatch.setenv("SWARM_STATE_DIR", str(tmp_path))
+    register_job_kind(PROFILE_JOB, run_profile_job)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    measured = profiler.profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1)
+    asked = []
+
+    def stand_in(model, *args, accelerator="cpu", **kw):
+        asked.append(accelerator)
+        profile = profiler.DeviceProfile.from_dict(measured.to_dict())
+        if accelerator == "cuda":
+            profile.costs = profile.costs.scaled(20.0)
+            profile.device["accelerator"] = {"kind": "cuda", "note": "a GPU", "shared_memory": True, "copy_gbps": 4.0}
+        return profile, False, tmp_path / "unused.json"
+
+    monkeypatch.setattr(profiler, "load_or_profile", stand_in)
+    network = resolve_network("lo")
+    spec = {"model": "lenet5", "img_size": None, "classes": None, "cfg": None, "threads": 1}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            agents = []
+            for i, offered in enumerate(("cuda", "cpu")):
+                config = AgentConfig(name=f"dev{i}", node_id=f"node{i}", token=TOKEN, network=network, port=0,
+                                     advertise=False, memory=2**31, accelerator=offered)
+                agents.append(await nursery.start(Agent(config).run))
+            peers = [("127.0.0.1", a.port) for a in agents]
+            live = await gather_live(Credentials("coordinator", TOKEN), network, peers, spec, 0.5, discover=False)
+            nursery.cancel_scope.cancel()
+    assert sorted(asked) == ["cpu", "cuda"]
+    desc = describe_model("lenet5")
+    cluster = cluster_from_live(live, desc)
+    gpu = cluster.device("dev0")
+    assert gpu.accelerator.kind == "cuda" and gpu.accelerator.copy_s_per_byte == pytest.approx(1 / 4e9)
+    assert gpu.memory == gpu.cpu_memory  # one memory with its CPU: counted once
+    assert cluster.device("dev1").accelerator is None and cluster.accelerated == ["dev0"]
+    plan = make_plan("pp", PlanInputs(desc, MemoryModel(desc, measured.act_bytes), cluster, 8, 2))
+    again = Plan.from_json(plan.to_json())
+    assert again.devices["dev0"]["accelerator"] == "cuda" and "accelerator" not in again.devices.get("dev1", {})

@@ -137,3 +137,46 @@ def test_a_network_whose_maps_pass_over_layers_is_profiled():
     profile = profile_model("yolov2", 64, batch_sizes=(1,), repeats=1, threads=1)
     assert profile.costs.num_layers == len(desc.layers) and (profile.costs.fwd > 0).all()
     profile.check_matches(desc)
+
+
+def test_the_device_generic_path_with_an_explicit_device_gives_the_same_profile():
+    """What a CUDA profile runs (a torch.device given, the layers on it, timed by its
+    Stopwatch) run on the host: every figure of the default profile, and no accelerator
+    entry, since nothing crosses between host and accelerator."""
+    import torch
+
+    from swarm.profiling.profiler import Stopwatch
+
+    plain = profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1)
+    given = profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1, device=torch.device("cpu"))
+    a, b = plain.to_dict(), given.to_dict()
+    assert set(a) == set(b) and set(a["costs"]) == set(b["costs"]) and a["device"] == b["device"]
+    assert "accelerator" not in b["device"] and given.costs.batch_sizes == (1, 2)
+    assert (given.costs.fwd > 0).all() and (given.costs.bwd > 0).all()
+    assert np.array(b["costs"]["fwd"]).shape == np.array(a["costs"]["fwd"]).shape
+    watch = Stopwatch(torch.device("cpu"), iter([1.0, 3.5]).__next__)
+    start, end = watch.mark(), watch.mark()
+    watch.settle()
+    assert watch.seconds(start, end) == 2.5
+
+
+def test_copies_are_timed_there_and_back_through_the_host_path():
+    """The copy rate a profile on an accelerator gives the planner, measured by the same code
+    on the host (there a copy in is a clone, and bringing it back is free)."""
+    import torch
+
+    from swarm.profiling.profiler import _copy_gbps
+
+    rate = _copy_gbps([torch.ones(4, 16, 32, 32), torch.ones(4, 32, 16, 16)], torch.device("cpu"), 3)
+    assert 0 < rate < float("inf")
+
+
+def test_a_profile_job_measures_on_what_the_agent_offers_where_torch_can(monkeypatch):
+    import torch
+
+    from swarm.profiling.profiler import usable_accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert [usable_accelerator(a) for a in ("cuda", "cpu", None)] == ["cpu"] * 3  # a CPU build of torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [usable_accelerator(a) for a in ("cuda", "cpu", None)] == ["cuda", "cpu", "cpu"]

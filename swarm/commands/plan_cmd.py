@@ -183,7 +183,8 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
 
     spec = {"model": args.model, "img_size": desc.img_size, "classes": classes,
             "cfg": None if args.model in BUILTIN else model_source(args.model)[1], "threads": args.threads}
-    live = run_trio(gather_live, credentials, network, peers, spec, args.wait, say)
+    # --accelerators off: every device profiled, and so planned, on its CPU
+    live = run_trio(gather_live, credentials, network, peers, spec, args.wait, say, True, args.accelerators == "on")
     if live is None:
         return None, None, f"no device of the swarm answered within {args.wait:g} s"
     return cluster_from_live(live, desc), next(iter(live["profiles"].values())), None

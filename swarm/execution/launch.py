@@ -32,6 +32,7 @@ from swarm.local.trainer import SAVE_EVERY_S
 from swarm.net import ConnectionLost, Credentials, parse_peers, resolve_network
 from swarm.profiling.bandwidth import measure_bandwidth
 from swarm.profiling.profiler import profile_devices
+from swarm.profiling.survey import offered_accelerators
 from swarm.zoo import BUILTIN
 from tiles.layout import tileable_prefix
 
@@ -184,7 +185,7 @@ class SwarmRunner:
         self.log(f"profiling {len(devices)} device(s) (cached on each after the first time) and measuring the links")
         ids = [d.node_id for d in devices]
         try:
-            profiles = await profile_devices(cluster, ids, spec)
+            profiles = await profile_devices(cluster, ids, spec, accelerators=offered_accelerators(devices))
             links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
         except (SwarmError, trio.TooSlowError) as exc:
             self.log(f"could not profile the devices ({exc}); splitting by FLOPs instead")
@@ -240,7 +241,8 @@ class SwarmRunner:
                 profile = next(iter(measured["profiles"].values()))
                 mem = MemoryModel.for_devices(desc, cfg.optimizer, profile.act_bytes)
                 plan = make_plan("auto", PlanInputs(desc, mem, cluster, cfg.batch_size, cfg.microbatches))
-                plan.devices = {n: facts.get(n, {}) for n in plan.used_devices()}
+                on = {d.name: {"accelerator": d.accelerator.kind} for d in cluster.devices if d.accelerator}
+                plan.devices = {n: dict(facts.get(n, {}), **on.get(n, {})) for n in plan.used_devices()}
                 if plan.predicted and not plan.predicted.get("fits", True):
                     self.log("warning: the planner predicts this plan does not fit in the devices' memory")
                 return plan

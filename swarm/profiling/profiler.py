@@ -1,6 +1,8 @@
 """Measuring this device for the planner: per-layer forward, backward and update time at several
 batch sizes, the bytes autograd keeps per layer, and the time and peak memory of whole
-local steps — cached per (device fingerprint, model, image size) in the state directory.
+local steps, on the accelerator the device computes on (its CPU, or CUDA: then also the
+rate of the copies between host and accelerator, and the accelerator's memory) — cached per
+(device fingerprint, model, image size) in the state directory.
 
     profile, cached = load_or_profile("yolov2-16", 128, state_dir=default_state_dir())
     profile.costs.fwd_range(0, 17, 4)    # planner.profile.DeviceProfile, plain data
@@ -55,13 +57,16 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def device_facts(threads: int) -> dict:
+def device_facts(threads: int, accelerator: dict | None = None) -> dict:
     """What decides this device's speed, and a fingerprint of it (cached profiles are per
-    fingerprint: other CPU, quota, thread count or torch means profiling again)."""
+    fingerprint: other CPU, quota, thread count, torch or accelerator means profiling again).
+    `accelerator`: what `accelerator_identity` says of the one the layers run on (None: the CPU)."""
     facts = {"cpu": _cpu_name(), "machine": platform.machine(), "cores": usable_cores(), "cpu_quota": cpu_quota(),
              "threads": threads, "torch": _torch_version()}
     if facts["cpu_quota"] is not None:
         facts["timing"] = "quota"  # measured with QuotaClock
+    if accelerator is not None:
+        facts["accelerator"] = dict(accelerator)
     facts["method"] = PROFILE_METHOD
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
     facts.update(fingerprint=digest, memory=usable_memory(), name=platform.node())
@@ -97,6 +102,18 @@ def default_classes(model: str, img_size: int | None = None) -> int | None:
     if desc.loss != "region":
         return None
     return open_datasets(None, desc.img_size, desc.in_channels)[0].num_classes
+
+
+def accelerator_identity(device) -> dict | None:
+    """The accelerator a torch device is, in the cluster file's words (None: the host CPU):
+    {"kind": "cuda", "note": its name, "shared_memory": whether it shares the host's memory}.
+    A Jetson's GPU is integrated (torch says so): one memory with its CPU."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return {"kind": "cuda", "note": props.name, "shared_memory": bool(props.is_integrated)}
 
 
 # ---- measuring ---------------------------------------------------------------------------
@@ -141,14 +158,45 @@ class QuotaCPUClock:
         return time.process_time() / self.quota
 
 
-def _median_time(fn, repeats: int, now=time.perf_counter) -> float:
+class Stopwatch:
+    """Marks on the timeline of the device that computes, and the seconds between them. On
+    CUDA a mark is an event recorded on the current stream, so the time is the kernels' own,
+    not the host's queueing of them; `settle` waits for them before any reading. Elsewhere a
+    mark is a reading of the clock `now`."""
+
+    def __init__(self, device, now=time.perf_counter):
+        self.device, self.now = device, now
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return self.now()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def settle(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def seconds(self, start, end) -> float:
+        """Between two marks (settled)."""
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+def _median_time(fn, repeats: int, watch: Stopwatch) -> float:
     """Median seconds of `repeats` calls."""
-    times = []
+    marks = []
     for _ in range(repeats):
-        t0 = now()
+        t0 = watch.mark()
         fn()
-        times.append(now() - t0)
-    return statistics.median(times)
+        marks.append((t0, watch.mark()))
+    watch.settle()
+    return statistics.median(watch.seconds(a, b) for a, b in marks)
 
 
 def settled_rss() -> int:
@@ -202,7 +250,7 @@ def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
     return outs
 
 
-def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, now=time.perf_counter):
+def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, watch: Stopwatch):
     """Per-layer forward and backward seconds measured inside whole training passes (so each
     layer meets its data as a real step does: produced by the layer before, not cached
     from a previous run of itself), and the loss head's. Forward: the clock between layer
@@ -214,23 +262,24 @@ def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, now=time
     runs = []
     for r in range(repeats + 1):  # the first run warms up
         outs = {-1: images}
-        t = [now()]
+        t = [watch.mark()]
         for i in range(len(desc.layers)):
             outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in desc.live_after(i)}, keys))
-            t.append(now())
+            t.append(watch.mark())
         loss = loss_fn(outs[L - 1], targets, len(images))
-        t_loss = now()
+        t_loss = watch.mark()
         stamps = {}
         for i in range(L):
-            outs[i].register_hook(lambda g, i=i: stamps.__setitem__(i, now()))
-        t0 = now()
+            outs[i].register_hook(lambda g, i=i: stamps.__setitem__(i, watch.mark()))
+        t0 = watch.mark()
         loss.backward()
-        t_end = now()
+        t_end = watch.mark()
+        watch.settle()
         net.zero_grad(set_to_none=True)
-        fwd = [t[i + 1] - t[i] for i in range(L)]
+        fwd = [watch.seconds(t[i], t[i + 1]) for i in range(L)]
         ready = [stamps.get(i, t0) for i in range(L)]  # dL/d(output of i) complete
-        bwd = [max(0.0, (ready[i - 1] if i > 0 else t_end) - ready[i]) for i in range(L)]
-        runs.append((fwd, bwd, t_loss - t[L], ready[L - 1] - t0))
+        bwd = [max(0.0, watch.seconds(ready[i], ready[i - 1] if i > 0 else t_end)) for i in range(L)]
+        runs.append((fwd, bwd, watch.seconds(t[L], t_loss), watch.seconds(t0, ready[L - 1])))
         del outs, loss
     runs = runs[1:]
     fwd = [statistics.median(r[0][i] for r in runs) for i in range(L)]
@@ -262,7 +311,7 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
     return saved
 
 
-def _time_updates(net, desc, repeats: int, optimizer: str, now=time.perf_counter) -> list[float]:
+def _time_updates(net, desc, repeats: int, optimizer: str, watch: Stopwatch) -> list[float]:
     import torch
 
     from swarm.local.trainer import TrainConfig, make_optimizer
@@ -279,7 +328,7 @@ def _time_updates(net, desc, repeats: int, optimizer: str, now=time.perf_counter
         with torch.no_grad():
             before = [p.detach().clone() for _, p in named]
             opt.step()  # creates the momentum buffers
-            out.append(_median_time(opt.step, repeats, now))
+            out.append(_median_time(opt.step, repeats, watch))
             for (_, p), b in zip(named, before):
                 p.copy_(b)
         for _, p in named:
@@ -289,12 +338,16 @@ def _time_updates(net, desc, repeats: int, optimizer: str, now=time.perf_counter
 
 def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes: int | None = None,
                   batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS, threads: int | None = None,
-                  cfg_text: str | None = None, optimizer: str = "sgd", log=None, clock: str = "wall") -> DeviceProfile:
-    """Measure this device running `model` (uses the built-in synthetic data for inputs).
-    clock "cpu" counts this thread's CPU time instead of the wall clock (one thread only)."""
+                  cfg_text: str | None = None, optimizer: str = "sgd", log=None, clock: str = "wall",
+                  device=None) -> DeviceProfile:
+    """Measure this device running `model` on `device` (a torch.device; None: the host CPU),
+    with the built-in synthetic data for inputs. clock "cpu" counts this thread's CPU time
+    instead of the wall clock (one thread only, on the CPU); on CUDA, CUDA events time the
+    work."""
     import torch
 
     from swarm.data import make_batch, open_datasets
+    from swarm.local.compute_device import HOST
     from swarm.zoo import build_model, describe_model
     from swarm.zoo.loss import make_loss
 
@@ -308,16 +361,23 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         raise SwarmError(f"unknown clock '{clock}'; use {' or '.join(CLOCKS)}")
     if clock == "cpu" and threads != 1:
         raise SwarmError("the cpu clock measures one compute thread: use --threads 1")
+    device = device or HOST
+    if clock == "cpu" and device != HOST:
+        raise SwarmError(f"the cpu clock times the CPU; a profile on {device.type} is timed by the accelerator")
     now = layer_clock = CLOCKS[clock]
     quota = cpu_quota()
     if clock == "wall" and quota is not None and quota < threads:
         now, layer_clock = QuotaClock(quota), QuotaCPUClock(quota)
+    step_watch, layer_watch = Stopwatch(device, now), Stopwatch(device, layer_clock)
+    accelerator = accelerator_identity(device)
     torch.set_num_threads(threads)
     desc0 = describe_model(model, img_size, None, cfg_text)
     data, _ = open_datasets(None, desc0.img_size, desc0.in_channels)
     if classes is None and cfg_text is None:
         classes = default_classes(model, desc0.img_size)
     net, desc, text = build_model(model, desc0.img_size, classes, seed=0, cfg_text=cfg_text)
+    memory = AcceleratorMemory(device, accelerator)  # before the model is there
+    net.to(device)
     net.train()
     loss_fn = make_loss(desc)
     say = log or (lambda _msg: None)
@@ -339,8 +399,8 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         measured.append(b)
         say(f"batch {b}: whole steps")
         images, targets = make_batch(data, np.arange(b) % len(data))
-        x = torch.from_numpy(images)
-        tgt = torch.from_numpy(targets if desc.loss == "region" else class_targets(targets))
+        x = torch.from_numpy(images).to(device)
+        tgt = torch.from_numpy(targets if desc.loss == "region" else class_targets(targets)).to(device)
 
         def step():
             out = net(x, list(range(b)))
@@ -355,12 +415,13 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
             resident = sum(OPTIMIZER_COPIES[optimizer] * p.numel() * p.element_size() for p in net.parameters())
             runtime = settled_rss() - resident
         settled_rss()
+        memory.reset_peak()
         with _PeakRSS() as rss:
             step()
-        peak[b] = float(rss.peak - runtime)
-        step_time[b] = _median_time(step, repeats, now)
+        peak[b] = memory.step_peak(float(rss.peak - runtime))
+        step_time[b] = _median_time(step, repeats, step_watch)
         say(f"batch {b}: layers")
-        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats, layer_clock)
+        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats, layer_watch)
         fwd.append(f)
         bwd.append(bk)
         loss_f.append(lf)
@@ -369,21 +430,88 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
         saved = _saved_bytes(net, desc, outs, b)
         del outs
     say("optimizer updates")
-    update = _time_updates(net, desc, repeats, optimizer, layer_clock)
+    update = _time_updates(net, desc, repeats, optimizer, layer_watch)
     batch_sizes = tuple(measured)
     fit = _fit_to_steps(fwd, bwd, loss_f, loss_b, sum(update), [step_time[b] for b in batch_sizes])
     say("the tiles executor")
     middle = batch_sizes[len(batch_sizes) // 2]
-    tiles_overhead = _time_tiles_overhead(net, desc, middle, repeats, layer_clock)
-    facts = device_facts(threads)
+    tiles_overhead = _time_tiles_overhead(net, desc, middle, repeats, layer_watch)
+    facts = device_facts(threads, accelerator)
+    where = f"{facts['name']}'s {accelerator['note']} ({accelerator['kind']}" if accelerator else \
+        f"{facts['name']} ({threads} thread{'s' if threads > 1 else ''}"
+    if accelerator:
+        say("copies between host and accelerator")
+        outs = _layer_inputs(net, desc, x)  # the last batch size's
+        facts["accelerator"].update(copy_gbps=_copy_gbps([outs[i] for i in range(len(desc.layers))], device, repeats),
+                                    **memory.budget())
+        del outs
     costs = CostTable(batch_sizes, np.array(fwd).T, np.array(bwd).T, update, loss_f, loss_b,
-                      f"measured on {facts['name']} ({threads} thread{'s' if threads > 1 else ''}"
+                      f"measured on {where}"
                       + (", CPU time" if clock == "cpu" else "")
-                      + (f", at a quota of {quota:g} cores" if isinstance(now, QuotaClock) else "")
+                      + (f", at a quota of {quota:g} cores" if isinstance(now, QuotaClock) and not accelerator else "")
                       + f"; layers fitted to whole steps x{min(fit):.2f}-{max(fit):.2f})", tiles_overhead)
     return DeviceProfile(model=desc.name, img_size=desc.img_size, costs=costs, act_bytes=saved, device=facts,
                          classes=classes, step_time=step_time, peak_bytes=peak, runtime_bytes=float(runtime),
                          repeats=repeats, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+class AcceleratorMemory:
+    """A step's memory on the device that computes. On the CPU: the host's resident memory.
+    On a discrete GPU: the most torch allocated on it, out of its own memory (what is free
+    there once CUDA is up is its budget). On an integrated one (a Jetson), CPU and GPU take
+    from one memory: the host's share and the GPU's add up, against the device's one budget,
+    counted once."""
+
+    def __init__(self, device, accelerator: dict | None):
+        self.device = device
+        self.cuda = accelerator is not None
+        self.shared = bool(accelerator and accelerator["shared_memory"])
+        self.free = None
+        if self.cuda:
+            import torch
+
+            torch.zeros(1, device=device)  # CUDA up: its context is not the model's
+            self.free = torch.cuda.mem_get_info(device)[0]
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_peak(self, host_peak: float) -> float:
+        """The step's peak bytes, given the host's above the runtime."""
+        if not self.cuda:
+            return host_peak
+        import torch
+
+        on_gpu = float(torch.cuda.max_memory_allocated(self.device))
+        return host_peak + on_gpu if self.shared else on_gpu
+
+    def budget(self) -> dict:
+        """The accelerator's memory as a cluster file gives it: its own, or shared with the host."""
+        return {"shared_memory": True} if self.shared else {"shared_memory": False, "memory": int(self.free)}
+
+
+def _copy_gbps(tensors, device, repeats: int) -> float:
+    """GB/s of the copies that take a stage's messages between host memory and `device`:
+    each of `tensors` (the layers' outputs: what a stage takes in and gives out) taken to the
+    device as an incoming message is, and brought back as an outgoing one is (`to_host`),
+    median of `repeats` passes over all of them, by the wall clock (copies run on streams of
+    their own)."""
+    from swarm.local.compute_device import HOST, to_host
+
+    hosted = [to_host(t).contiguous() for t in tensors]
+    nbytes = 2 * sum(t.numel() * t.element_size() for t in hosted)
+
+    def there_and_back():
+        for t in hosted:
+            to_host(t.to(device, non_blocking=True, copy=True))
+
+    there_and_back()  # warm up (pinned buffers, the copy stream)
+    seconds = _median_time(there_and_back, repeats, Stopwatch(HOST))
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else float("inf")
 
 
 class MemoryGuard:
@@ -425,7 +553,7 @@ class MemoryGuard:
                 "--devices CLUSTER.json")
 
 
-def _time_tiles_overhead(net, desc, batch: int, repeats: int, now) -> float:
+def _time_tiles_overhead(net, desc, batch: int, repeats: int, watch: Stopwatch) -> float:
     """The tiles executor's time over autograd's for the same forward and backward of the
     model's tileable front on `batch` samples, both on this thread, as one 1x1 tile (its own
     kernels and bookkeeping; no halos, which the tiles cost model counts itself). 1.0 when
@@ -442,8 +570,8 @@ def _time_tiles_overhead(net, desc, batch: int, repeats: int, now) -> float:
     layers = list(net.layers[:n])
     stage = InProcessStage.build(layers, desc.layers[:n], (1, 1), Grouping.every_layer(0, n), False)
     gen = torch.Generator().manual_seed(0)
-    x = torch.rand(batch, *desc.layers[0].in_shape, generator=gen)
-    dy = torch.randn(batch, *desc.layers[n - 1].out_shape, generator=gen)
+    x = torch.rand(batch, *desc.layers[0].in_shape, generator=gen).to(watch.device)
+    dy = torch.randn(batch, *desc.layers[n - 1].out_shape, generator=gen).to(watch.device)
 
     def untiled():
         y = x
@@ -458,8 +586,8 @@ def _time_tiles_overhead(net, desc, batch: int, repeats: int, now) -> float:
         net.zero_grad(set_to_none=True)
 
     untiled(), tiled()  # warm up
-    base = _median_time(untiled, repeats, now)
-    return _median_time(tiled, repeats, now) / base if base > 0 else 1.0
+    base = _median_time(untiled, repeats, watch)
+    return _median_time(tiled, repeats, watch) / base if base > 0 else 1.0
 
 
 def _fit_to_steps(fwd, bwd, loss_f, loss_b, update: float, steps: list[float]) -> list[float]:
@@ -509,9 +637,11 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
 def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, classes: int | None = None,
                     state_dir: Path | None = None, batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS,
                     threads: int | None = None, cfg_text: str | None = None, refresh: bool = False,
-                    log=None, clock: str = "wall") -> tuple[DeviceProfile, bool, Path]:
-    """The cached profile of this device for the model, or a fresh one (then cached).
+                    log=None, clock: str = "wall", accelerator: str = "cpu") -> tuple[DeviceProfile, bool, Path]:
+    """The cached profile of this device for the model on `accelerator` ("cpu" or "cuda",
+    as swarm.local.compute_device takes it), or a fresh one (then cached).
     Returns (profile, came from the cache, its path)."""
+    from swarm.local.compute_device import compute_device
     from swarm.zoo import describe_model, model_source
 
     if cfg_text is None:
@@ -520,7 +650,8 @@ def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, class
             classes = default_classes(model, img_size)
     desc = describe_model(model, img_size, None, cfg_text)
     threads = threads or usable_cores()
-    facts = device_facts(threads)
+    device = compute_device(accelerator)
+    facts = device_facts(threads, accelerator_identity(device))
     path = cache_path(Path(state_dir or default_state_dir()), facts["fingerprint"], desc.name, desc.img_size,
                       classes, cfg_text)
     if clock != "wall":
@@ -531,7 +662,7 @@ def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, class
         except SwarmError:
             pass  # a stale or broken cache entry: measure again
     profile = profile_model(model, desc.img_size, classes, batch_sizes, repeats, threads, cfg_text, log=log,
-                            clock=clock)
+                            clock=clock, device=device)
     write_profile(profile, path)
     return profile, False, path
 
@@ -544,20 +675,33 @@ PROFILE_JOB = "profile"
 async def run_profile_job(ctx) -> dict:
     """Job kind "profile", agent side: this device's profile (from its cache, else measured;
     measured again if "refresh") for spec {"model", "img_size", "classes", "cfg",
-    "batch_sizes", "repeats", "threads", "refresh"}."""
+    "batch_sizes", "repeats", "threads", "refresh", "accelerator"}, on the accelerator the
+    agent offers ("accelerator": "cuda") where torch can use it, else on its CPU."""
     import functools
 
     spec = ctx.spec
     call = functools.partial(load_or_profile, spec["model"], spec.get("img_size"), spec.get("classes"), None,
                              tuple(spec.get("batch_sizes") or DEFAULT_BATCH_SIZES),
                              int(spec.get("repeats") or DEFAULT_REPEATS), spec.get("threads"), spec.get("cfg"),
-                             bool(spec.get("refresh")))
+                             bool(spec.get("refresh")), accelerator=usable_accelerator(spec.get("accelerator")))
     profile, cached, _ = await ctx.run_in_thread(call)
     return {"profile": profile.to_dict(), "cached": cached}
 
 
-async def profile_devices(cluster, node_ids: list[str], spec: dict, timeout: float = 3600.0) -> dict:
-    """Coordinator side: the profile job on every node at once; {node id: DeviceProfile}."""
+def usable_accelerator(offered: str | None) -> str:
+    """What a profile measures on: "cuda" where the agent offers it and torch can use it (an
+    agent tells from the device's files, without torch), else "cpu"."""
+    if offered != "cuda":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+async def profile_devices(cluster, node_ids: list[str], spec: dict, timeout: float = 3600.0,
+                          accelerators: dict[str, str] | None = None) -> dict:
+    """Coordinator side: the profile job on every node at once, each on the accelerator it
+    offers (`accelerators`: {node id: "cpu" | "cuda"}, as advertised); {node id: DeviceProfile}."""
     import secrets
 
     import trio
@@ -566,7 +710,7 @@ async def profile_devices(cluster, node_ids: list[str], spec: dict, timeout: flo
     profiles = {}
     try:
         for node in node_ids:
-            await job.assign(node, PROFILE_JOB, spec)
+            await job.assign(node, PROFILE_JOB, dict(spec, accelerator=(accelerators or {}).get(node, "cpu")))
         for node in node_ids:
             await job.start(node)
         with trio.fail_after(timeout):

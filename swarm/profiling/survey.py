@@ -10,9 +10,10 @@ from swarm.errors import SwarmError
 
 
 async def gather_live(credentials, network, peers, spec: dict, wait: float, say=lambda text: None,
-                      discover: bool = True):
-    """Discover the swarm, profile every alive device, measure every pair (None: nobody there);
-    `say` hears what is going on."""
+                      discover: bool = True, accelerators: bool = True):
+    """Discover the swarm, profile every alive device (on the accelerator it offers; with
+    `accelerators` off, on its CPU), measure every pair (None: nobody there); `say` hears
+    what is going on."""
     import trio
 
     from swarm.cluster import open_roster
@@ -30,9 +31,14 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, say=
         say(f"found {len(devices)} device(s): {', '.join(d.name for d in devices)}; profiling each (cached there "
             "after the first time) and measuring the links")
         ids = [d.node_id for d in devices]
-        profiles = await profile_devices(cluster, ids, spec)
+        profiles = await profile_devices(cluster, ids, spec, accelerators=offered_accelerators(devices, accelerators))
         links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
         return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
+
+
+def offered_accelerators(devices, use: bool = True) -> dict[str, str]:
+    """{node id: the accelerator its agent offers} for the profile jobs ("cpu" for all when not `use`)."""
+    return {d.node_id: d.accelerator if use and d.accelerator == "cuda" else "cpu" for d in devices}
 
 
 def _end_cost(node: str, links: dict, key: str) -> float:
@@ -48,10 +54,13 @@ def _end_cost(node: str, links: dict, key: str) -> float:
 def cluster_from_live(live: dict, desc):
     """A planner Cluster from what gather_live found: each device's measured costs, its memory
     less the runtime's, its time per byte and per message moved, the measured pairwise
-    rates, and half the median round trip of an empty message."""
+    rates, and half the median round trip of an empty message. A device profiled on an
+    accelerator is planned on it (its profile's "accelerator": the copy rate, and its own
+    memory or the device's, shared)."""
     import statistics
+    from dataclasses import replace
 
-    from planner.cluster import Cluster, Device, bandwidth_matrix
+    from planner.cluster import Cluster, ClusterError, Device, accelerator_from_dict, bandwidth_matrix
     from planner.memory import JOB_BYTES
     from planner.profile import ProfileError
 
@@ -65,9 +74,18 @@ def cluster_from_live(live: dict, desc):
         name = d["name"] if d["name"] not in names.values() else f"{d['name']}@{d['address']}"
         names[d["node_id"]] = name
         budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes - JOB_BYTES)
-        devices.append(Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]},
-                              comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
-                              msg_s=_end_cost(d["node_id"], live["links"], "msg_s")))
+        device = Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]},
+                        comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
+                        msg_s=_end_cost(d["node_id"], live["links"], "msg_s"))
+        entry = profile.device.get("accelerator")
+        if entry:
+            try:
+                accelerator = accelerator_from_dict(entry, f"the profile of {name}: accelerator")
+            except ClusterError as exc:
+                raise SwarmError(str(exc)) from None
+            own = budget if accelerator.shared_memory else max(0.0, float(entry.get("memory") or 0) - JOB_BYTES)
+            device = replace(device, memory=own, accelerator=accelerator, cpu_memory=budget)
+        devices.append(device)
     rates = {(names[a], names[b]): r["bytes_per_second"] for (a, b), r in live["links"].items()}
     order = [dev.name for dev in devices]
     bw = bandwidth_matrix(order, rates) if len(order) > 1 else [[float("inf")]]
