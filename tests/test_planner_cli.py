@@ -92,3 +92,10 @@ def test_profile_then_plan_this_machine_from_the_cache(tmp_path):
     r = plan("--model", "yolov2-16", "--img-size", "32", "--devices", "c.json", "--microbatches", "2",
              "--strategy", "dp", tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr and "twin" in r.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here")
+def test_profile_on_cuda_without_a_gpu_is_one_line(tmp_path):
+    r = run_swarm("profile", "--model", "lenet5", "--accelerator", "cuda", env={"SWARM_STATE_DIR": str(tmp_path)})
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "torch sees no CUDA device" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -180,3 +180,17 @@ def test_a_profile_job_measures_on_what_the_agent_offers_where_torch_can(monkeyp
     assert [usable_accelerator(a) for a in ("cuda", "cpu", None)] == ["cpu"] * 3  # a CPU build of torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert [usable_accelerator(a) for a in ("cuda", "cpu", None)] == ["cuda", "cpu", "cpu"]
+
+
+def test_the_table_says_which_accelerator_and_its_copies_and_memory(profile):
+    from swarm.commands.profile_cmd import profile_table
+
+    on_gpu = DeviceProfile.from_dict(profile.to_dict())
+    on_gpu.device["accelerator"] = {"kind": "cuda", "note": "a discrete GPU", "shared_memory": False,
+                                    "copy_gbps": 11.5, "memory": 7 * 2**30}
+    text = profile_table(on_gpu)
+    assert "a discrete GPU (cuda; copies to and from the host at 11.5 GB/s; 7 GiB free on it" in text
+    assert "peak memory above runtime (on the GPU)" in text
+    on_gpu.device["accelerator"].update(shared_memory=True, note="a Jetson's GPU")
+    assert "memory shared with the CPU" in profile_table(on_gpu)
+    assert "threads" in profile_table(profile).splitlines()[0]

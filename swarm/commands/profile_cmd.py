@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
                    help="batch sizes to time (default: 1,2,4,8)")
     p.add_argument("--repeats", type=positive_int, default=None, help="timings per measurement, median kept (default: 5)")
     p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.add_argument("--accelerator", choices=("cpu", "cuda"), help="where to run the layers: cpu, or cuda (timed by "
+                   "CUDA events, with the host<->GPU copy rate and the GPU's memory; default: cuda when torch sees "
+                   "a GPU, else cpu)")
     p.add_argument("--state-dir", metavar="DIR", help="state directory (default: $SWARM_STATE_DIR, /var/lib/swarm as "
                    "root, else ~/.local/share/swarm)")
     p.add_argument("--out", metavar="FILE", help="also write the profile here (to describe this device in a cluster file)")
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from swarm.host.state import state_dir_from
+    from swarm.local.compute_device import compute_device
     from swarm.profiling.profiler import DEFAULT_BATCH_SIZES, DEFAULT_REPEATS, load_or_profile, write_profile
 
     log = lambda text: print(f"profiling: {text}", file=sys.stderr, flush=True)  # noqa: E731
@@ -51,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     args.img_size = default_img_size(args.model, args.img_size)  # what swarm train and plan use
     profile, _, path = load_or_profile(args.model, args.img_size, args.classes, state_dir_from(args.state_dir),
                                        args.batch_sizes or DEFAULT_BATCH_SIZES, args.repeats or DEFAULT_REPEATS,
-                                       args.threads, refresh=True, log=log)
+                                       args.threads, refresh=True, log=log,
+                                       accelerator=compute_device(args.accelerator).type)
     if args.out:
         write_profile(profile, Path(args.out))
     if args.json:
@@ -79,14 +84,20 @@ def profile_table(profile) -> str:
         rows.append([str(i), kind] + [f"{1e3 * costs.fwd[i, k]:.2f} / {1e3 * costs.bwd[i, k]:.2f}" for k in range(len(sizes))]
                     + [f"{1e3 * costs.update[i]:.2f}", format_bytes(profile.act_bytes[i])])
     header = ["layer", "kind"] + [f"batch {b}: fwd / bwd ms" for b in sizes] + ["update ms", "kept/sample"]
+    accelerator = profile.device.get("accelerator")
+    where = (f"{accelerator['note']} ({accelerator['kind']}; copies to and from the host at "
+             f"{accelerator['copy_gbps']:g} GB/s; "
+             + ("memory shared with the CPU" if accelerator["shared_memory"] else
+                f"{format_bytes(accelerator['memory'])} free on it") + ")") if accelerator else \
+        f"{profile.device.get('cpu')}, {profile.device.get('threads')} threads"
     lines = [f"{profile.model} at {profile.img_size}x{profile.img_size} on {profile.device.get('name')} "
-             f"({profile.device.get('cpu')}, {profile.device.get('threads')} threads; fingerprint "
-             f"{profile.device.get('fingerprint')})", "", table(rows, header), ""]
+             f"({where}; fingerprint {profile.device.get('fingerprint')})", "", table(rows, header), ""]
     steps = []
     for b in sizes:
         model_sum = costs.range_time(0, costs.num_layers, b, with_loss=True) + float(costs.update.sum())
         steps.append([str(b), format_seconds(profile.step_time.get(b, float("nan"))), format_seconds(model_sum),
                       format_bytes(profile.peak_bytes.get(b, 0))])
-    lines.append(table(steps, ["batch", "whole step (measured)", "sum of layers", "peak memory above runtime"]))
+    lines.append(table(steps, ["batch", "whole step (measured)", "sum of layers", "peak memory above runtime"
+                               + (" (on the GPU)" if accelerator and not accelerator["shared_memory"] else "")]))
     lines.append(f"\nruntime (torch initialised, no model): {format_bytes(profile.runtime_bytes)}")
     return "\n".join(lines)
