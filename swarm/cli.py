@@ -9,7 +9,8 @@ from swarm.errors import SwarmError
 from swarm.host import malloc
 
 # Each subcommand module has add_parser(subparsers) and run(args) -> exit status.
-COMMANDS = ("train", "eval", "export", "join", "status", "token", "testbed", "plan", "profile", "service", "plot", "detect", "data")
+COMMANDS = ("train", "eval", "export", "join", "status", "token", "testbed", "plan", "profile", "service", "plot", "detect", "data",
+            "jobs")
 
 
 class Parser(argparse.ArgumentParser):

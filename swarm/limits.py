@@ -103,3 +103,24 @@ OUTBOX = 256
 # are counted together): the line names the few that refused most, so 64 is plenty, and
 # a flood from many addresses costs a small fixed table.
 REFUSAL_HOSTS = 64
+
+# -- detached training runs (swarm/agent/detached.py) ---------------------------------------
+
+# Runs one agent coordinates at once. A coordinator is a `swarm train` process that holds the
+# whole model and feeds every step (a few hundred MB for yolov2-16 at its default size); the
+# agent's device is usually a worker too, so a handful is already more than it should carry.
+DETACHED_RUNNING = 4
+
+# Runs an agent remembers (and keeps the folders of, log and checkpoint) once they ended; the
+# oldest ended one goes when another starts beyond this. `swarm jobs` lists this many at most.
+DETACHED_KEPT = 32
+
+# Flags of one submitted run, and characters of one flag. `swarm train` has about fifty
+# flags, each a word or a path; these bound what a submission can make an agent parse.
+DETACH_ARGS = 128
+DETACH_ARG_CHARS = 4 * KiB
+
+# Bytes of a log or checkpoint in one answer. A checkpoint of the full yolov2 with momentum
+# is ~400 MB: 1 MiB chunks keep every frame small (a link at 20 Mbit/s moves one in half a
+# second, so heartbeats are never stuck behind it) at a round trip per MiB.
+DETACH_CHUNK = 1 * MiB

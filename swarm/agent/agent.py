@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import trio
 
 from swarm import __version__
+from swarm.agent.detached import DetachedRun, DetachedRuns
 from swarm.agent.early import EarlyMessages
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.host import malloc
@@ -32,8 +36,10 @@ from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection
 from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.net.peer import serve_peers
 from swarm.net.ratelimit import LogLimiter
-from swarm.wire import (PROTOCOL_VERSION, Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobStart, JobState,
-                        JobStop, Limits, Ping, Pong, RemoteProtocolError, Watch)
+from swarm.errors import SwarmError
+from swarm.wire import (PROTOCOL_VERSION, DetachAnswer, DetachChunk, DetachList, DetachRead, DetachStop, DetachSubmit,
+                        Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobStart, JobState, JobStop, Limits, Ping,
+                        Pong, RemoteProtocolError, Watch)
 
 log = logging.getLogger("swarm.agent")
 
@@ -61,6 +67,7 @@ class AgentConfig:
     early_bytes: int = EARLY_BYTES        # ... and their bytes (held_bytes)
     early_age: float = EARLY_AGE          # seconds one may wait before it is dropped
     outbox: int = OUTBOX                  # replies queued for a peer before it is disconnected
+    state_dir: Path | None = None         # holds the folders of detached runs (None: it coordinates none)
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -148,6 +155,9 @@ class Agent:
         # job messages that come before their assignment (a peer's may land a little before ours)
         self._early = EarlyMessages(config.early_messages, config.early_bytes, config.early_age, self._refuse,
                                     self._lines)
+        # training runs this agent coordinates for users who went away (`swarm train --detach`)
+        self.detached = DetachedRuns(Path(config.state_dir) / "runs", config.name, self._run_command) \
+            if config.state_dir else None
 
     @property
     def node_id(self) -> str:
@@ -169,6 +179,7 @@ class Agent:
             self.port = await nursery.start(serve_peers, self._serve, self.credentials, network.listen_hosts,
                                             self.config.port)
             nursery.start_soon(self._housekeeping)
+            self._detached_nursery = await nursery.start(self._hold_detached)
             if zc is not None:
                 await nursery.start(advertise, zc, self.advert())
             log.info("agent %s (node %s) listening on %s port %d, %d cores, %.1f GiB, %s; discovery on %s%s",
@@ -277,8 +288,64 @@ class Agent:
             self._lifecycle(peer, message)
         elif getattr(message, "JOB_DATA", False):
             self._deliver(peer.node_id, message)
+        elif isinstance(message, (DetachSubmit, DetachList, DetachStop, DetachRead)):
+            await self._detached_request(peer, message)
         else:
             self._lines.log(logging.DEBUG, "ignored", "ignoring %s from node %s", type(message).__name__, peer.node_id)
+
+    # -- detached runs ----------------------------------------------------------------
+
+    async def _hold_detached(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The nursery of the detached runs' watches: cancelled last when the agent stops, and
+        each run then has its time to stop with a checkpoint."""
+        async with trio.open_nursery() as nursery:
+            task_status.started(nursery)
+            await trio.sleep_forever()
+
+    def _run_command(self, run: DetachedRun) -> tuple[list[str], dict]:
+        """`swarm train` with the run's flags, writing into its folder, reaching the swarm as
+        this agent does."""
+        network = self.config.network
+        argv = [sys.executable, "-m", "swarm", "train", *run.args, "--save", str(run.folder / "checkpoint.pt"),
+                "--metrics", str(run.folder / "metrics.jsonl"), "--state-dir", str(self.config.state_dir)]
+        if network.pinned:
+            argv += ["--interface", network.interface]
+        if self.config.peers:
+            argv += ["--peers", ",".join(f"{h}:{p}" for h, p in self.config.peers)]
+        env = {k: v for k, v in os.environ.items() if k != "SWARM_TOKEN_FILE"}
+        env["SWARM_TOKEN"] = self.config.token
+        root = str(Path(__file__).resolve().parents[2])  # this same swarm, wherever it was started from
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        return argv, env
+
+    async def _detached_request(self, peer: Peer, msg) -> None:
+        runs = self.detached
+        try:
+            if runs is None:
+                raise SwarmError(f"{self.config.name} has no state directory to run detached jobs in")
+            if isinstance(msg, DetachRead):
+                version, total, data = await trio.to_thread.run_sync(runs.read, msg.job_id, msg.what, msg.offset)
+                peer.reply(DetachChunk(msg.seq, "", version, msg.offset, total, data,
+                                       runs.get(msg.job_id).state))
+                return
+            if isinstance(msg, DetachSubmit):
+                run = runs.submit(msg.args)
+                self._detached_nursery.start_soon(runs.watch, run)
+                self._lines.log(logging.INFO, "detached", "coordinating detached run %s for node %s: swarm train %s",
+                                run.job_id, peer.node_id, " ".join(run.args)[:500])
+                jobs = runs.describe(run.job_id)
+            elif isinstance(msg, DetachStop):
+                runs.stop(msg.job_id)
+                jobs = runs.describe(msg.job_id)
+            else:
+                jobs = runs.describe()
+            peer.reply(DetachAnswer(msg.seq, "", jobs))
+        except (SwarmError, OSError) as exc:
+            error = str(exc) if isinstance(exc, SwarmError) else f"{exc.strerror or exc}"
+            if isinstance(msg, DetachRead):
+                peer.reply(DetachChunk(msg.seq, error, "", msg.offset, 0, b"", ""))
+            else:
+                peer.reply(DetachAnswer(msg.seq, error, []))
 
     def _heartbeat(self, seq: int) -> Heartbeat:
         job = self.job

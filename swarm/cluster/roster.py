@@ -25,7 +25,8 @@ from swarm.cluster.remote_job import CoordinatorJob
 from swarm.net import (ConnectionLost, Credentials, HandshakeFailed, NetworkChoice, PeerUnavailable, connect_peer,
                        parse_endpoint)
 from swarm.net.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
-from swarm.wire import Heartbeat, Info, InfoRequest, JobState, Ping, Pong, RemoteProtocolError, Watch
+from swarm.wire import (DetachAnswer, DetachChunk, Heartbeat, Info, InfoRequest, JobState, Ping, Pong,
+                        RemoteProtocolError, Watch)
 
 log = logging.getLogger("swarm.cluster")
 
@@ -51,6 +52,7 @@ class Roster:
         self._endpoints: dict[tuple[str, int], tuple[trio.CancelScope, str | None]] = {}  # -> (loop, node id)
         self._jobs: dict[str, CoordinatorJob] = {}
         self._pongs: dict[int, trio.Event] = {}
+        self._answers: dict[int, tuple[str, trio.Event, list]] = {}  # request's seq -> (node id, done, [answer])
         self._seq = itertools.count(1)
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -88,6 +90,24 @@ class Roster:
         if device is None or device.conn is None or device.conn.closed:
             raise PeerUnavailable(f"{device.name if device else 'node ' + node_id} is not connected")
         await device.conn.send(message)
+
+    async def ask(self, node_id: str, request, timeout: float = 10.0):
+        """Send `request` (a message with a `seq`, which this sets) to `node_id` and return the
+        answer that repeats its seq; PeerUnavailable if the device is not connected or its
+        connection closes first, trio.TooSlowError after `timeout` seconds."""
+        request.seq = next(self._seq)
+        _, done, answer = self._answers[request.seq] = (node_id, trio.Event(), [])
+        try:
+            with trio.fail_after(timeout):
+                await self.send(node_id, request)
+                await done.wait()
+            if not answer:
+                raise PeerUnavailable(f"{self._devices[node_id].name}'s connection closed before it answered")
+            return answer[0]
+        except ConnectionLost as exc:
+            raise PeerUnavailable(str(exc)) from None
+        finally:
+            self._answers.pop(request.seq, None)
 
     # -- running ----------------------------------------------------------------------
 
@@ -220,6 +240,9 @@ class Roster:
         finally:
             device.conn = None
             device.connected = trio.Event()
+            for asked_of, done, _ in self._answers.values():
+                if asked_of == node_id:
+                    done.set()  # no answer will come on this connection
             await conn.aclose()
             self.membership.lost(node_id, "its connection closed")
             self._touch()
@@ -246,6 +269,11 @@ class Roster:
             event = self._pongs.pop(message.seq, None)
             if event is not None:
                 event.set()
+        elif isinstance(message, (DetachAnswer, DetachChunk)):
+            asked = self._answers.get(message.seq)
+            if asked is not None and asked[0] == device.node_id and not asked[1].is_set():
+                asked[2].append(message)
+                asked[1].set()
         elif isinstance(message, JobState):
             job = self._jobs.get(message.job_id)
             if job is not None:

@@ -51,7 +51,7 @@ def agent_config(args):
     peers = parse_peers(args.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
     config = AgentConfig(name=args.name or socket.gethostname(), node_id=node_id(state_dir), token=token,
                          network=network, port=DEFAULT_PORT if args.port is None else args.port, peers=tuple(peers),
-                         advertise=not args.no_mdns, accelerator=args.accelerator)
+                         advertise=not args.no_mdns, accelerator=args.accelerator, state_dir=state_dir)
     return config, state_dir, token_from
 
 

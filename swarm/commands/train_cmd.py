@@ -91,9 +91,38 @@ def add_parser(sub) -> None:
                    "a backbone such as darknet19_448.conv.23: the layers it covers) or a swarm checkpoint's model")
     p.add_argument("--metrics", metavar="FILE", help="append one JSON object per step to FILE")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation at the end")
+    p.add_argument("--detach", action="store_true", help="hand the run to an agent of the swarm, which coordinates "
+                   "it, and return at once with its id (then: `swarm jobs`, `swarm logs`, `swarm stop`, `swarm "
+                   "fetch`); paths given (--data, --resume, --weights, --plan) are read on that agent's device")
+    p.add_argument("--coordinator", metavar="NAME", help="with --detach: the agent that coordinates the run "
+                   "(default: the least loaded)")
     add_network_args(p)
     add_token_args(p)
     p.set_defaults(run=run)
+
+
+# Flags that concern this command, not the run: not handed to a detached run's coordinator.
+CLIENT_FLAGS = ("help", "detach", "coordinator", "interface", "peers", "state_dir", "token_file")
+
+
+def train_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A parser of `swarm train`'s flags alone (to check and re-write a detached run's)."""
+    sub = parser_class(prog="swarm").add_subparsers(parser_class=parser_class)
+    add_parser(sub)
+    return sub.choices["train"]
+
+
+def run_flags(args: argparse.Namespace) -> list[str]:
+    """The run's flags in `args` that differ from their defaults, as a command line (what a
+    detached run's coordinator is given)."""
+    flags = []
+    for action in train_parser()._actions:
+        value = getattr(args, action.dest, action.default)
+        if action.dest in CLIENT_FLAGS or value is None or value == action.default:
+            continue
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        flags += [flag] if action.nargs == 0 else [flag, str(value)]
+    return flags
 
 
 def training_config(args: argparse.Namespace):
@@ -197,6 +226,17 @@ def runner_for(args: argparse.Namespace, log):
 
 def run(args: argparse.Namespace) -> int:
     from swarm.local.trainer import SAVE_EVERY_S, train
+
+    if args.coordinator and not args.detach:
+        raise SwarmError("--coordinator chooses where a --detach'ed run is coordinated: add --detach")
+    if args.detach:
+        from swarm.commands.jobs_cmd import detach
+
+        kept = [flag for flag, given in (("--save", args.save), ("--metrics", args.metrics)) if given]
+        if kept:
+            raise SwarmError(f"{' and '.join(kept)} would be written on the coordinating device: a detached run keeps "
+                             f"its checkpoint and metrics there (`swarm fetch JOB` brings the checkpoint here)")
+        return detach(args, run_flags(args))
 
     cfg, state = training_config(args)
     save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"

@@ -9,8 +9,10 @@ Codes:
     1-9     handshake (fixed forever: Hello must stay readable by every version)
     10-19   liveness and device information
     20-29   job lifecycle, between a coordinator and an agent
-    30-99   job data, between the participants of a job (coordinator and agents);
+    30-39   job data, between the participants of a job (coordinator and agents);
             delivered to the job's per-channel queues after the epoch check
+    40-49   detached training runs, between a user's command and the agent coordinating
+            one (each request carries a seq that its answer repeats)
 
 To add a message: pick a free code in its range, declare a class here with @message,
 and bump PROTOCOL_VERSION if older peers would misread the conversation. A job-data
@@ -28,7 +30,7 @@ import numpy as np
 
 from swarm.wire.faults import RemoteProtocolError
 
-PROTOCOL_VERSION = 2  # 2: the server proves itself second; sealed records after the handshake
+PROTOCOL_VERSION = 3  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs
 MAGIC = "swarm"
 
 MESSAGES: dict[int, type] = {}  # code -> message class
@@ -185,6 +187,62 @@ class JobData:
     epoch: int
     channel: str
     body: Any
+
+
+# -- detached training runs ------------------------------------------------------------
+
+@message(40)
+class DetachSubmit:
+    """Client -> agent: coordinate a training run of `swarm train` flags `args` (answered
+    with DetachAnswer listing the new run, or saying why not)."""
+    seq: int
+    args: list[str]
+
+
+@message(41)
+class DetachList:
+    """Client -> agent: the runs this agent coordinates or coordinated (DetachAnswer)."""
+    seq: int
+
+
+@message(42)
+class DetachStop:
+    """Client -> agent: end run `job_id` after its step under way, with a checkpoint."""
+    seq: int
+    job_id: str
+
+
+@message(43)
+class DetachAnswer:
+    """Agent -> client: `error` (empty if none) and the runs concerned, one dict each (id,
+    model, step, steps, samples_per_s, devices, state, node, detail)."""
+    seq: int
+    error: str
+    jobs: list[dict]
+
+
+@message(44)
+class DetachRead:
+    """Client -> agent: the bytes of run `job_id`'s log (what="log") or latest checkpoint
+    (what="checkpoint") from `offset` on (answered with DetachChunk)."""
+    seq: int
+    job_id: str
+    what: str
+    offset: int
+
+
+@message(45)
+class DetachChunk:
+    """Agent -> client: at most limits.DETACH_CHUNK bytes of a file from `offset`, of `total`
+    bytes in all. `version` changes when the file is replaced (a newer checkpoint): a reader
+    starts again. `state` is the run's (running, done, failed, stopped, lost)."""
+    seq: int
+    error: str
+    version: str
+    offset: int
+    total: int
+    data: bytes
+    state: str
 
 
 # -- encoding and checking ------------------------------------------------------------
