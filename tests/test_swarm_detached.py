@@ -35,11 +35,16 @@ def bed():
 
 
 def swarm_on(device: str, *args, timeout=120):
-    return run_swarm("testbed", "exec", device, "--", "swarm", *args, timeout=timeout)
+    """A swarm command run on `device`, reaching the agents by --peers too (mDNS answers may
+    be slow while the devices train)."""
+    from swarm.testbed import testbed
+
+    peers = ",".join(f"{d.address}:{d.port}" for d in testbed.load().devices)
+    return run_swarm("testbed", "exec", device, "--", "swarm", *args, "--peers", peers, timeout=timeout)
 
 
 def run_of(device: str, job: str) -> dict | None:
-    r = swarm_on(device, "jobs", "--json", "--wait", "1")
+    r = swarm_on(device, "jobs", "--json", "--wait", "0.5")
     assert r.returncode == 0, r.stderr
     return next((run for run in json.loads(r.stdout) if run["id"] == job), None)
 

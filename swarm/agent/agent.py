@@ -67,7 +67,8 @@ class AgentConfig:
     early_bytes: int = EARLY_BYTES        # ... and their bytes (held_bytes)
     early_age: float = EARLY_AGE          # seconds one may wait before it is dropped
     outbox: int = OUTBOX                  # replies queued for a peer before it is disconnected
-    state_dir: Path | None = None         # holds the folders of detached runs (None: it coordinates none)
+    state_dir: Path | None = None         # holds the folders of detached runs
+    check_run_flags: Callable | None = None  # parses a detached run's `swarm train` flags (None: no runs here)
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -156,8 +157,8 @@ class Agent:
         self._early = EarlyMessages(config.early_messages, config.early_bytes, config.early_age, self._refuse,
                                     self._lines)
         # training runs this agent coordinates for users who went away (`swarm train --detach`)
-        self.detached = DetachedRuns(Path(config.state_dir) / "runs", config.name, self._run_command) \
-            if config.state_dir else None
+        self.detached = DetachedRuns(Path(config.state_dir) / "runs", config.name, config.check_run_flags,
+                                     self._run_command) if config.state_dir and config.check_run_flags else None
 
     @property
     def node_id(self) -> str:

@@ -1,7 +1,7 @@
 """Detached training runs an agent coordinates: one `swarm train` process per run, in a folder
 of the agent's state directory holding its flags, log, metrics and latest checkpoint.
 
-    runs = DetachedRuns(state_dir / "runs", "pi-3", command_for)
+    runs = DetachedRuns(state_dir / "runs", "pi-3", check_flags, command_for)
     record = runs.submit(["--model", "lenet5", "--steps", "50"])   # SwarmError says why not
     await runs.watch(record)                  # in the agent's nursery: until the process ends
     runs.describe()                           # one dict per run, newest first (`swarm jobs`)
@@ -15,7 +15,6 @@ whose agent ended while it ran: "lost".
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -33,49 +32,10 @@ import trio
 from swarm.errors import SwarmError
 from swarm.limits import DETACH_ARG_CHARS, DETACH_ARGS, DETACH_CHUNK, DETACHED_KEPT, DETACHED_RUNNING
 
-JOB_ID = re.compile(r"[0-9a-f]{6}")
 FILES = {"log": "train.log", "checkpoint": "checkpoint.pt"}
-# Flags the agent sets itself: where the run writes, and how it reaches the swarm.
-AGENT_FLAGS = {"save": "--save", "metrics": "--metrics", "interface": "--interface", "peers": "--peers",
-               "state_dir": "--state-dir", "token_file": "--token-file", "detach": "--detach",
-               "coordinator": "--coordinator"}
 POLL_S = 0.2  # how often a running process is asked whether it ended
 STOP_WAIT_S = 15.0  # an agent that stops gives its runs this long to stop with a checkpoint
 PROGRESS = re.compile(rb"step (\d+)/(\d+) ")
-
-
-class FlagError(SwarmError):
-    pass
-
-
-class _CheckingParser(argparse.ArgumentParser):
-    """`swarm train`'s flags, parsed on the agent: a mistake is an error, never an exit."""
-
-    def error(self, message: str):
-        raise FlagError(message)
-
-    def exit(self, status: int = 0, message: str | None = None):
-        raise FlagError(message or "asked for help")
-
-
-def check_train_args(args: list[str]) -> argparse.Namespace:
-    """The parsed `swarm train` flags of a submitted run; SwarmError if they are too many, too
-    long, wrong, or flags the agent sets itself."""
-    from swarm.commands import train_cmd
-
-    if len(args) > DETACH_ARGS or any(len(a) > DETACH_ARG_CHARS for a in args):
-        raise SwarmError(f"a run takes at most {DETACH_ARGS} flags of {DETACH_ARG_CHARS} characters")
-    if any(a in ("-h", "--help") for a in args):
-        raise SwarmError("--help is not a run")
-    try:
-        parsed = train_cmd.train_parser(_CheckingParser).parse_args(args)
-    except FlagError as exc:
-        raise SwarmError(f"swarm train: {exc}") from None
-    given = [flag for dest, flag in AGENT_FLAGS.items() if getattr(parsed, dest, None)]
-    if given:
-        raise SwarmError(f"{', '.join(given)} cannot be given to a detached run: the coordinating agent sets them "
-                         f"(fetch its checkpoint with `swarm fetch`)")
-    return parsed
 
 
 @dataclass
@@ -93,12 +53,14 @@ class DetachedRun:
 
 
 class DetachedRuns:
-    """The runs of one agent. `command_for(run)` is the (argv, environment) that starts it."""
+    """The runs of one agent. `check_flags(args)` parses a submitted run's `swarm train` flags
+    (SwarmError if it may not run); `command_for(run)` is the (argv, environment) that starts it."""
 
-    def __init__(self, root: Path, node_name: str, command_for, kept: int = DETACHED_KEPT,
+    def __init__(self, root: Path, node_name: str, check_flags, command_for, kept: int = DETACHED_KEPT,
                  running: int = DETACHED_RUNNING):
         self.root = root
         self.node_name = node_name
+        self.check_flags = check_flags
         self.command_for = command_for
         self.kept = kept
         self.running_limit = running
@@ -128,7 +90,9 @@ class DetachedRuns:
 
     def submit(self, args: list[str]) -> DetachedRun:
         """Start a run of `swarm train` flags `args` in a new folder; SwarmError says why not."""
-        parsed = check_train_args(args)
+        if len(args) > DETACH_ARGS or any(len(a) > DETACH_ARG_CHARS for a in args):
+            raise SwarmError(f"a run takes at most {DETACH_ARGS} flags of {DETACH_ARG_CHARS} characters")
+        parsed = self.check_flags(args)
         if len(self.running()) >= self.running_limit:
             raise SwarmError(f"{self.node_name} already coordinates {self.running_limit} runs; stop one or choose "
                              f"another --coordinator")

@@ -40,6 +40,7 @@ def add_parser(sub) -> None:
 def agent_config(args):
     """The AgentConfig the flags ask for; SwarmError for anything the user must fix."""
     from swarm.agent import DEFAULT_PORT, AgentConfig
+    from swarm.commands.train_cmd import check_detached_flags
     from swarm.host.config import apply_settings, config_path, read_settings
     from swarm.host.state import ensure_state_dir, find_token, node_id, state_dir_from
     from swarm.net import parse_peers, resolve_network
@@ -51,7 +52,8 @@ def agent_config(args):
     peers = parse_peers(args.peers or os.environ.get("SWARM_PEERS"), DEFAULT_PORT)
     config = AgentConfig(name=args.name or socket.gethostname(), node_id=node_id(state_dir), token=token,
                          network=network, port=DEFAULT_PORT if args.port is None else args.port, peers=tuple(peers),
-                         advertise=not args.no_mdns, accelerator=args.accelerator, state_dir=state_dir)
+                         advertise=not args.no_mdns, accelerator=args.accelerator, state_dir=state_dir,
+                         check_run_flags=check_detached_flags)
     return config, state_dir, token_from
 
 

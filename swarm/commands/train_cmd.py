@@ -101,8 +101,40 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-# Flags that concern this command, not the run: not handed to a detached run's coordinator.
+# Flags that concern this command, not the run: not handed to a detached run's coordinator,
+# which sets these itself, and --save and --metrics (where the run writes).
 CLIENT_FLAGS = ("help", "detach", "coordinator", "interface", "peers", "state_dir", "token_file")
+AGENT_FLAGS = ("save", "metrics", *CLIENT_FLAGS[1:])
+
+
+class FlagError(SwarmError):
+    pass
+
+
+class _CheckingParser(argparse.ArgumentParser):
+    """`swarm train`'s flags, parsed on an agent: a mistake is an error, never an exit."""
+
+    def error(self, message: str):
+        raise FlagError(message)
+
+    def exit(self, status: int = 0, message: str | None = None):
+        raise FlagError(message or "asked for help")
+
+
+def check_detached_flags(flags: list[str]) -> argparse.Namespace:
+    """The parsed flags of a run handed to this machine's agent (`swarm train --detach`);
+    SwarmError if they are wrong or include flags the agent sets itself."""
+    if any(a in ("-h", "--help") for a in flags):
+        raise SwarmError("--help is not a run")
+    try:
+        parsed = train_parser(_CheckingParser).parse_args(flags)
+    except FlagError as exc:
+        raise SwarmError(f"swarm train: {exc}") from None
+    given = ["--" + dest.replace("_", "-") for dest in AGENT_FLAGS if getattr(parsed, dest, None)]
+    if given:
+        raise SwarmError(f"{', '.join(given)} cannot be given to a detached run: the coordinating agent sets them "
+                         f"(fetch its checkpoint with `swarm fetch`)")
+    return parsed
 
 
 def train_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,0 +1,194 @@
+"""Detached runs without the testbed: the flags an agent accepts, a run's life as its agent
+sees it (with a stand-in for `swarm train`), the requests over the wire, and the commands'
+one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from swarm.agent import Agent, AgentConfig
+from swarm.agent.detached import DetachedRuns
+from swarm.cli import build_parser
+from swarm.cluster import open_roster
+from swarm.commands.jobs_cmd import format_table, least_loaded
+from swarm.commands.train_cmd import check_detached_flags, run_flags
+from swarm.errors import SwarmError
+from swarm.limits import DETACH_ARGS, DETACH_CHUNK
+from swarm.net import Credentials, resolve_network
+from swarm.wire import DetachList, DetachRead, DetachStop, DetachSubmit, RemoteProtocolError, from_wire, to_wire
+from tests.conftest import run_swarm
+
+TOKEN = "test-token-" + "x" * 20
+
+# A stand-in for `swarm train`: logs a progress line and a metrics record per step, then
+# ends as the flag after --steps says (or waits, for --steps 1000, until it is interrupted).
+STAND_IN = r"""
+import json, signal, sys, time
+args = sys.argv[1:]
+steps = int(args[args.index("--steps") + 1])
+metrics = args[args.index("--metrics") + 1]
+if "--lr" in args:
+    print("swarm train: error: the loss became nan at step 1", file=sys.stderr); sys.exit(2)
+if steps >= 1000:
+    print("waiting", flush=True)
+    try: time.sleep(60)
+    except KeyboardInterrupt: print("stopped"); sys.exit(130)
+for k in range(1, steps + 1):
+    print(f"step {k}/{steps} [#] loss 1.0  2.0 samples/s", flush=True)
+    open(metrics, "a").write(json.dumps({"step": k, "samples_per_s": 2.0, "devices": 3}) + "\n")
+"""
+
+
+def stand_in(run):
+    argv = [sys.executable, "-c", STAND_IN, *run.args, "--metrics", str(run.folder / "metrics.jsonl")]
+    return argv, dict(os.environ)
+
+
+def test_an_agent_takes_the_flags_of_swarm_train_and_no_others():
+    parsed = check_detached_flags(["--model", "lenet5", "--steps", "3", "--strategy", "pp"])
+    assert (parsed.model, parsed.steps, parsed.strategy) == ("lenet5", 3, "pp")
+    for args, says in [(["--steps", "x"], "'x' is not a whole number"), (["--bogus"], "unrecognized arguments"),
+                       (["--save", "/etc/passwd"], "--save cannot be given"), (["--help"], "--help is not a run"),
+                       (["--state-dir", "/", "--metrics", "m"], "--metrics, --state-dir cannot be given")]:
+        with pytest.raises(SwarmError, match=says):
+            check_detached_flags(args)
+
+
+def test_an_agent_parses_no_more_flags_than_it_must(tmp_path):
+    runs = DetachedRuns(tmp_path, "pi-3", check_detached_flags, stand_in)
+    for args in (["--seed"] * (DETACH_ARGS + 1), ["--data", "x" * 5000]):
+        with pytest.raises(SwarmError, match="at most"):
+            runs.submit(args)
+    assert runs.describe() == []
+
+
+def test_the_flags_handed_to_a_detached_run_are_the_ones_given():
+    args = build_parser().parse_args(["train", "--model", "lenet5", "--steps", "3", "--detach", "--coordinator", "pi",
+                                      "--no-eval", "--backup-every", "4", "--lr", "0.01", "--peers", "h:1"])
+    flags = run_flags(args)
+    assert flags == ["--model", "lenet5", "--steps", "3", "--lr", "0.01", "--backup-every", "4", "--no-eval"]
+    again = check_detached_flags(flags)
+    assert (again.model, again.steps, again.lr, again.backup_every, again.no_eval) == ("lenet5", 3, 0.01, 4, True)
+
+
+def test_the_least_loaded_device_coordinates():
+    def dev(name, cores, job=None):
+        return SimpleNamespace(name=name, node_id=name, cores=cores, memory=1, job_id=job)
+
+    a, b, c = dev("a", 4), dev("b", 8, job="j1"), dev("c", 2)
+    assert least_loaded([a, b, c], []) is a  # b is in a job; a has more cores than c
+    assert least_loaded([a, b, c], [(a, {"state": "running"})]) is c
+    assert least_loaded([a, b, c], [(a, {"state": "done"})]) is a
+
+
+async def wait_ended(runs, run):
+    with trio.fail_after(20):
+        await runs.watch(run)
+
+
+@pytest.mark.trio
+async def test_a_run_is_listed_read_and_remembered(tmp_path):
+    runs = DetachedRuns(tmp_path / "runs", "pi-3", check_detached_flags, stand_in)
+    run = runs.submit(["--model", "lenet5", "--steps", "3"])
+    assert runs.describe()[0]["state"] == "running"
+    await wait_ended(runs, run)
+    (listed,) = runs.describe()
+    assert {k: listed[k] for k in ("id", "model", "step", "steps", "samples_per_s", "devices", "state", "node")} == \
+        {"id": run.job_id, "model": "lenet5", "step": 3, "steps": 3, "samples_per_s": 2.0, "devices": 3,
+         "state": "done", "node": "pi-3"}
+    version, total, data = runs.read(run.job_id, "log", 0)
+    assert data.decode().splitlines()[-1].startswith("step 3/3") and total == len(data)
+    assert runs.read(run.job_id, "log", 10)[2] == data[10:]
+    with pytest.raises(SwarmError, match="no checkpoint yet"):
+        runs.read(run.job_id, "checkpoint", 0)
+    (run.folder / "checkpoint.pt").write_bytes(b"w" * (DETACH_CHUNK + 5))
+    version, total, data = runs.read(run.job_id, "checkpoint", 0)
+    assert (total, len(data)) == (DETACH_CHUNK + 5, DETACH_CHUNK)
+    (run.folder / "checkpoint.pt.new").write_bytes(b"v" * 7)
+    os.replace(run.folder / "checkpoint.pt.new", run.folder / "checkpoint.pt")  # as a newer checkpoint lands
+    assert runs.read(run.job_id, "checkpoint", 0)[0] != version
+    for job_id, what, offset, says in [("nosuch", "log", 0, "no run nosuch"), (run.job_id, "../token", 0, "not"),
+                                       (run.job_id, "log", -1, "negative")]:
+        with pytest.raises(SwarmError, match=says):
+            runs.read(job_id, what, offset)
+    again = DetachedRuns(tmp_path / "runs", "pi-3", check_detached_flags, stand_in)  # the agent started again
+    assert again.describe()[0]["state"] == "done"
+
+
+@pytest.mark.trio
+async def test_a_run_stops_fails_or_is_lost(tmp_path):
+    runs = DetachedRuns(tmp_path / "runs", "pi-3", check_detached_flags, stand_in, running=2)
+    waiting = runs.submit(["--steps", "1000"])
+    failing = runs.submit(["--steps", "2", "--lr", "1e9"])
+    with pytest.raises(SwarmError, match="already coordinates 2 runs"):
+        runs.submit(["--steps", "1"])
+    await wait_ended(runs, failing)
+    assert runs.describe(failing.job_id)[0]["detail"] == "swarm train: error: the loss became nan at step 1"
+    while b"waiting" not in runs.read(waiting.job_id, "log", 0)[2]:
+        await trio.sleep(0.05)
+    runs.stop(waiting.job_id)
+    assert runs.describe(waiting.job_id)[0]["state"] == "running (stopping)"
+    await wait_ended(runs, waiting)
+    assert runs.describe(waiting.job_id)[0]["state"] == "stopped"
+    gone = runs.submit(["--steps", "1000"])
+    gone.process.kill()  # as when the agent dies: no exit record
+    gone.process.wait()
+    assert DetachedRuns(tmp_path / "runs", "pi-3", check_detached_flags, stand_in).describe(gone.job_id)[0]["state"] == "lost"
+
+
+@pytest.mark.trio
+async def test_requests_over_the_wire(tmp_path):
+    network = resolve_network("lo")
+    config = AgentConfig(name="a0", node_id="node0", token=TOKEN, network=network, port=0, advertise=False,
+                         state_dir=tmp_path, check_run_flags=check_detached_flags)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            agent = await nursery.start(Agent(config).run)
+            agent.detached.command_for = stand_in
+            async with open_roster(Credentials("client", TOKEN), network, peers=[("127.0.0.1", agent.port)],
+                                   discover=False) as cluster:
+                await cluster.wait_for(1, timeout=10)
+                refused = await cluster.ask("node0", DetachSubmit(0, ["--save", "x"]))
+                assert "--save cannot be given" in refused.error and refused.jobs == []
+                (run,) = (await cluster.ask("node0", DetachSubmit(0, ["--steps", "1000"]))).jobs
+                assert (run["state"], run["node"]) == ("running", "a0")
+                listed = await cluster.ask("node0", DetachList(0))
+                assert [r["id"] for r in listed.jobs] == [run["id"]]
+                unknown = await cluster.ask("node0", DetachRead(0, "nosuch", "log", 0))
+                assert unknown.error == "no run nosuch here"
+                (stopping,) = (await cluster.ask("node0", DetachStop(0, run["id"]))).jobs
+                assert stopping["state"] in ("running (stopping)", "stopped")
+                while (await cluster.ask("node0", DetachList(0))).jobs[0]["state"] != "stopped":
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+
+def test_malformed_requests_are_refused_by_the_wire():
+    good = to_wire(DetachRead(1, "abc123", "log", 0))
+    assert from_wire(good) == DetachRead(1, "abc123", "log", 0)
+    for bad in ([44, 1, "abc123", "log", "0"], [44, 1, "abc123", "log"], [40, 1, ["--steps", 3]], [40, 1, "x"]):
+        with pytest.raises(RemoteProtocolError):
+            from_wire(bad)
+
+
+def test_a_jobs_table():
+    table = format_table([{"id": "abc123", "model": "lenet5", "step": 3, "steps": None, "samples_per_s": 2.25,
+                           "devices": 3, "state": "failed", "detail": "out of memory", "node": "pi-3"}])
+    assert table.splitlines()[1].split() == ["abc123", "lenet5", "3/?", "2.2", "3", "failed:", "out", "of", "memory",
+                                             "pi-3"]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["logs", "abc123", "--peers", "127.0.0.1:9", "--wait", "0"], "no agent knows a run abc123"),
+    (["train", "--detach", "--save", "x.pt"], "--save would be written on the coordinating device"),
+    (["train", "--coordinator", "pi"], "add --detach"),
+])
+def test_mistakes_are_one_line(tmp_path, args, says):
+    r = run_swarm(*args, env={"SWARM_TOKEN": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4", "SWARM_STATE_DIR": str(tmp_path)}, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    assert json.dumps(r.stderr).count("Traceback") == 0
