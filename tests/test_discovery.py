@@ -65,6 +65,9 @@ def test_malformed_adverts_are_ignored():
     Info.properties = {b"id": b"n1", b"cores": b"2", b"mem": b"1024", b"ver": b"0.1.0", b"proto": b"1"}
     good = Advert.from_service_info(Info())
     assert good is not None and good.cores == 2 and good.memory == 1024 and good.name == "?"
+    assert good.accelerator_memory == -1  # an advert without it: not known
+    Info.properties[b"accmem"] = b"0"
+    assert Advert.from_service_info(Info()).accelerator_memory == 0
     Info.port = 0
     assert Advert.from_service_info(Info()) is None
 

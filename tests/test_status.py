@@ -81,6 +81,24 @@ def test_table_format():
     assert "unreachable: connection refused" in lines[2] and "never" in lines[2]
 
 
+def test_the_accelerator_column_says_where_its_memory_is():
+    """A discrete GPU's own memory; a Jetson's GPU shares the device's (the MEMORY column);
+    a device that opted out (or has no GPU) computes on its cpu."""
+    gpu = Member("n1", "10.0.0.2", 4750, name="box", cores=16, memory=64 * 2**30, accelerator="cuda",
+                 accelerator_memory=24 * 2**30, version="0.1.0", health="alive")
+    jetson = Member("n2", "10.0.0.3", 4750, name="jetson-1", cores=4, memory=3 * 2**30, accelerator="cuda",
+                    accelerator_memory=0, version="0.1.0", health="alive")
+    opted_out = Member("n3", "10.0.0.4", 4750, name="jetson-2", cores=4, memory=3 * 2**30, accelerator="cpu",
+                       accelerator_memory=0, version="0.1.0", health="alive")
+    unknown = Member("n4", "10.0.0.5", 4750, name="gpu-2", cores=8, memory=2**34, accelerator="cuda",
+                     version="0.1.0", health="alive")
+    lines = format_table([gpu, jetson, opted_out, unknown]).splitlines()
+    accel = lines[0].index("ACCEL")
+    assert [line[accel:].split("  ")[0].strip() for line in lines[1:]] == ["cuda 24.0 GiB", "cuda (shared)", "cpu",
+                                                                           "cuda"]
+    assert len({line.index("0.1.0") for line in lines[1:]}) == 1  # the columns stay aligned
+
+
 def watch(env, device="dev0"):
     cmd = [sys.executable, "-m", "swarm", "testbed", "exec", device, "--", "swarm", "status", "--json", "--watch",
            "--no-mdns", "--expect", str(len(DEVICES)), "--wait", "10"]

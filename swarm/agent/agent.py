@@ -30,7 +30,7 @@ from swarm.agent.detached import DetachedRun, DetachedRuns
 from swarm.agent.early import EarlyMessages
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.host import malloc
-from swarm.host.accelerator import accelerator
+from swarm.host.accelerator import accelerator, accelerator_memory
 from swarm.limits import EARLY_AGE, EARLY_BYTES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX
 from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection, connect_peer, parse_endpoint
 from swarm.net.discovery import Advert, advertise, open_zeroconf
@@ -147,6 +147,7 @@ class Agent:
         self.cores = config.cores or usable_cores()
         self.memory = config.memory or usable_memory()
         self.accelerator = config.accelerator or accelerator()
+        self.accelerator_memory = accelerator_memory(self.accelerator)
         self.port: int | None = None
         self.job: AgentJob | None = None
         self.refused_messages = 0   # job messages refused (older epoch, no room), for tests and logs
@@ -191,12 +192,13 @@ class Agent:
 
     def advert(self) -> Advert:
         return Advert(node_id=self.node_id, name=self.config.name, address=self.address, port=self.port,
-                      cores=self.cores, memory=self.memory, accelerator=self.accelerator, version=__version__,
-                      protocol=PROTOCOL_VERSION)
+                      cores=self.cores, memory=self.memory, accelerator=self.accelerator,
+                      accelerator_memory=self.accelerator_memory, version=__version__, protocol=PROTOCOL_VERSION)
 
     def info(self) -> Info:
         job = self.job
-        return Info(self.node_id, self.config.name, self.cores, self.memory, self.accelerator, __version__,
+        return Info(self.node_id, self.config.name, self.cores, self.memory, self.accelerator,
+                    self.accelerator_memory, __version__,
                     self.port or 0, [f"{h}:{p}" for h, p in self.config.peers],
                     job.job_id if job else None, job.state if job else None)
 

@@ -21,6 +21,7 @@ class Member:
     cores: int = 0
     memory: int = 0                  # bytes
     accelerator: str = "?"
+    accelerator_memory: int = -1     # bytes of its own; 0: none (a CPU, or shared with the host); -1: not known
     version: str = "?"
     health: str = "unreachable"
     error: str = ""

@@ -144,7 +144,7 @@ class Roster:
                 device = self._devices.get(advert.node_id)
                 if device is None:
                     device = self._devices[advert.node_id] = Member(advert.node_id, advert.address, advert.port)
-                for name in ("name", "cores", "memory", "accelerator", "version"):
+                for name in ("name", "cores", "memory", "accelerator", "accelerator_memory", "version"):
                     setattr(device, name, getattr(advert, name))
                 device.source = "mdns"  # also when another agent's peer list reached it first
                 self.add_endpoint(advert.address, advert.port, node_id=advert.node_id, source="mdns")
@@ -250,7 +250,8 @@ class Roster:
     def _on_message(self, device: Member, message) -> None:
         if isinstance(message, Info):
             first = device.name == "?" or self.membership.health(device.node_id) is None
-            for name in ("name", "cores", "memory", "accelerator", "version", "peers", "job_id", "job_state"):
+            for name in ("name", "cores", "memory", "accelerator", "accelerator_memory", "version", "peers", "job_id",
+                         "job_state"):
                 setattr(device, name, getattr(message, name))
             device.port = message.port or device.port
             if first:

@@ -16,7 +16,8 @@ COLUMNS = ("NAME", "ADDRESS", "CORES", "MEMORY", "ACCEL", "VERSION", "LAST SEEN"
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="list the devices of the swarm", description=(
         "Find the agents on the network (mDNS, plus --peers), connect to each, and list them with "
-        "their cores, memory, accelerator, version, when they were last heard from, and health."))
+        "their cores, memory, accelerator (and its own memory, or 'shared' where it shares the device's, as "
+        "on a Jetson), version, when they were last heard from, and health."))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
                    help="how long to look for devices (default: 2)")
@@ -89,6 +90,15 @@ def _memory(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n else "?"
 
 
+def _accelerator(d) -> str:
+    """cpu; cuda with its own memory, or shared (a Jetson: the MEMORY column is all of it)."""
+    if d.accelerator in ("cpu", "?"):
+        return d.accelerator
+    if d.accelerator_memory == 0:
+        return f"{d.accelerator} (shared)"
+    return f"{d.accelerator} {_memory(d.accelerator_memory)}" if d.accelerator_memory > 0 else d.accelerator
+
+
 def _ago(t: float | None) -> str:
     return "never" if t is None else f"{max(0.0, time.time() - t):.1f} s ago"
 
@@ -98,7 +108,7 @@ def format_table(devices) -> str:
     for d in devices:
         health = d.health + (f": {d.error}" if d.error and d.health in ("unreachable", "refused", "dead") else "")
         job = f"{d.job_id} ({d.job_state})" if d.job_id else "-"
-        rows.append((d.name, f"{d.address}:{d.port}", str(d.cores or "?"), _memory(d.memory), d.accelerator,
+        rows.append((d.name, f"{d.address}:{d.port}", str(d.cores or "?"), _memory(d.memory), _accelerator(d),
                      d.version, _ago(d.last_seen), health, job))
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows)

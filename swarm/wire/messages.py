@@ -30,7 +30,8 @@ import numpy as np
 
 from swarm.wire.faults import RemoteProtocolError
 
-PROTOCOL_VERSION = 3  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs
+PROTOCOL_VERSION = 4  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs;
+                      # 4: Info's accelerator memory
 MAGIC = "swarm"
 
 MESSAGES: dict[int, type] = {}  # code -> message class
@@ -107,7 +108,8 @@ class Info:
     name: str
     cores: int
     memory: int               # bytes
-    accelerator: str          # "cpu", "cuda", ...
+    accelerator: str          # "cpu", "cuda", ...: what it offers to compute on
+    accelerator_memory: int   # bytes of the accelerator's own memory; 0: none (a CPU, or shared as on a Jetson); -1: not known
     version: str              # swarm release
     port: int
     peers: list[str]          # static peers it was told about ("host:port"), shared with coordinators
