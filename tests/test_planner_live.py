@@ -58,7 +58,12 @@ async def test_an_advertised_accelerator_reaches_the_profile_and_the_plan(tmp_pa
     the plan says dev0's parts compute on cuda, dev1's on its CPU."""
     import torch
 
+    from types import SimpleNamespace
+
     from planner.plan import Plan
+    from swarm.execution.launch import SwarmOptions, SwarmRunner
+    from swarm.local.compute_device import plan_device
+    from swarm.local.trainer import TrainConfig
     from swarm.profiling import profiler
 
     monkeypatch.setenv("SWARM_STATE_DIR", str(tmp_path))
@@ -98,3 +103,11 @@ async def test_an_advertised_accelerator_reaches_the_profile_and_the_plan(tmp_pa
     plan = make_plan("pp", PlanInputs(desc, MemoryModel(desc, measured.act_bytes), cluster, 8, 2))
     again = Plan.from_json(plan.to_json())
     assert again.devices["dev0"]["accelerator"] == "cuda" and "accelerator" not in again.devices.get("dev1", {})
+    # swarm train's own plan from the same measurements: the facts its workers place their work by
+    runner = SwarmRunner(SwarmOptions(), log=lambda *a: None, fallback=None)
+    trainer = SimpleNamespace(cfg=TrainConfig(model="lenet5", batch_size=8, microbatches=2), desc=desc)
+    found = {d["name"]: SimpleNamespace(cores=d["cores"], memory=d["memory"], address=d["address"], port=d["port"])
+             for d in live["devices"]}
+    trained = runner._make_plan(trainer, sorted(found), found, live)
+    assert "dev0" in trained.used_devices() and trained.devices["dev0"]["accelerator"] == "cuda"
+    assert all(plan_device(trained.devices[n]).type == "cpu" for n in trained.used_devices() if n != "dev0")

@@ -194,3 +194,26 @@ def test_the_table_says_which_accelerator_and_its_copies_and_memory(profile):
     on_gpu.device["accelerator"].update(shared_memory=True, note="a Jetson's GPU")
     assert "memory shared with the CPU" in profile_table(on_gpu)
     assert "threads" in profile_table(profile).splitlines()[0]
+
+
+def test_a_batch_size_the_gpus_memory_cannot_hold_is_skipped(monkeypatch):
+    """A discrete GPU runs out of its own memory (torch raises; the host's guard cannot see
+    it coming): the profile keeps the sizes measured before it."""
+    import torch
+
+    import swarm.profiling.profiler as profiler
+
+    class FullAtTheSecondSize(profiler._PeakRSS):
+        entered = 0
+
+        def __enter__(self):
+            FullAtTheSecondSize.entered += 1
+            if FullAtTheSecondSize.entered == 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            return super().__enter__()
+
+    monkeypatch.setattr(profiler, "_PeakRSS", FullAtTheSecondSize)
+    lines = []
+    profile = profile_model("lenet5", None, batch_sizes=(1, 2, 4), repeats=1, threads=1, log=lines.append)
+    assert profile.costs.batch_sizes == (1,) and set(profile.step_time) == {1}
+    assert "batch 2: skipped, it does not fit in the GPU's memory" in lines

@@ -408,16 +408,28 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        if runtime is None:
-            # The idle process: torch initialised by a first step, minus what the model
-            # keeps between steps (weights and optimizer state; gradients are freed).
-            step()
-            resident = sum(OPTIMIZER_COPIES[optimizer] * p.numel() * p.element_size() for p in net.parameters())
-            runtime = settled_rss() - resident
-        settled_rss()
-        memory.reset_peak()
-        with _PeakRSS() as rss:
-            step()
+        try:
+            if runtime is None:
+                # The idle process: torch initialised by a first step, minus what the model
+                # keeps between steps (weights and optimizer state, in host memory when it computes
+                # there; gradients are freed).
+                step()
+                resident = sum(OPTIMIZER_COPIES[optimizer] * p.numel() * p.element_size() for p in net.parameters())
+                runtime = settled_rss() - (resident if device == HOST else 0)
+            settled_rss()
+            memory.reset_peak()
+            with _PeakRSS() as rss:
+                step()
+        except torch.cuda.OutOfMemoryError:  # a GPU's own memory, which the guard above does not see
+            measured.pop()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            if not measured:
+                raise SwarmError(f"this device's {accelerator['note']} cannot hold a training step on {b} "
+                                 f"sample{'s' if b > 1 else ''}: profile a smaller --img-size, or on the CPU "
+                                 "(--accelerator cpu)") from None
+            say(f"batch {b}: skipped, it does not fit in the GPU's memory")
+            break
         peak[b] = memory.step_peak(float(rss.peak - runtime))
         step_time[b] = _median_time(step, repeats, step_watch)
         say(f"batch {b}: layers")
