@@ -382,6 +382,7 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     loss_fn = make_loss(desc)
     say = log or (lambda _msg: None)
     fwd, bwd, loss_f, loss_b, step_time, peak = [], [], [], [], {}, {}
+    in_host = {}  # each size's peak in host memory, which the guard keeps within the host's
     saved: list[float] = []
     from swarm.data import class_targets
     from swarm.local.trainer import TrainConfig, make_optimizer
@@ -391,10 +392,10 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
     fits = MemoryGuard(desc, optimizer)
     measured = []
     for b in batch_sizes:
-        if not fits(b, peak):
+        if not fits(b, in_host):
             if not measured:
                 raise SwarmError(fits.too_small(b))
-            say(f"batch {b}: skipped, it {fits.reason(b, peak)}")
+            say(f"batch {b}: skipped, it {fits.reason(b, in_host)}")
             break
         measured.append(b)
         say(f"batch {b}: whole steps")
@@ -431,6 +432,7 @@ def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes
             say(f"batch {b}: skipped, it does not fit in the GPU's memory")
             break
         peak[b] = memory.step_peak(float(rss.peak - runtime))
+        in_host[b] = peak[b] if memory.shared or device == HOST else float(rss.peak - runtime)
         step_time[b] = _median_time(step, repeats, step_watch)
         say(f"batch {b}: layers")
         f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats, layer_watch)
