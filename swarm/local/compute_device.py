@@ -34,11 +34,11 @@ HOST = torch.device("cpu")  # where a tensor goes to cross the wire or be saved
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` in host memory: itself when it is there already, else one copy. From CUDA the copy
-    lands in a pinned (page-locked) buffer, from torch's cache of them, and runs on a copy
-    stream of its own, after the work that produced `t` and without waiting for the compute
-    queued since: called from a thread other than the compute thread, it overlaps that
-    compute. It returns once the bytes are there. Pinning needs CUDA: host tensors are never
-    pinned."""
+    lands in a pinned (page-locked) buffer, from torch's cache of them, and runs `non_blocking`
+    on a copy stream of its own once the work queued before the call (which produced `t`) is
+    done: called from a thread other than the compute thread, it runs beside the compute
+    queued after it. It returns once the bytes are there. Pinning needs CUDA: host tensors are
+    never pinned."""
     if t.device == HOST:
         return t
     if t.device.type != "cuda":

@@ -160,9 +160,9 @@ class QuotaCPUClock:
 
 class Stopwatch:
     """Marks on the timeline of the device that computes, and the seconds between them. On
-    CUDA a mark is an event recorded on the current stream, so the time is the kernels' own,
-    not the host's queueing of them; `settle` waits for them before any reading. Elsewhere a
-    mark is a reading of the clock `now`."""
+    CUDA a mark is an event recorded on the current stream, so the time is the GPU's between
+    the marks, not the host's queueing of kernels; `settle` waits for them before any reading.
+    Elsewhere a mark is a reading of the clock `now`."""
 
     def __init__(self, device, now=time.perf_counter):
         self.device, self.now = device, now
