@@ -113,7 +113,7 @@ def run_round(args, work: Path, fresh: bool, errors: dict) -> None:
     from swarm.zoo import describe_model
 
     desc = describe_model(args.model, args.img_size)
-    spec = {"model": args.model, "img_size": desc.img_size, "classes": None, "cfg": None, "threads": args.threads,
+    spec = {"model": args.model, "img_size": desc.img_size.to_json(), "classes": None, "cfg": None, "threads": args.threads,
             "refresh": fresh}
     live = run_trio(survey, spec, args.wait)
     if live is None:

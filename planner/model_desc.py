@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from planner.image_size import ImageSize
+
 BYTES_PER_FLOAT = 4  # activations, gradients and weights travel and live as float32
 
 
@@ -59,11 +61,14 @@ class ModelDesc:
     """A whole network: its layers in execution order, the input it takes, and its loss."""
 
     name: str
-    img_size: int
+    img_size: ImageSize  # width x height; the maps are (C, H, W)
     in_channels: int
     layers: tuple[LayerDesc, ...]
     loss: str  # "region" (detection) or "softmax" (classification)
     extra: dict = field(default_factory=dict)  # loss parameters (anchors, classes, ...)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "img_size", ImageSize.of(self.img_size))  # an int is a square
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -78,7 +83,7 @@ class ModelDesc:
 
     @property
     def input_bytes(self) -> int:
-        return self.in_channels * self.img_size * self.img_size * BYTES_PER_FLOAT
+        return self.in_channels * self.img_size.pixels * BYTES_PER_FLOAT
 
     def live_after(self, boundary: int) -> tuple[int, ...]:
         """Layers whose outputs must cross a cut placed before layer `boundary`:
@@ -100,7 +105,7 @@ class ModelDesc:
     def to_dict(self) -> dict:
         return {
             "name": self.name,
-            "img_size": self.img_size,
+            "img_size": self.img_size.to_json(),
             "in_channels": self.in_channels,
             "loss": self.loss,
             "layers": [layer.to_dict() for layer in self.layers],

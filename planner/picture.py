@@ -75,7 +75,7 @@ def draw_plan(plan: Plan, timeline: Timeline, desc, path: str, title: str | None
         ax.axhline(k - 0.0, color="#eeeeee", linewidth=0.5)
     status = "" if timeline.fits else "  —  DOES NOT FIT IN MEMORY"
     micro = f"{plan.microbatches} micro-batch" + ("es" if plan.microbatches > 1 else "")
-    heading = title or (f"{plan.model} {plan.img_size}×{plan.img_size}, batch {plan.batch_size} in {micro} — "
+    heading = title or (f"{plan.model} {plan.img_size.width}×{plan.img_size.height}, batch {plan.batch_size} in {micro} — "
                         f"{plan.planner}: step {format_seconds(step)}, "
                         f"{timeline.throughput:.3g} samples/s{status}")
     fig.suptitle(heading, fontsize=11, y=1 - 0.2 / fig_h)

@@ -4,7 +4,7 @@ Every planner produces one, the simulator turns one into a timeline, and the wor
 execute one. Layer boundaries are numbered like the layers: boundary b is the map that
 enters layer b (the output of layer b - 1); boundary 0 is the image.
 
-    {"version": 1, "model": "yolov2-16", "img_size": 416, "batch_size": 8, "microbatches": 4,
+    {"version": 1, "model": "yolov2-16", "img_size": 416, "batch_size": 8, "microbatches": 4,   # or "608x352"
      "devices": {"pi-1": {}, "pi-2": {}},
      "stages": [
         {"first": 0, "last": 12, "mode": "tiles", "devices": ["pi-1", "pi-2"], "grid": [1, 2],
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace, asdict, dataclass, field
 
+from planner.image_size import ImageSize
 from planner.model_desc import ModelDesc
 from planner.schedule import asteroid_warmup, check_warmups
 
@@ -158,7 +159,7 @@ class Stage:
 @dataclass
 class Plan:
     model: str
-    img_size: int
+    img_size: ImageSize  # width x height
     batch_size: int
     microbatches: int
     stages: list[Stage]
@@ -167,6 +168,9 @@ class Plan:
     predicted: dict | None = None  # {"step_time_s": float, "peak_memory": {device: bytes}, ...}
     planner: str = "manual"
     version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        self.img_size = ImageSize.of(self.img_size)  # an int is a square
 
     # ---- derived facts -------------------------------------------------------------
     def microbatch_size(self) -> int:
@@ -242,7 +246,7 @@ class Plan:
             raise PlanError("a plan needs at least one stage")
         n_layers = len(desc.layers) if desc is not None else self.stages[-1].last
         if desc is not None and (desc.img_size != self.img_size):
-            raise PlanError(f"the plan is for {self.img_size}x{self.img_size} images, the model is built for {desc.img_size}")
+            raise PlanError(f"the plan is for {self.img_size} images, the model is built for {desc.img_size}")
         expect = 0
         for i, s in enumerate(self.stages):
             where = f"stage {i} (layers {s.first}-{s.last - 1})"
@@ -373,6 +377,7 @@ class Plan:
     # ---- JSON ----------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["img_size"] = self.img_size.to_json()
         d["backups"] = {str(k): v for k, v in self.backups.items()}
         for s in d["stages"]:
             for key in [k for k, v in s.items() if v is None]:
@@ -415,7 +420,7 @@ class Plan:
             except (TypeError, ValueError) as exc:
                 raise PlanError(f"stage {i}: {exc}") from None
         try:
-            return cls(model=str(d["model"]), img_size=int(d["img_size"]), batch_size=int(d["batch_size"]),
+            return cls(model=str(d["model"]), img_size=ImageSize.of(d["img_size"]), batch_size=int(d["batch_size"]),
                        microbatches=int(d["microbatches"]), stages=stages, devices=dict(d.get("devices") or {}),
                        backups={int(k): v for k, v in (d.get("backups") or {}).items()},
                        predicted=d.get("predicted"), planner=str(d.get("planner", "manual")), version=version)

@@ -2,7 +2,7 @@
 
     {"version": 1, "kind": "swarm-profile",
      "device": {"fingerprint": "3f2a...", "cpu": "...", "cores": 2, "memory": 25000000000, "threads": 1},
-     "model": "yolov2-16", "img_size": 128, "classes": 5, "layers": 17,
+     "model": "yolov2-16", "img_size": 128, "classes": 5, "layers": 17,   # img_size: N or "WxH"
      "costs": {"batch_sizes": [1, 2, 4], "fwd": [[...], ...], "bwd": ..., "update": ..., "loss_fwd": ..., "loss_bwd": ...},
      "act_bytes": [...],               # per layer, bytes kept for the backward per sample
      "step_time": {"1": 0.05, ...},    # a whole local training step at each batch size
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.costs import CostTable
+from planner.image_size import ImageSize
 from planner.model_desc import ModelDesc
 
 PROFILE_VERSION = 1
@@ -27,7 +28,7 @@ class ProfileError(ValueError):
 @dataclass
 class DeviceProfile:
     model: str
-    img_size: int
+    img_size: ImageSize
     costs: CostTable
     act_bytes: list[float]
     device: dict = field(default_factory=dict)
@@ -38,17 +39,20 @@ class DeviceProfile:
     repeats: int = 1
     created: str = ""
 
+    def __post_init__(self) -> None:
+        self.img_size = ImageSize.of(self.img_size)  # an int is a square
+
     def check_matches(self, desc: ModelDesc) -> None:
         where = f"the profile of {self.device.get('name') or self.device.get('fingerprint', 'a device')}"
         if self.model != desc.name or self.img_size != desc.img_size:
-            raise ProfileError(f"{where} is for {self.model} at {self.img_size}x{self.img_size}, "
-                               f"not {desc.name} at {desc.img_size}x{desc.img_size}; profile this model and size")
+            raise ProfileError(f"{where} is for {self.model} at {self.img_size}, "
+                               f"not {desc.name} at {desc.img_size}; profile this model and size")
         if self.costs.num_layers != len(desc.layers) or len(self.act_bytes) != len(desc.layers):
             raise ProfileError(f"{where} has {self.costs.num_layers} layers but {desc.name} has {len(desc.layers)}")
 
     def to_dict(self) -> dict:
         return {"version": PROFILE_VERSION, "kind": "swarm-profile", "device": self.device, "model": self.model,
-                "img_size": self.img_size, "classes": self.classes, "layers": self.costs.num_layers,
+                "img_size": self.img_size.to_json(), "classes": self.classes, "layers": self.costs.num_layers,
                 "costs": self.costs.to_dict(), "act_bytes": list(self.act_bytes),
                 "step_time": {str(k): v for k, v in self.step_time.items()},
                 "peak_bytes": {str(k): v for k, v in self.peak_bytes.items()},
@@ -62,7 +66,7 @@ class DeviceProfile:
             raise ProfileError(f"profile version {d.get('version')} is not supported (this swarm reads {PROFILE_VERSION}); "
                                "profile again with `swarm profile`")
         try:
-            return cls(model=str(d["model"]), img_size=int(d["img_size"]), costs=CostTable.from_dict(d["costs"]),
+            return cls(model=str(d["model"]), img_size=ImageSize.of(d["img_size"]), costs=CostTable.from_dict(d["costs"]),
                        act_bytes=[float(x) for x in d["act_bytes"]], device=dict(d.get("device") or {}),
                        classes=d.get("classes"),
                        step_time={int(k): float(v) for k, v in (d.get("step_time") or {}).items()},

@@ -48,7 +48,7 @@ def sync_text(stage) -> str:
 def plan_table(plan: Plan, timeline: Timeline) -> str:
     mb = plan.batch_size // plan.microbatches
     warm = plan.warmups()
-    head = (f"{plan.model} at {plan.img_size}x{plan.img_size}: batch {plan.batch_size} in {plan.microbatches} "
+    head = (f"{plan.model} at {plan.img_size}: batch {plan.batch_size} in {plan.microbatches} "
             f"micro-batch{'es' if plan.microbatches > 1 else ''} of {mb}; planner {plan.planner}"
             + (f" (chose {plan.predicted['chosen']})" if plan.predicted and plan.predicted.get("chosen") else ""))
     rows = []

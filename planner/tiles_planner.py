@@ -90,7 +90,7 @@ def plan_tiles(inputs: PlanInputs) -> Plan:
             if best is None or key < best[0]:
                 best = (key, plan, group, grid, timeline)
     if best is None:
-        raise NoPlan(f"no grid of tiles fits the maps of {inputs.desc.name} at {inputs.desc.img_size}x{inputs.desc.img_size}")
+        raise NoPlan(f"no grid of tiles fits the maps of {inputs.desc.name} at {inputs.desc.img_size}")
     _, plan, group, grid, timeline = best
     candidates, timelines = [plan], [timeline]
     work = timeline.works[0]

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from swarm.data.shapes import SyntheticShapes
-from swarm.data.yolo_dir import open_yolo_directory
+from planner.image_size import ImageSize
+from swarm.data.yolo_dir import Letterbox, open_yolo_directory
 from swarm.local.checkpoint import load_checkpoint
 from swarm.local.detect import Detector
 from tests.conftest import run_swarm
@@ -43,7 +44,8 @@ def detector_checkpoint(tmp_path_factory):
 
 def test_boxes_are_the_networks_on_what_training_reads(photos, detector_checkpoint, tmp_path):
     """The same images through the training data path (YoloDirectory.load) and through
-    detect give the same boxes, mapped to each image's own pixels."""
+    detect give the same boxes, mapped back from the letterboxed input to each image's own
+    pixels (the 4:3 one sits between grey bands)."""
     out = tmp_path / "out"
     r = run_swarm("detect", "--checkpoint", detector_checkpoint, photos / "images", "--out", out, "--conf", "0.01",
                   "--json", "--batch-size", "3")
@@ -60,10 +62,12 @@ def test_boxes_are_the_networks_on_what_training_reads(photos, detector_checkpoi
             (det,) = detector.loss.detections(detector.net(torch.from_numpy(x[None])), 0.01, 0.45)
         assert len(rec["boxes"]) == len(det), name
         total += len(det)
+        letterbox = Letterbox((rec["width"], rec["height"]), ImageSize(96, 96))
         for box, row in zip(rec["boxes"], det.tolist()):
             assert box["class"] == int(row[0]) and box["score"] == pytest.approx(row[1], abs=1e-4)
-            assert [box["cx"], box["cy"], box["w"], box["h"]] == pytest.approx(row[2:], abs=1e-6)
-            x0 = (row[2] - row[4] / 2) * rec["width"]
+            cx, cy, w, h = letterbox.to_image(*row[2:])
+            assert [box["cx"], box["cy"], box["w"], box["h"]] == pytest.approx([cx, cy, w, h], abs=1e-6)
+            x0 = (cx - w / 2) * rec["width"]
             assert box["box"][0] == pytest.approx(x0, abs=0.06)
         lines = (out / name.replace(".png", ".txt")).read_text().splitlines()
         assert len(lines) == len(det) and all(len(line.split()) == 6 for line in lines)
@@ -84,7 +88,7 @@ def test_classifier_top_k(tmp_path, photos):
     (rec,) = json.loads(r.stdout)
     detector = Detector(load_checkpoint(ck))
     with Image.open(photos / "images" / "p0.png") as im:
-        x = torch.from_numpy(np.stack([np.asarray(im.convert("L").resize((32, 32), Image.BILINEAR))[None]]))
+        x = torch.from_numpy(np.stack([np.asarray(im.convert("L").resize((32, 32), Image.BILINEAR))[None]]))  # square
     with torch.no_grad():
         probs = torch.softmax(detector.net(x).flatten(1).double(), 1)[0]
     best = probs.topk(3)

@@ -49,7 +49,7 @@ def _torch_output(checkpoint, x):
 def _other_batch(checkpoint):
     """Three images, unlike the two the command checks itself on: the batch size stays free."""
     _, desc, _ = checkpoint_network(load_checkpoint(checkpoint), str(checkpoint))
-    return torch.rand(3, desc.in_channels, desc.img_size, desc.img_size, generator=torch.Generator().manual_seed(9))
+    return torch.rand(3, desc.in_channels, *desc.img_size.hw, generator=torch.Generator().manual_seed(9))
 
 
 def _assert_close(got, expected):

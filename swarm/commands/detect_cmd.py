@@ -6,15 +6,16 @@ import argparse
 import json
 import sys
 
-from swarm.commands.flags import _number, positive_int
+from swarm.commands.flags import IMG_SIZE_HELP, _number, image_size, positive_int
 
 fraction = _number(float, "a number", lambda v: 0 <= v <= 1, "must be between 0 and 1")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("detect", help="run a trained checkpoint on images",
-                       description="Run a checkpoint on image files and folders of them: each image is resized "
-                                   "as in training; a detector's boxes (class name, score; a colour per class) are "
+                       description="Run a checkpoint on image files and folders of them: each image is "
+                                   "letterboxed as in training (scaled to fit, its aspect ratio kept, centred on "
+                                   "grey) and the boxes mapped back onto it; a detector's boxes (class name, score; a colour per class) are "
                                    "drawn on a copy of it in --out, beside a YOLO-format NAME.txt "
                                    "(class cx cy w h score, relative to the image); a classifier's top classes "
                                    "likewise (class score).")
@@ -27,6 +28,8 @@ def add_parser(sub) -> None:
                    "boxes of a class is dropped (default: 0.45)")
     p.add_argument("--top-k", type=positive_int, default=5, help="classes shown for a classifier (default: 5)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="images run at once (default: 8)")
+    p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: the "
+                   "size the checkpoint was trained at)")
     p.add_argument("--json", action="store_true", help="print every prediction as JSON on standard output")
     p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
     p.set_defaults(run=run)
@@ -44,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     paths = find_images(args.images)
-    detector = Detector(load_checkpoint(args.checkpoint), args.conf, args.nms, args.top_k)
+    detector = Detector(load_checkpoint(args.checkpoint), args.conf, args.nms, args.top_k, args.img_size,
+                        args.checkpoint)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.commands.flags import positive_int
+from swarm.commands.flags import IMG_SIZE_HELP, image_size, positive_int
 
 
 def add_parser(sub) -> None:
@@ -11,6 +11,8 @@ def add_parser(sub) -> None:
                        description="Evaluate a checkpoint on the held-out split of its data set.")
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint written by swarm train")
     p.add_argument("--data", help="a YOLO-format folder (default: the data the checkpoint was trained on)")
+    p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: the "
+                   "size the checkpoint was trained at)")
     p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
     p.set_defaults(run=run)
 
@@ -18,20 +20,15 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from swarm.data import open_datasets
     from swarm.errors import SwarmError
-    from swarm.local.checkpoint import load_checkpoint
+    from swarm.local.checkpoint import load_checkpoint, load_network
     from swarm.local.evaluate import evaluate
     from swarm.local.trainer import set_threads
-    from swarm.zoo import build_model
 
     set_threads(args.threads)
     state = load_checkpoint(args.checkpoint)
     config = state.get("config", {})
     data = args.data if args.data is not None else config.get("data")
-    net, desc, _ = build_model(state["model_name"], state["img_size"], config.get("classes"), cfg_text=state.get("cfg"))
-    try:
-        net.load_state_dict(state["model"])
-    except RuntimeError as exc:
-        raise SwarmError(f"{args.checkpoint}: weights do not fit {state['model_name']}: {exc}") from None
+    net, desc, _ = load_network(state, args.checkpoint, args.img_size)
     _, heldout = open_datasets(data, desc.img_size, desc.in_channels)
     if len(heldout) == 0:
         raise SwarmError("the held-out split is empty")

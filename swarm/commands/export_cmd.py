@@ -8,7 +8,7 @@ import logging
 import warnings
 from pathlib import Path
 
-from swarm.commands.flags import positive_int
+from swarm.commands.flags import IMG_SIZE_HELP, image_size, positive_int
 from swarm.errors import SwarmError
 
 FORMATS = ("onnx", "torchscript", "darknet")
@@ -20,31 +20,27 @@ def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write a checkpoint's network as ONNX, TorchScript or darknet files",
                        description=(
                            "Write a trained network for other programs. ONNX and TorchScript take a float32 batch "
-                           "(B, C, H, W) of RGB images in [0, 1] at the trained size and give the last layer's raw "
+                           "(B, C, H, W) of RGB images in [0, 1] at the trained size (or --img-size) and give the "
+                           "last layer's raw "
                            "output; both are run on a test batch and compared with torch (ONNX when onnxruntime is "
                            "installed). darknet writes OUT.cfg and OUT.weights in darknet's own layout."))
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="a checkpoint written by swarm train")
     p.add_argument("--format", required=True, choices=FORMATS, help="onnx, torchscript, or darknet (.cfg + .weights)")
     p.add_argument("--out", required=True, metavar="PATH", help="the file to write (darknet: PATH.cfg and "
                    "PATH.weights)")
+    p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: the "
+                   "size the checkpoint was trained at)")
     p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
     p.set_defaults(run=run)
 
 
-def checkpoint_network(state: dict, path: str):
+def checkpoint_network(state: dict, path: str, img_size=None):
     """The checkpoint's network in float32, in inference mode, and its description."""
     import torch
 
-    from swarm.zoo import build_model
+    from swarm.local.checkpoint import load_network
 
-    config = state.get("config", {})
-    net, desc, text = build_model(state["model_name"], state["img_size"], config.get("classes"),
-                                  cfg_text=state.get("cfg"))
-    try:
-        net.load_state_dict(state["model"])
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[-1].strip()
-        raise SwarmError(f"{path}: the weights do not fit {state['model_name']} ({first})") from None
+    net, desc, text = load_network(state, path, img_size)
     return net.to(torch.float32).eval(), desc, text
 
 
@@ -52,7 +48,7 @@ def check_input(desc):
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    return torch.rand(CHECK_BATCH, desc.in_channels, desc.img_size, desc.img_size, generator=gen)
+    return torch.rand(CHECK_BATCH, desc.in_channels, *desc.img_size.hw, generator=gen)
 
 
 def compare(expected, got) -> tuple[float, bool]:
@@ -168,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     state = load_checkpoint(args.checkpoint)
-    net, desc, cfg_text = checkpoint_network(state, args.checkpoint)
+    net, desc, cfg_text = checkpoint_network(state, args.checkpoint, args.img_size)
     out = Path(args.out)
     folder = out.parent if str(out.parent) else Path(".")
     if not folder.is_dir():
@@ -193,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
 
     with torch.no_grad():
         shape = tuple(net(check_input(desc)[:1]).shape[1:])
-    c, s = desc.in_channels, desc.img_size
+    c, (h, w) = desc.in_channels, desc.img_size.hw
     colour = "RGB " if c == 3 else ""
-    print(f"wrote {out}: {what}; input 'images' float32 (batch, {c}, {s}, {s}) {colour}in [0, 1], output 'output' "
+    print(f"wrote {out}: {what}; input 'images' float32 (batch, {c}, {h}, {w}) {colour}in [0, 1], output 'output' "
           f"(batch, {', '.join(map(str, shape))}); {check}")
     return 0

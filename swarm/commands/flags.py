@@ -24,6 +24,20 @@ positive_float = _number(float, "a number", lambda v: v > 0, "must be positive")
 non_negative_float = _number(float, "a number", lambda v: v >= 0, "must not be negative")
 
 
+def image_size(text: str):
+    """--img-size: N (a square) or WxH, darknet's width by height (which sizes a model takes
+    is the model's to say, once it is known)."""
+    from planner.image_size import ImageSize
+
+    try:
+        return ImageSize.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+IMG_SIZE_HELP = "N (a square) or WxH, width by height such as 608x352"
+
+
 def port_number(text: str) -> int:
     try:
         value = int(text)

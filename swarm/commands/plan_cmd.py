@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from swarm.commands.flags import add_network_args, non_negative_float, positive_int
+from swarm.commands.flags import IMG_SIZE_HELP, add_network_args, image_size, non_negative_float, positive_int
 from swarm.errors import SwarmError
 
 STRATEGY_HELP = ("local, dp, pp, tiles, jointdnn, hiertrain, asteroid, or auto (default: the best predicted of all, "
@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
                                    "(docs/planner.md); without it, the devices of the swarm (`swarm join`) are "
                                    "profiled and planned, or this machine alone when none answers.")
     p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
-    p.add_argument("--img-size", type=positive_int, help="input size (default: as swarm train: 128 for the "
-                   "built-in YOLO models, a .cfg file's own)")
+    p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: as "
+                   "swarm train: 128 for the built-in YOLO models, a .cfg file's own)")
     p.add_argument("--classes", type=positive_int, help="classes of a built-in detector's head (default: the built-in "
                    "data's)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="samples per optimizer step (default: 16)")
@@ -181,7 +181,7 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
     credentials = Credentials(process_id(state_dir), token)
     from swarm.zoo import BUILTIN, model_source
 
-    spec = {"model": args.model, "img_size": desc.img_size, "classes": classes,
+    spec = {"model": args.model, "img_size": desc.img_size.to_json(), "classes": classes,
             "cfg": None if args.model in BUILTIN else model_source(args.model)[1], "threads": args.threads}
     # --accelerators off: every device profiled, and so planned, on its CPU
     live = run_trio(gather_live, credentials, network, peers, spec, args.wait, say, True, args.accelerators == "on")

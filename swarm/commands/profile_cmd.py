@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from swarm.commands.flags import positive_int
+from swarm.commands.flags import IMG_SIZE_HELP, image_size, positive_int
 from swarm.errors import SwarmError
 
 
@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
                                    "memory a training step needs, and cache it in the state directory (swarm plan "
                                    "and swarm train use the cache).")
     p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
-    p.add_argument("--img-size", type=positive_int, help="input size (default: as swarm train: 128 for the "
-                   "built-in YOLO models, a .cfg file's own)")
+    p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: as "
+                   "swarm train: 128 for the built-in YOLO models, a .cfg file's own)")
     p.add_argument("--classes", type=positive_int, help="classes of the head (default: the built-in data's)")
     p.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="1,2,4,8",
                    help="batch sizes to time (default: 1,2,4,8)")
@@ -90,7 +90,7 @@ def profile_table(profile) -> str:
              + ("memory shared with the CPU" if accelerator["shared_memory"] else
                 f"{format_bytes(accelerator['memory'])} free on it") + ")") if accelerator else \
         f"{profile.device.get('cpu')}, {profile.device.get('threads')} threads"
-    lines = [f"{profile.model} at {profile.img_size}x{profile.img_size} on {profile.device.get('name')} "
+    lines = [f"{profile.model} at {profile.img_size} on {profile.device.get('name')} "
              f"({where}; fingerprint {profile.device.get('fingerprint')})", "", table(rows, header), ""]
     steps = []
     for b in sizes:

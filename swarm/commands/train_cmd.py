@@ -6,8 +6,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from swarm.commands.flags import (add_network_args, add_token_args, non_negative_float, non_negative_int,
-                                  positive_float, positive_int)
+from swarm.commands.flags import (IMG_SIZE_HELP, add_network_args, add_token_args, image_size, non_negative_float,
+                                  non_negative_int, positive_float, positive_int)
 from swarm.errors import SwarmError
 from swarm.local.progress import format_seconds
 
@@ -29,8 +29,9 @@ def add_parser(sub) -> None:
         "Train a model. With no other device on the network (or --strategy local) it trains on "
         "this machine; with no --data it uses the built-in synthetic shapes data set."))
     p.add_argument("--model", help="yolov2-16 (default), yolov2, yolov2-tiny, vgg16, alexnet, lenet5, or a .cfg path")
-    p.add_argument("--img-size", type=positive_int, help="input size in pixels (default: 128 for the built-in YOLO "
-                   "models whatever the data, 64 vgg16, 96 alexnet, 32 lenet5; a .cfg file's own width)")
+    p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size in pixels: {IMG_SIZE_HELP} "
+                   "(default: 128 for the built-in YOLO models whatever the data, 64 vgg16, 96 alexnet, 32 lenet5; "
+                   "a .cfg file's own width and height)")
     p.add_argument("--data", help="a YOLO-format folder (images/, labels/); default: built-in synthetic shapes")
     p.add_argument("--classes", type=positive_int, help="number of classes for a built-in model (default: the data's)")
     p.add_argument("--strategy", choices=STRATEGIES, default="auto", help="how to split the work over the devices "
@@ -170,14 +171,13 @@ def training_config(args: argparse.Namespace):
 
         state = load_checkpoint(args.resume)
         saved = state.get("config", {})
-        for f in fields(TrainConfig):
-            if f.name in saved:
-                setattr(cfg, f.name, saved[f.name])
+        cfg = TrainConfig(**{f.name: saved[f.name] for f in fields(TrainConfig) if f.name in saved})
         cfg.model = state["model_name"] if "model" not in saved else saved["model"]
         if args.model and args.model != cfg.model:
             raise SwarmError(f"--model {args.model} differs from the checkpoint's model {cfg.model}")
         if args.img_size and args.img_size != state["img_size"]:
-            raise SwarmError(f"--img-size {args.img_size} differs from the checkpoint's {state['img_size']}")
+            raise SwarmError(f"--img-size {args.img_size.to_json()} differs from the checkpoint's "
+                             f"{state['img_size'].to_json()}")
     for f in fields(TrainConfig):
         value = getattr(args, f.name, None)
         if value is not None:

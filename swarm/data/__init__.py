@@ -2,19 +2,22 @@
 
     train, heldout = open_datasets(None, img_size=128, channels=3)   # built-in shapes
     idx = step_indices(len(train), batch_size=16, step=5, seed=1)
-    images, targets = make_batch(train, idx)   # uint8 (B, C, S, S), float32 (B, N, 5)
+    images, targets = make_batch(train, idx)   # uint8 (B, C, H, W), float32 (B, N, 5)
 """
 from __future__ import annotations
 
 import numpy as np
 
+from planner.image_size import ImageSize
 from swarm.data.shapes import SyntheticShapes
 from swarm.data.yolo_dir import open_yolo_directory
 from swarm.errors import SwarmError
 
 
-def open_datasets(data: str | None, img_size: int, channels: int):
-    """(train, held-out) for `--data` (None: the built-in synthetic shapes)."""
+def open_datasets(data: str | None, img_size: ImageSize | int, channels: int):
+    """(train, held-out) for `--data` (None: the built-in synthetic shapes) at `img_size`
+    (W x H; an int is a square)."""
+    img_size = ImageSize.of(img_size)
     if data is None or data == "synthetic":
         return SyntheticShapes("train", img_size, channels), SyntheticShapes("heldout", img_size, channels)
     return open_yolo_directory(data, img_size, channels)

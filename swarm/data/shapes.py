@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from planner.image_size import ImageSize
+
 CLASSES = ("disc", "box", "triangle", "cross", "ring")
 SPLITS = {"train": (0, 10000), "heldout": (1, 200)}  # split -> (stream id, number of images)
 DATA_SEED = 20261121  # the data set is fixed; --seed changes the order of samples, not the images
@@ -47,12 +49,12 @@ class SyntheticShapes:
 
     classes = CLASSES
 
-    def __init__(self, split: str, img_size: int, channels: int = 3, size: int | None = None):
+    def __init__(self, split: str, img_size: ImageSize | int, channels: int = 3, size: int | None = None):
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}")
         self.stream, default_len = SPLITS[split]
         self.split = split
-        self.img_size = img_size
+        self.img_size = ImageSize.of(img_size)
         self.channels = channels
         self.length = default_len if size is None else size
         self.name = f"synthetic shapes ({split})"
@@ -83,27 +85,28 @@ class SyntheticShapes:
         return objects
 
     def load(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(image uint8 (C, S, S), boxes float32 (n, 5))."""
+        """(image uint8 (C, H, W), boxes float32 (n, 5))."""
         if not 0 <= index < self.length:
             raise IndexError(index)
-        s = self.img_size
+        height, width = self.img_size.hw
         rng = np.random.default_rng([DATA_SEED, self.stream, index, 1])
         objects = self.scene(index)
         # background: a dim two-colour gradient plus noise
         c0 = rng.uniform(0.0, 0.45, size=3).astype(np.float32)
         c1 = rng.uniform(0.0, 0.45, size=3).astype(np.float32)
         angle = rng.uniform(0, 2 * np.pi)
-        coords = (np.arange(s, dtype=np.float32) + 0.5) / s
-        ramp = np.cos(angle) * coords[None, :] + np.sin(angle) * coords[:, None]
+        across = (np.arange(width, dtype=np.float32) + 0.5) / width  # pixel centres, relative
+        down = (np.arange(height, dtype=np.float32) + 0.5) / height
+        ramp = np.cos(angle) * across[None, :] + np.sin(angle) * down[:, None]
         ramp = (ramp - ramp.min()) / max(float(ramp.max() - ramp.min()), 1e-6)
         img = c0[:, None, None] + (c1 - c0)[:, None, None] * ramp[None]
-        img += rng.normal(0.0, 0.04, size=(3, s, s)).astype(np.float32)
+        img += rng.normal(0.0, 0.04, size=(3, height, width)).astype(np.float32)
         boxes = []
         for cls, cx, cy, w, h, rgb in objects:
-            x0, x1 = max(0, int(np.floor((cx - w / 2) * s))), min(s, int(np.ceil((cx + w / 2) * s)))
-            y0, y1 = max(0, int(np.floor((cy - h / 2) * s))), min(s, int(np.ceil((cy + h / 2) * s)))
-            xs = (coords[x0:x1] - cx) / (w / 2)
-            ys = (coords[y0:y1] - cy) / (h / 2)
+            x0, x1 = max(0, int(np.floor((cx - w / 2) * width))), min(width, int(np.ceil((cx + w / 2) * width)))
+            y0, y1 = max(0, int(np.floor((cy - h / 2) * height))), min(height, int(np.ceil((cy + h / 2) * height)))
+            xs = (across[x0:x1] - cx) / (w / 2)
+            ys = (down[y0:y1] - cy) / (h / 2)
             mask = _inside(cls, xs[None, :], ys[:, None])
             shade = rgb[:, None, None] * (0.85 + 0.15 * rng.uniform())
             region = img[:, y0:y1, x0:x1]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from planner.image_size import ImageSize
 from swarm.errors import SwarmError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -202,24 +203,67 @@ def class_names(root: Path) -> list[str] | None:
     return None
 
 
-def image_to_input(im, img_size: int, channels: int) -> np.ndarray:
-    """A PIL image as the network takes it, (C, img_size, img_size) uint8: converted to RGB
-    (or grey for one channel) and resized to the square with bilinear filtering, without
-    keeping its aspect ratio (boxes stay relative to the image, so they carry over). The one
-    rule for training, evaluation and `swarm detect`."""
+@dataclass(frozen=True)
+class Letterbox:
+    """Where a photo lands in the network's input: scaled by one factor to fit inside it (its
+    aspect ratio kept), centred, the rest grey. Maps boxes (cx, cy, w, h, relative) between
+    the photo and the input; a photo of the input's own shape fills it."""
+
+    image: tuple[int, int]  # the photo's (width, height)
+    size: ImageSize  # the input's
+
+    @property
+    def placed(self) -> tuple[int, int, int, int]:
+        """(left, top, width, height) of the scaled photo inside the input, in pixels."""
+        (w0, h0), (width, height) = self.image, (self.size.width, self.size.height)
+        scale = min(width / w0, height / h0)
+        nw, nh = min(width, max(1, round(w0 * scale))), min(height, max(1, round(h0 * scale)))
+        return (width - nw) // 2, (height - nh) // 2, nw, nh
+
+    def to_input(self, boxes: np.ndarray) -> np.ndarray:
+        """Label rows (class, cx, cy, w, h) relative to the photo -> relative to the input."""
+        x0, y0, nw, nh = self.placed
+        width, height = self.size.width, self.size.height
+        out = boxes.copy()
+        out[:, 1] = (x0 + boxes[:, 1] * nw) / width
+        out[:, 2] = (y0 + boxes[:, 2] * nh) / height
+        out[:, 3] = boxes[:, 3] * nw / width
+        out[:, 4] = boxes[:, 4] * nh / height
+        return out
+
+    def to_image(self, cx: float, cy: float, w: float, h: float) -> tuple[float, float, float, float]:
+        """A box (cx, cy, w, h) relative to the input -> relative to the photo."""
+        x0, y0, nw, nh = self.placed
+        width, height = self.size.width, self.size.height
+        return (cx * width - x0) / nw, (cy * height - y0) / nh, w * width / nw, h * height / nh
+
+
+PAD_GREY = 127  # the letterbox's border, darknet's 0.5
+
+
+def image_to_input(im, img_size: ImageSize, channels: int) -> tuple[np.ndarray, Letterbox]:
+    """A PIL image as the network takes it, (C, H, W) uint8: converted to RGB (or grey for one
+    channel), letterboxed into the input's W x H (scaled with bilinear filtering to fit, its
+    aspect ratio kept, centred on grey); and the Letterbox that maps boxes to and from it.
+    The one rule for training, evaluation and `swarm detect`."""
     from PIL import Image
 
     im = im.convert("L" if channels == 1 else "RGB")
-    im = im.resize((img_size, img_size), Image.BILINEAR)
-    arr = np.asarray(im, dtype=np.uint8)
+    box = Letterbox((im.width, im.height), img_size)
+    x0, y0, nw, nh = box.placed
+    arr = np.asarray(im.resize((nw, nh), Image.BILINEAR), dtype=np.uint8)
     arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-    return np.ascontiguousarray(arr)
+    if (nw, nh) == (img_size.width, img_size.height):
+        return np.ascontiguousarray(arr), box
+    out = np.full((arr.shape[0], img_size.height, img_size.width), PAD_GREY, dtype=np.uint8)
+    out[:, y0:y0 + nh, x0:x0 + nw] = arr
+    return out, box
 
 
 class YoloDirectory:
-    """One split of a YOLO-format data set, resized to `img_size` squares on load."""
+    """One split of a YOLO-format data set, letterboxed into `img_size` (W x H) on load."""
 
-    def __init__(self, root: Path, split: str, img_size: int, channels: int, samples, classes: list[str], skipped: list[str]):
+    def __init__(self, root: Path, split: str, img_size: ImageSize, channels: int, samples, classes: list[str], skipped: list[str]):
         self.root = root
         self.split = split
         self.img_size = img_size
@@ -242,15 +286,15 @@ class YoloDirectory:
         path, boxes = self.samples[index]
         try:
             with Image.open(path) as im:
-                arr = image_to_input(im, self.img_size, self.channels)
+                arr, box = image_to_input(im, self.img_size, self.channels)
         except (OSError, ValueError, SyntaxError) as exc:
             raise SwarmError(f"{path}: cannot decode the image ({exc}); fix or remove it and run again") from None
-        return arr, boxes
+        return arr, box.to_input(boxes)
 
 
-def open_yolo_directory(root: str | Path, img_size: int, channels: int) -> tuple[YoloDirectory, YoloDirectory]:
-    """(train, held-out) splits of the data set at `root`."""
-    root = Path(root)
+def open_yolo_directory(root: str | Path, img_size: ImageSize | int, channels: int) -> tuple[YoloDirectory, YoloDirectory]:
+    """(train, held-out) splits of the data set at `root`, letterboxed into `img_size` (an int is a square)."""
+    root, img_size = Path(root), ImageSize.of(img_size)
     if not root.exists():
         raise SwarmError(f"data folder {root} does not exist")
     if not root.is_dir():

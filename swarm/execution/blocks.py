@@ -24,7 +24,7 @@ def vector_outputs(desc: ModelDesc) -> set[int]:
 def map_shape(desc: ModelDesc, tensor: int) -> tuple[int, ...]:
     """Per-sample shape of a live tensor: -1 is the image."""
     if tensor < 0:
-        return (desc.in_channels, desc.img_size, desc.img_size)
+        return (desc.in_channels, *desc.img_size.hw)
     shape = desc.layers[tensor].out_shape
     return shape[:1] if tensor in vector_outputs(desc) else shape
 

@@ -180,7 +180,7 @@ class SwarmRunner:
         """Profiles of the devices (a job on each, cached there) and the links between them,
         for the planner; None if that fails (the run then splits by FLOPs)."""
         cfg = trainer.cfg
-        spec = {"model": cfg.model, "img_size": trainer.desc.img_size, "classes": cfg.classes,
+        spec = {"model": cfg.model, "img_size": trainer.desc.img_size.to_json(), "classes": cfg.classes,
                 "cfg": None if cfg.model in BUILTIN else trainer.cfg_text, "threads": None}
         self.log(f"profiling {len(devices)} device(s) (cached on each after the first time) and measuring the links")
         ids = [d.node_id for d in devices]

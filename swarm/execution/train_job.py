@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -100,7 +100,7 @@ class WireEndpoint:
 def job_spec_dict(job: JobSpec, devices: dict[str, dict]) -> dict:
     """The spec each agent receives: the plan, the training config, where its layers come
     from, and who is who (name -> node id and address)."""
-    return {"plan": job.plan.to_dict(), "cfg": asdict(job.cfg), "cfg_text": job.cfg_text, "devices": devices,
+    return {"plan": job.plan.to_dict(), "cfg": job.cfg.to_dict(), "cfg_text": job.cfg_text, "devices": devices,
             "timeout_s": job.timeout_s, **job.spec_fields()}
 
 

@@ -1,7 +1,9 @@
 """Checkpoints: written atomically, read with `torch.load(path, weights_only=True)`.
 
     {"model": state_dict, "optimizer": optimizer state, "step": int,
-     "model_name": str, "img_size": int, "config": {...training flags...}, "cfg": str}
+     "model_name": str, "img_size": int or "WxH", "config": {...training flags...}, "cfg": str}
+
+`load_checkpoint` gives "img_size" (and the config's) as an ImageSize.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from planner.image_size import ImageSize
 from swarm.errors import SwarmError
 
 try:
@@ -136,7 +139,33 @@ def load_checkpoint(path: str | Path) -> dict:
     if missing:
         raise SwarmError(f"{path} is not a swarm checkpoint: it is {_describe_dict(state)} that lacks "
                          f"{', '.join(missing)}")
+    try:
+        state["img_size"] = ImageSize.of(state["img_size"])
+        config = state.get("config")
+        if isinstance(config, dict) and config.get("img_size") is not None:
+            config["img_size"] = ImageSize.of(config["img_size"])
+    except (ValueError, TypeError) as exc:
+        raise SwarmError(f"{path} is not a swarm checkpoint: its image size is not one ({exc})") from None
     return state
+
+
+def load_network(state: dict, where: str, img_size: ImageSize | None = None):
+    """(net, desc, cfg text): the checkpoint's network with its weights, at the size it was
+    trained at or at `img_size` (any size its layers take, unless it has [connected] layers,
+    whose weights are made for one size). `where` names the checkpoint in errors."""
+    from swarm.zoo import build_model
+
+    trained = state["img_size"]
+    size = trained if img_size is None else img_size
+    net, desc, text = build_model(state["model_name"], size, state.get("config", {}).get("classes"),
+                                  cfg_text=state.get("cfg"))
+    try:
+        net.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[-1].strip()
+        at = "" if size == trained else f" at --img-size {size.to_json()} (it was trained at {trained.to_json()})"
+        raise SwarmError(f"{where}: the weights do not fit {state['model_name']}{at} ({first})") from None
+    return net, desc, text
 
 
 def _torch_load(path: Path, not_what: str):

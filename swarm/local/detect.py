@@ -8,10 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from planner.image_size import ImageSize
 from swarm.data.shapes import CLASSES as SHAPES
 from swarm.data.yolo_dir import class_names, image_to_input
 from swarm.errors import SwarmError
-from swarm.zoo import build_model
+from swarm.local.checkpoint import load_network
 from swarm.zoo.loss import RegionLoss, make_loss
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -57,15 +58,10 @@ def find_images(paths: list[str]) -> list[Path]:
 class Detector:
     """A checkpoint's network in eval mode (BatchNorm running statistics), with its class names."""
 
-    def __init__(self, state: dict, conf: float = 0.25, nms: float = 0.45, top_k: int = 5):
+    def __init__(self, state: dict, conf: float = 0.25, nms: float = 0.45, top_k: int = 5,
+                 img_size: ImageSize | None = None, where: str = "the checkpoint"):
         config = state.get("config", {})
-        self.net, self.desc, _ = build_model(state["model_name"], state["img_size"], config.get("classes"),
-                                             cfg_text=state.get("cfg"))
-        try:
-            self.net.load_state_dict(state["model"])
-        except RuntimeError as exc:
-            raise SwarmError(f"the checkpoint's weights do not fit {state['model_name']}: "
-                             f"{str(exc).splitlines()[0]}") from None
+        self.net, self.desc, _ = load_network(state, where, img_size)  # at the trained size, or img_size
         self.net.eval()
         self.loss = make_loss(self.desc)
         self.conf, self.nms, self.top_k = conf, nms, top_k
@@ -84,15 +80,19 @@ class Detector:
 
     @torch.no_grad()
     def predict(self, images: list, paths: list[Path]) -> list[Prediction]:
-        """Predictions for PIL images (any size; each is resized as in training)."""
+        """Predictions for PIL images (any size; each is letterboxed as in training, and the
+        boxes mapped back onto the image)."""
         size, channels = self.desc.img_size, self.desc.in_channels
-        batch = torch.from_numpy(np.stack([image_to_input(im, size, channels) for im in images]))
+        inputs = [image_to_input(im, size, channels) for im in images]
+        batch = torch.from_numpy(np.stack([arr for arr, _ in inputs]))
         out = self.net(batch)
         results = []
         if self.is_detector:
-            for im, path, det in zip(images, paths, self.loss.detections(out, self.conf, self.nms)):
+            for im, path, (_, letterbox), det in zip(images, paths, inputs,
+                                                     self.loss.detections(out, self.conf, self.nms)):
                 p = Prediction(path, im.width, im.height)
-                for c, score, cx, cy, w, h in det.tolist():
+                for c, score, *xywh in det.tolist():
+                    cx, cy, w, h = letterbox.to_image(*xywh)
                     box = [(cx - w / 2) * im.width, (cy - h / 2) * im.height, (cx + w / 2) * im.width,
                            (cy + h / 2) * im.height]
                     p.boxes.append({"class": int(c), "name": self.name(int(c)), "score": round(score, 4),

@@ -32,7 +32,7 @@ class TiledTrainer(LocalTrainer):
             self.stage = InProcessStage.build(self.net.layers[:self.last], desc.layers[:self.last], grid, grouping,
                                               input_delta=False)
         except TilingError as exc:
-            raise SwarmError(f"{exc} (model {desc.name} at --img-size {desc.img_size})") from None
+            raise SwarmError(f"{exc} (model {desc.name} at --img-size {desc.img_size.to_json()})") from None
         self.microbatch = 0
         if log is not None:
             rest = "" if self.last == len(desc.layers) else f"; layers {self.last}-{len(desc.layers) - 1} untiled"

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from planner.image_size import ImageSize
 from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datasets, sample_keys, step_indices,
                         steps_per_epoch)
 from swarm.errors import SwarmError
@@ -33,7 +34,7 @@ class TrainConfig:
     """Everything that decides the trained weights (and a few things that do not)."""
 
     model: str = "yolov2-16"
-    img_size: int | None = None  # None: the model's own size ([net] width)
+    img_size: ImageSize | None = None  # width x height; None: the model's own size ([net] width, height)
     data: str | None = None  # None: the built-in synthetic shapes
     batch_size: int = 16
     microbatches: int = 1  # gradient accumulation; BatchNorm statistics per micro-batch
@@ -49,6 +50,16 @@ class TrainConfig:
     dtype: str = "float32"  # float64: slower, but any plan then matches local to ~1e-12 (see README)
     weights: str | None = None  # darknet .weights or swarm checkpoint loaded over the seeded initial weights
     accelerator: str | None = None  # where this machine computes: cpu, cuda, None: its accelerator if torch sees one
+
+    def __post_init__(self) -> None:
+        if self.img_size is not None:  # an int (square), "WxH" or {"width", "height"} from a saved config
+            self.img_size = ImageSize.of(self.img_size)
+
+    def to_dict(self) -> dict:
+        """The config as plain data (checkpoints, job specs); TrainConfig(**d) reads it back."""
+        d = asdict(self)
+        d["img_size"] = None if self.img_size is None else self.img_size.to_json()
+        return d
 
     def resolved_lr(self) -> float:
         if self.lr is not None:
@@ -128,9 +139,9 @@ class LocalTrainer:
             "optimizer": self.optimizer.state_dict(),
             "step": self.step_count,
             "model_name": self.cfg.model if self.cfg.model in BUILTIN else self.desc.name,
-            "img_size": self.desc.img_size,
+            "img_size": self.desc.img_size.to_json(),
             # where it ran is not part of what it is: a resumed run computes where it resumes
-            "config": {k: v for k, v in asdict(self.cfg).items() if v is not None and k != "accelerator"},
+            "config": {k: v for k, v in self.cfg.to_dict().items() if v is not None and k != "accelerator"},
             "cfg": self.cfg_text,
         }
 
@@ -289,7 +300,7 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
     if trainer.started_from:
         log(trainer.started_from)
     log(f"model {desc.name}: {len(desc.layers)} layers, {desc.params / 1e6:.2f} M parameters, "
-        f"{desc.img_size}x{desc.img_size} input, {desc.flops / 1e9:.2f} GFLOPs forward per sample")
+        f"{desc.img_size} input, {desc.flops / 1e9:.2f} GFLOPs forward per sample")
     log(f"data: {train_set.name}, {len(train_set)} images, {train_set.num_classes} classes; "
         f"batch {cfg.batch_size} in {cfg.microbatches} micro-batch(es); {n_threads} thread(s); seed {cfg.seed}")
     start = trainer.step_count

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from planner.costs import CostTable
+from planner.image_size import ImageSize
 from planner.profile import DeviceProfile, ProfileError
 from swarm.errors import SwarmError
 from swarm.host.resources import cpu_quota, usable_cores, usable_memory
@@ -85,12 +86,13 @@ def _torch_version() -> str:
         return torch.__version__
 
 
-def cache_path(state_dir: Path, fingerprint: str, model: str, img_size: int, classes: int | None, cfg_text: str) -> Path:
+def cache_path(state_dir: Path, fingerprint: str, model: str, img_size: ImageSize, classes: int | None,
+               cfg_text: str) -> Path:
     cfg = hashlib.sha256(cfg_text.encode()).hexdigest()[:8]
-    return Path(state_dir) / "profiles" / fingerprint / f"{model}-{img_size}-c{classes}-{cfg}.json"
+    return Path(state_dir) / "profiles" / fingerprint / f"{model}-{img_size.to_json()}-c{classes}-{cfg}.json"
 
 
-def default_classes(model: str, img_size: int | None = None) -> int | None:
+def default_classes(model: str, img_size: ImageSize | int | None = None) -> int | None:
     """The head's classes when none are given, as `swarm train` picks them: a built-in
     detector gets the built-in data's classes; anything else keeps its .cfg's."""
     from swarm.data import open_datasets
@@ -336,7 +338,7 @@ def _time_updates(net, desc, repeats: int, optimizer: str, watch: Stopwatch) -> 
     return out
 
 
-def profile_model(model: str = "yolov2-16", img_size: int | None = None, classes: int | None = None,
+def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = None, classes: int | None = None,
                   batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS, threads: int | None = None,
                   cfg_text: str | None = None, optimizer: str = "sgd", log=None, clock: str = "wall",
                   device=None) -> DeviceProfile:
@@ -648,7 +650,7 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
         raise SwarmError(f"cannot write profile {path}: {exc.strerror or exc}; choose another --state-dir") from None
 
 
-def load_or_profile(model: str = "yolov2-16", img_size: int | None = None, classes: int | None = None,
+def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None = None, classes: int | None = None,
                     state_dir: Path | None = None, batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS,
                     threads: int | None = None, cfg_text: str | None = None, refresh: bool = False,
                     log=None, clock: str = "wall", accelerator: str = "cpu") -> tuple[DeviceProfile, bool, Path]:
@@ -688,7 +690,7 @@ PROFILE_JOB = "profile"
 
 async def run_profile_job(ctx) -> dict:
     """Job kind "profile", agent side: this device's profile (from its cache, else measured;
-    measured again if "refresh") for spec {"model", "img_size", "classes", "cfg",
+    measured again if "refresh") for spec {"model", "img_size" (N or "WxH"), "classes", "cfg",
     "batch_sizes", "repeats", "threads", "refresh", "accelerator"}, on the accelerator the
     agent offers ("accelerator": "cuda") where torch can use it, else on its CPU."""
     import functools

@@ -1,6 +1,9 @@
 """The model zoo: built-in darknet .cfg files, custom .cfg paths, and building a network.
 
     model, desc = build_model("yolov2-16", img_size=416, seed=1)
+    model, desc = build_model("yolov2-16", img_size=ImageSize(608, 352), seed=1)   # width x height
+
+A size is an ImageSize; an int means a square. The feature maps are H x W throughout.
 """
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import math
 from importlib import resources
 from pathlib import Path
 
+from planner.image_size import ImageSize
 from planner.model_desc import ModelDesc
 from swarm.errors import SwarmError
 from swarm.zoo.build import describe, make_modules
@@ -20,10 +24,15 @@ BUILTIN = ("yolov2-16", "yolov2", "yolov2-tiny", "vgg16", "alexnet", "lenet5")
 DEFAULT_IMG_SIZE = {"yolov2-16": 128, "yolov2": 128, "yolov2-tiny": 128, "vgg16": 64, "alexnet": 96}
 
 
-def default_img_size(model: str, img_size: int | None) -> int | None:
+MAX_IMG_SIZE = 2048  # on each side
+
+
+def default_img_size(model: str, img_size: ImageSize | int | None) -> ImageSize | None:
     """`img_size`, or the size `model` takes by default (None: the model's own)."""
-    return img_size if img_size is not None else DEFAULT_IMG_SIZE.get(model)
-MAX_IMG_SIZE = 2048
+    if img_size is not None:
+        return ImageSize.of(img_size)
+    side = DEFAULT_IMG_SIZE.get(model)
+    return None if side is None else ImageSize(side, side)
 
 
 def model_source(model: str) -> tuple[str, str, str]:
@@ -44,13 +53,20 @@ def model_source(model: str) -> tuple[str, str, str]:
                      "or give a path to a darknet .cfg file")
 
 
-def native_size(sections: list[Section]) -> int:
-    return sections[0].get_int("width", 416)
+def native_size(sections: list[Section]) -> ImageSize:
+    """The [net] section's own width and height (a missing height is the width)."""
+    width = sections[0].get_int("width", 416)
+    height = sections[0].get_int("height", width)
+    if width < 1 or height < 1:
+        raise SwarmError(f"{sections[0].where()}: width and height must be at least 1, got {width}x{height}")
+    return ImageSize(width, height)
 
 
 def _scale_anchors(desc: ModelDesc, sections: list[Section], name: str, classes: int | None) -> None:
-    """Anchors are written in grid cells at the [net] width; keep their size relative to the
-    image when training at another size."""
+    """Anchors are written in grid cells at the [net] size; keep their size relative to the
+    image when training at another size. Across a change of shape they keep theirs (one factor
+    for both sides), scaled as a photo shaped like the new input is: by the larger of the
+    two sides' factors (it fills the new input, and is letterboxed into the old one)."""
     if desc.loss != "region":
         return
     native = native_size(sections)
@@ -60,24 +76,24 @@ def _scale_anchors(desc: ModelDesc, sections: list[Section], name: str, classes:
         ref, _ = describe(name, sections, native, classes)
     except SwarmError:
         return
-    factor = desc.extra["grid"][0] / ref.extra["grid"][0]
+    (gh, gw), (rh, rw) = desc.extra["grid"], ref.extra["grid"]
+    factor = max(gh / rh, gw / rw)
     desc.extra["anchors"] = [(w * factor, h * factor) for w, h in desc.extra["anchors"]]
 
 
-def describe_model(model: str, img_size: int | None = None, classes: int | None = None,
+def describe_model(model: str, img_size: ImageSize | int | None = None, classes: int | None = None,
                    cfg_text: str | None = None) -> ModelDesc:
     """The per-layer description only (no torch): shapes, parameters, FLOPs, bytes."""
     return _prepare(model, img_size, classes, cfg_text)[0]
 
 
-def _prepare(model: str, img_size: int | None, classes: int | None, cfg_text: str | None):
+def _prepare(model: str, img_size: ImageSize | int | None, classes: int | None, cfg_text: str | None):
     if cfg_text is None:
         name, text, source = model_source(model)
     else:
         name, text, source = Path(model).stem if model.endswith(".cfg") else model, cfg_text, model
     sections = parse_cfg(text, source)
-    if img_size is None:
-        img_size = native_size(sections)
+    img_size = native_size(sections) if img_size is None else ImageSize.of(img_size)
     if classes is not None and classes < 1:
         raise SwarmError(f"the number of classes must be at least 1, got {classes}")
     check_img_size(name, sections, img_size, classes)
@@ -86,7 +102,7 @@ def _prepare(model: str, img_size: int | None, classes: int | None, cfg_text: st
     return desc, plans, text
 
 
-def build_model(model: str, img_size: int | None = None, classes: int | None = None, seed: int | None = None,
+def build_model(model: str, img_size: ImageSize | int | None = None, classes: int | None = None, seed: int | None = None,
                 cfg_text: str | None = None, only: range | None = None):
     """Build the torch network. With `seed`, the initial weights depend only on the seed.
     With `only`, just those layers get weights (a stage of a pipeline); the others are
@@ -104,12 +120,13 @@ def build_model(model: str, img_size: int | None = None, classes: int | None = N
     return net, desc, text
 
 
-def _size_ok(name: str, sections: list[Section], size: int, classes: int | None, stride: int | None) -> bool:
+def _side_ok(name: str, sections: list[Section], side: int, classes: int | None, stride: int | None) -> bool:
+    """Whether `side` works as a width (and so as a height: the two axes are alike)."""
     try:
-        describe(name, sections, size, classes)
+        describe(name, sections, ImageSize(side, side), classes)
     except SwarmError:
         return False
-    return stride is None or size % stride == 0
+    return stride is None or side % stride == 0
 
 
 def _region_stride(name: str, sections: list[Section], classes: int | None) -> int | None:
@@ -123,20 +140,25 @@ def _region_stride(name: str, sections: list[Section], classes: int | None) -> i
     return desc.extra.get("stride")
 
 
-def check_img_size(name: str, sections: list[Section], img_size: int, classes: int | None = None) -> None:
+def check_img_size(name: str, sections: list[Section], img_size: ImageSize, classes: int | None = None) -> None:
     """Raise a SwarmError saying which sizes work when the network cannot take `img_size`.
 
     A size works when every layer gets a map of at least one pixel, routed maps agree, and
-    (for detection) the size is a multiple of the head's stride so grid cells are whole pixels."""
+    (for detection) both sides are multiples of the head's stride so grid cells are whole
+    pixels. Rows and columns go through the layers alike, so each side is checked alone."""
     stride = _region_stride(name, sections, classes)
-    if 1 <= img_size <= MAX_IMG_SIZE and _size_ok(name, sections, img_size, classes, stride):
+    sides = sorted({img_size.width, img_size.height})
+    if all(1 <= s <= MAX_IMG_SIZE and _side_ok(name, sections, s, classes, stride) for s in sides):
         return
-    valid = [s for s in range(1, MAX_IMG_SIZE + 1) if _size_ok(name, sections, s, classes, stride)]
+    valid = [s for s in range(1, MAX_IMG_SIZE + 1) if _side_ok(name, sections, s, classes, stride)]
     if not valid:
         # Report the network's own error at its native size: the .cfg itself is broken.
         describe(name, sections, native_size(sections), classes)
         raise SwarmError(f"{name} cannot take any image size up to {MAX_IMG_SIZE}")
-    raise SwarmError(f"{name} cannot take --img-size {img_size}: it takes {summarise_sizes(valid)}")
+    if img_size.is_square:
+        raise SwarmError(f"{name} cannot take --img-size {img_size.width}: it takes {summarise_sizes(valid)}")
+    raise SwarmError(f"{name} cannot take --img-size {img_size}: its width and height each take "
+                     f"{summarise_sizes(valid)}")
 
 
 def summarise_sizes(valid: list[int]) -> str:

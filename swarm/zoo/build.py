@@ -1,13 +1,15 @@
 """Turning parsed darknet sections into a torch network and its per-layer description.
 
 Shapes are inferred first, without torch, so that a bad .cfg or an image size the
-network cannot take is reported before anything is allocated.
+network cannot take is reported before anything is allocated. Shapes are (C, H, W); sizes
+in messages are written W x H, as --img-size is.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from planner.image_size import ImageSize
 from planner.model_desc import LayerDesc, ModelDesc
 from swarm.errors import SwarmError
 from swarm.zoo.darknet import Section
@@ -38,7 +40,7 @@ def _conv_out(size: int, kernel: int, stride: int, pad_total: int) -> int:
     return (size + pad_total - kernel) // stride + 1
 
 
-def infer_layers(sections: list[Section], img_size: int, in_channels: int,
+def infer_layers(sections: list[Section], img_size: ImageSize, in_channels: int,
                  classes_override: int | None = None) -> tuple[list[LayerPlan], dict]:
     """Walk the layer sections, computing every layer's shapes, parameters and FLOPs.
 
@@ -84,7 +86,7 @@ def infer_layers(sections: list[Section], img_size: int, in_channels: int,
 
     plans: list[LayerPlan] = []
     shapes: list[tuple[int, int, int]] = []
-    c, h, w = in_channels, img_size, img_size
+    c, (h, w) = in_channels, img_size.hw
     flat = False  # after a [connected] layer activations are vectors
     for i, sec in enumerate(layer_sections):
         prev = i - 1
@@ -161,7 +163,7 @@ def infer_layers(sections: list[Section], img_size: int, in_channels: int,
             if any(plans[s].desc.kind == "connected" for s in srcs) and len(srcs) > 1:
                 raise SwarmError(f"{sec.where()}: cannot concatenate the output of a [connected] layer")
             if len({(sh[1], sh[2]) for sh in src_shapes}) != 1:
-                sizes = ", ".join(f"layer {s}: {sh[1]}x{sh[2]}" for s, sh in zip(srcs, src_shapes))
+                sizes = ", ".join(f"layer {s}: {sh[2]}x{sh[1]}" for s, sh in zip(srcs, src_shapes))
                 raise _route_mismatch(sec, img_size, sizes)
             c = sum(sh[0] for sh in src_shapes)
             h, w = src_shapes[0][1], src_shapes[0][2]
@@ -173,7 +175,7 @@ def infer_layers(sections: list[Section], img_size: int, in_channels: int,
             if stride < 1 or h % stride or w % stride:
                 raise SwarmError(
                     f"{sec.where()}: reorg with stride {stride} needs a map size divisible by {stride}, "
-                    f"got {h}x{w} at image size {img_size}")
+                    f"got {w}x{h} at image size {img_size}")
             desc = LayerDesc(i, "reorg", in_shape, (c * stride * stride, h // stride, w // stride), inputs,
                              stride=stride, flops=c * h * w)
             c, h, w = c * stride * stride, h // stride, w // stride
@@ -213,21 +215,22 @@ def infer_layers(sections: list[Section], img_size: int, in_channels: int,
                 f"{region.where()}: the last layer gives {c} channels, but num={head['num']} anchors x "
                 f"(5 + classes={head['classes']}) needs {want}")
         head["grid"] = (h, w)
-        head["stride"] = img_size // h if img_size % h == 0 else None
+        sy, sx = divmod(img_size.height, h), divmod(img_size.width, w)
+        head["stride"] = sx[0] if sx == sy and sx[1] == 0 else None  # pixels per cell, on both axes
     else:
         head["classes"] = c * h * w
     return plans, head
 
 
-def _too_small(sec: Section, img_size: int, shape) -> SwarmError:
-    return SwarmError(f"{sec.where()}: input {shape[1]}x{shape[2]} is too small for this layer at image size {img_size}")
+def _too_small(sec: Section, img_size: ImageSize, shape) -> SwarmError:
+    return SwarmError(f"{sec.where()}: input {shape[2]}x{shape[1]} is too small for this layer at image size {img_size}")
 
 
-def _route_mismatch(sec: Section, img_size: int, sizes: str) -> SwarmError:
+def _route_mismatch(sec: Section, img_size: ImageSize, sizes: str) -> SwarmError:
     return SwarmError(f"{sec.where()}: routed maps differ in size at image size {img_size} ({sizes})")
 
 
-def describe(name: str, sections: list[Section], img_size: int, classes: int | None = None) -> tuple[ModelDesc, list[LayerPlan]]:
+def describe(name: str, sections: list[Section], img_size: ImageSize, classes: int | None = None) -> tuple[ModelDesc, list[LayerPlan]]:
     net = sections[0]
     in_channels = net.get_int("channels", 3)
     for key in ("width", "height", "batch", "subdivisions", "momentum", "decay", "learning_rate"):

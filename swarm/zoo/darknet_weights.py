@@ -172,7 +172,8 @@ def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str,
     itself reads differently."""
     sections = parse_cfg(text, source)
     layer_sections = sections[1:1 + len(desc.layers)]
-    edits: list[tuple[int, str, str]] = [(0, "width", str(desc.img_size)), (0, "height", str(desc.img_size))]
+    edits: list[tuple[int, str, str]] = [(0, "width", str(desc.img_size.width)),
+                                            (0, "height", str(desc.img_size.height))]
     last = max(d.index for d, _ in weighted_layers(desc))
     key = "filters" if desc.layers[last].kind == "conv" else "output"
     edits.append((1 + last, key, str(desc.layers[last].out_shape[0])))
