@@ -49,6 +49,9 @@ def test_metrics_file_and_eval(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["train", "--model", "yolov9"], "unknown model 'yolov9'"),
     (["train", "--img-size", "100"], "takes multiples of 16"),
+    (["train", "--img-size", "608x"], "argument --img-size: '608x' is not a size: give N (a square) or WxH"),
+    (["plan", "--img-size", "0x352"], "argument --img-size: width and height must be at least 1, got 0x352"),
+    (["train", "--img-size", "600x352"], "its width and height each take multiples of 16 from 16 to 2048"),
     (["train", "--data", "/nonexistent/folder"], "does not exist"),
     (["train", "--steps", "0"], "must be at least 1"),
     (["train", "--batch-size", "x"], "is not a whole number"),

@@ -8,9 +8,12 @@ in float32 too.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import pytest
 import torch
 
+from planner.image_size import ImageSize
 from planner.plan import Plan, Stage
 from swarm.data import make_batch, open_datasets, step_indices
 from swarm.execution.inprocess import train_plan_in_process
@@ -19,8 +22,8 @@ from swarm.local.trainer import LocalTrainer, TrainConfig
 STEPS = 2
 
 
-def _cfg(model: str, microbatches: int, dtype: str = "float64", **kw) -> TrainConfig:
-    return TrainConfig(model=model, img_size=64, batch_size=8, microbatches=microbatches, seed=7, classes=5,
+def _cfg(model: str, microbatches: int, dtype: str = "float64", img_size=64, **kw) -> TrainConfig:
+    return TrainConfig(model=model, img_size=img_size, batch_size=8, microbatches=microbatches, seed=7, classes=5,
                        dtype=dtype, **kw)
 
 
@@ -50,8 +53,8 @@ def _worst(a: dict, b: dict) -> tuple[float, str]:
     return worst
 
 
-def _plan(model: str, stages: list[Stage], microbatches: int) -> Plan:
-    return Plan(model, 64, 8, microbatches, stages)
+def _plan(model: str, stages: list[Stage], microbatches: int, img_size=64) -> Plan:
+    return Plan(model, img_size, 8, microbatches, stages)
 
 
 N16, N2 = 17, 31  # layers of yolov2-16 and yolov2
@@ -103,6 +106,23 @@ def test_yolov2_16_plans_equal_local(name):
     worst = _worst(result.net.state_dict(), _local(cfg))
     assert worst[0] < 1e-9, worst
     assert result.step_count == STEPS
+
+
+@lru_cache(maxsize=None)
+def _local_wide() -> dict:
+    return _local(_cfg("yolov2-16", 4, img_size=WIDE))
+
+
+WIDE = ImageSize(64, 32)  # maps 32x64 down to a 2x4 grid of cells
+
+
+@pytest.mark.parametrize("name", ["hybrid", "tiles2x2", "tiles-in-the-middle"])
+def test_yolov2_16_plans_equal_local_on_a_rectangular_input(name):
+    """Pipeline, dp and tiles stages (a 2x2 grid over maps twice as wide as tall) at 64x32."""
+    result = _planned(_cfg("yolov2-16", 4, img_size=WIDE), _plan("yolov2-16", PLANS[name](N16), 4, WIDE))
+    worst = _worst(result.net.state_dict(), _local_wide())
+    assert worst[0] < 1e-9, worst
+    assert result.desc.layers[-1].out_shape[1:] == (2, 4)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from swarm.local.trainer import LocalTrainer, TrainConfig, train
 from swarm.zoo.darknet_weights import read_weights, weighted_layers, write_weights
 from tests.conftest import run_swarm
 
-DETECTOR = {"model": "yolov2-16", "img_size": 32}  # BatchNorm convolutions, a [region] head
+DETECTOR = {"model": "yolov2-16", "img_size": "64x32"}  # BatchNorm convolutions, a [region] head, W x H
 CLASSIFIER = {"model": "lenet5"}  # convolutions with biases, two [connected] layers
 BATCH, STEPS = 4, 3
 
@@ -70,6 +70,7 @@ def test_onnx_in_onnxruntime_gives_the_torch_output(trained, tmp_path, capsys, w
     assert "onnxruntime against torch: max abs difference" in out
     x = _other_batch(trained[which])
     session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[1:] == list(x.shape[1:])  # (C, H, W): (3, 32, 64) for the detector
     _assert_close(session.run(None, {"images": x.numpy()})[0], _torch_output(trained[which], x))
 
 
@@ -118,7 +119,7 @@ def test_darknet_export_has_darknets_layout_and_imports_as_the_same_tensors(trai
     assert np.array_equal(_floats(weights, 20, 4 * first + model["layers.0.conv.weight"].numel()), expected.numpy())
     # the .cfg says the trained size and class count: it builds the same network
     text = cfg.read_text()
-    assert "width=32" in text and "height=32" in text and f"classes={state['config']['classes']}" in text
+    assert "width=64" in text and "height=32" in text and f"classes={state['config']['classes']}" in text
     trainer = _started_from(weights, model=str(cfg))
     n = len(weighted_layers(trainer.desc))
     assert trainer.started_from.endswith(f"{n} of {n} layers with weights loaded (layers 0-16)")

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from planner.image_size import ImageSize
 from swarm.errors import SwarmError
 from swarm.local.trainer import TrainConfig
 from swarm.zoo import build_model
@@ -100,6 +101,7 @@ def _one_thread():
 
 @pytest.mark.parametrize("size,grid,grouping", [
     (48, (1, 2), "every"), (48, (2, 2), "one"), (64, (2, 3), "mixed"), (48, (3, 3), "unmirrored"),
+    (ImageSize(80, 32), (2, 3), "mixed"),  # maps 32x80 down to 2x5: 3 uneven columns, 2 rows
     pytest.param(80, (4, 4), "every", marks=pytest.mark.slow), pytest.param(80, (2, 3), "one", marks=pytest.mark.slow),
     pytest.param(112, (3, 3), "mixed", marks=pytest.mark.slow),
 ])
@@ -269,6 +271,11 @@ def _assert_tiled_equals_local(size, batch, microbatches, grid, sync):
 
 def test_three_sgd_steps_small():
     _assert_tiled_equals_local(48, 4, 2, (2, 2), "0,4,8")
+
+
+def test_three_sgd_steps_on_a_rectangular_map():
+    """A 64x32 input (maps 32x64 down to 2x4, a 2x4 grid of cells) in a 2x3 grid of tiles."""
+    _assert_tiled_equals_local(ImageSize(64, 32), 4, 2, (2, 3), "0,4,8")
 
 
 @pytest.mark.slow

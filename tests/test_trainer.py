@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from planner.image_size import ImageSize
 from swarm.errors import SwarmError
 from swarm.local.checkpoint import atomic_write, load_checkpoint, save_checkpoint
 from swarm.local.trainer import TrainConfig, train
@@ -70,7 +71,7 @@ def test_training_changes_weights_and_records_the_step(tmp_path):
     ckpt, summary = _run(tmp_path, "a")
     init, _, _ = build_model("yolov2-16", 32, classes=5, seed=1)
     assert ckpt["step"] == 3 and summary["steps"] == 3
-    assert ckpt["model_name"] == "yolov2-16" and ckpt["img_size"] == 32
+    assert ckpt["model_name"] == "yolov2-16" and ckpt["img_size"] == ImageSize(32, 32)
     assert set(ckpt["model"]) == set(init.state_dict())
     assert not torch.equal(ckpt["model"]["layers.0.conv.weight"], init.state_dict()["layers.0.conv.weight"])
     # BN running statistics advanced once per micro-batch
