@@ -36,12 +36,13 @@ RUNTIME_BYTES = 400 * 2**20
 ACTIVATION_SLACK = 1.4
 
 
-def square_grid(n: int) -> tuple[int, int]:
-    """The most square rows x cols with rows * cols == n and rows <= cols (8 -> 2x4)."""
+def square_grid(n: int, height: int = 1, width: int = 1) -> tuple[int, int]:
+    """The most square rows x cols with rows * cols == n, its longer side along the longer side
+    of a height x width map (8 tiles: 2x4 over a square or wide map, 4x2 over a tall one)."""
     rows = int(math.isqrt(n))
     while n % rows:
         rows -= 1
-    return rows, n // rows
+    return (n // rows, rows) if height > width else (rows, n // rows)
 
 
 def parse_syncs(text: str | None, first: int, last: int) -> list[int] | None:
@@ -157,7 +158,7 @@ def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, 
         if microbatches % copies:
             raise PlanError(f"--replicas {copies} must divide the {microbatches} micro-batches")
         size = len(devices) // copies
-        rows, cols = grid or square_grid(size)
+        rows, cols = grid or square_grid(size, *desc.layers[0].in_shape[1:])
         tile_devices = [devices[r * size + k % size] for r in range(copies) for k in range(rows * cols)]
         group = list(dict.fromkeys(tile_devices))
         plan_stages = [Stage(0, end, "tiles", group, grid=(rows, cols), tile_devices=tile_devices,
@@ -186,7 +187,7 @@ def _hybrid(desc: ModelDesc, devices: list[str], batch: int, microbatches: int, 
     n = len(desc.layers)
     end = tileable_prefix(desc)
     tiles_n = (len(devices) + 1) // 2
-    rows, cols = grid or square_grid(tiles_n)
+    rows, cols = grid or square_grid(tiles_n, *desc.layers[0].in_shape[1:])
     tile_group = devices[:tiles_n]
     tile_devices = [tile_group[k % len(tile_group)] for k in range(rows * cols)]
     first_cut, second_cut = even_cuts(desc, 0, n, 3)[:2]

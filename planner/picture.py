@@ -75,7 +75,7 @@ def draw_plan(plan: Plan, timeline: Timeline, desc, path: str, title: str | None
         ax.axhline(k - 0.0, color="#eeeeee", linewidth=0.5)
     status = "" if timeline.fits else "  —  DOES NOT FIT IN MEMORY"
     micro = f"{plan.microbatches} micro-batch" + ("es" if plan.microbatches > 1 else "")
-    heading = title or (f"{plan.model} {plan.img_size.width}×{plan.img_size.height}, batch {plan.batch_size} in {micro} — "
+    heading = title or (f"{plan.model} {plan.img_size}, batch {plan.batch_size} in {micro} — "
                         f"{plan.planner}: step {format_seconds(step)}, "
                         f"{timeline.throughput:.3g} samples/s{status}")
     fig.suptitle(heading, fontsize=11, y=1 - 0.2 / fig_h)
@@ -123,6 +123,8 @@ def _draw_tiles(fig, plan: Plan, timeline: Timeline, desc, stages: list[int], de
         syncs = stage.forward_syncs()
         sync = "every layer" if syncs == list(range(stage.first, stage.last)) else ",".join(map(str, syncs))
         halo = max(t.halo_bytes for t in tiles_cost(desc, stage).tiles)
-        ax.set_title(f"stage {p}: layers {stage.first}-{stage.last - 1}, {stage.grid[0]}×{stage.grid[1]} tiles "
-                     f"of the {h}×{w} input\nforward syncs: {sync}; halo ≤ {format_bytes(halo)} per sample per tile"
+        rows, cols = stage.grid
+        ax.set_title(f"stage {p}: layers {stage.first}-{stage.last - 1}, {rows} row{'s' * (rows > 1)} × {cols} "
+                     f"column{'s' * (cols > 1)} of tiles over the {w}×{h} input\n"
+                     f"forward syncs: {sync}; halo ≤ {format_bytes(halo)} per sample per tile"
                      "\n(dotted: what each tile reads, halo included)", fontsize=7)

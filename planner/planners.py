@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 
 from planner.asteroid import AsteroidDP, pipeline_plan, plan_asteroid
-from planner.baselines import plan_dp, plan_local, plan_pp
+from planner.baselines import plan_dp, plan_local, plan_pp, square_grid
 from planner.hiertrain import plan_hiertrain
 from planner.inputs import NoPlan, PlanInputs
 from planner.jointdnn import plan_jointdnn
 from planner.plan import Plan, PlanError, Stage
-from planner.tiles_planner import grids_for, plan_tiles, tiles_end
+from planner.tiles_planner import plan_tiles, tiles_end
 
 HYBRID_CANDIDATES = 2  # Asteroid pipelines tried after each tiles front
 
@@ -43,7 +43,7 @@ def plan_hybrids(inputs: PlanInputs, tiles_plan: Plan | None) -> list[Plan]:
     plans = []
     for k in sorted(sizes):
         group, rest = fastest[:k], fastest[k:]
-        grid = grids_for(k, *inputs.desc.layers[0].in_shape[1:])[0]
+        grid = square_grid(k, *inputs.desc.layers[0].in_shape[1:])
         front = Stage(0, end, "tiles", list(group), grid=grid, tile_devices=list(group), syncs=list(range(end)))
         sub = PlanInputs(inputs.desc, inputs.mem, cl.subset(rest), inputs.batch_size, inputs.microbatches)
         dp = AsteroidDP(sub, start=end)

@@ -92,7 +92,7 @@ def _allocate(devices: list[str], samples: int, speed: dict[str, float]) -> dict
 
 def _regrid(s: Stage, survivors: list[str], desc: ModelDesc, microbatches: int) -> Stage:
     s = replace(s, together=_smaller_block(s.together, len(survivors) / len(s.devices), microbatches))
-    rows, cols = square_grid(len(survivors))
+    rows, cols = square_grid(len(survivors), *desc.layers[s.first].in_shape[1:])
     fits = all(rows <= desc.layers[i].out_shape[1] and cols <= desc.layers[i].out_shape[2]
                for i in range(s.first, s.last))
     if not fits:  # keep the grid; the lost devices' tiles go to the survivors in turn

@@ -14,9 +14,9 @@ stage is the whole network, as many micro-batches run through it as one block as
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
+from planner.baselines import square_grid
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, PlanError, Stage
 from tiles.cost import choose_grouping
@@ -26,12 +26,6 @@ from tiles.regions import TilingError
 
 SYNC_SHARE_WORTH_GROUPING = 0.02  # below this share of the step, fewer syncs cannot pay for recomputation
 MAX_TILES_LAYERS = 24  # a tiles stage for the feature-map-heavy front, not a whole deep network
-
-
-def grids_for(k: int, rows: int = 1, cols: int = 1) -> list[tuple[int, int]]:
-    """The most square grid of k tiles, with more tiles along the map's longer side."""
-    r = max(d for d in range(1, int(math.isqrt(k)) + 1) if k % d == 0)
-    return [(k // r, r)] if rows > cols else [(r, k // r)]
 
 
 def tiles_end(inputs: PlanInputs) -> int:
@@ -79,16 +73,16 @@ def plan_tiles(inputs: PlanInputs) -> Plan:
     best = None  # (key, plan, group, grid, timeline)
     for k in sizes:
         group = fastest[:k]
-        for grid in grids_for(k, *inputs.desc.layers[0].in_shape[1:]):
-            stages = tiles_stages(inputs, group, grid, end, list(range(end)), None)
-            plan = inputs.plan(stages, "tiles")
-            try:
-                timeline = inputs.simulate(plan)
-            except PlanError:
-                continue  # the grid does not fit the maps
-            key = (not timeline.fits, timeline.step_time)
-            if best is None or key < best[0]:
-                best = (key, plan, group, grid, timeline)
+        grid = square_grid(k, *inputs.desc.layers[0].in_shape[1:])
+        stages = tiles_stages(inputs, group, grid, end, list(range(end)), None)
+        plan = inputs.plan(stages, "tiles")
+        try:
+            timeline = inputs.simulate(plan)
+        except PlanError:
+            continue  # the grid does not fit the maps
+        key = (not timeline.fits, timeline.step_time)
+        if best is None or key < best[0]:
+            best = (key, plan, group, grid, timeline)
     if best is None:
         raise NoPlan(f"no grid of tiles fits the maps of {inputs.desc.name} at {inputs.desc.img_size}")
     _, plan, group, grid, timeline = best

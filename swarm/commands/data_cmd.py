@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from PIL import Image
 
+    from planner.image_size import ImageSize
     from swarm.data.shapes import CLASSES, SyntheticShapes
     from swarm.errors import SwarmError
 
@@ -40,16 +41,16 @@ def run(args: argparse.Namespace) -> int:
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise SwarmError(f"{root} already exists and is not an empty folder; name a new one")
     held = max(1, round(args.count * args.val))
-    side = max(args.width, args.height)
-    shapes = {"train": SyntheticShapes("train", side, 3, size=args.count - held),
-              "val": SyntheticShapes("heldout", side, 3, size=held)}
+    size = ImageSize(args.width, args.height)
+    shapes = {"train": SyntheticShapes("train", size, 3, size=args.count - held),
+              "val": SyntheticShapes("heldout", size, 3, size=held)}
     try:
         for split, data in shapes.items():
             (root / split / "images").mkdir(parents=True, exist_ok=True)
             (root / split / "labels").mkdir(parents=True, exist_ok=True)
             for k in range(len(data)):
-                arr, boxes = data.load(k)  # drawn square, then stretched: boxes stay relative
-                im = Image.fromarray(arr.transpose(1, 2, 0)).resize((args.width, args.height), Image.BILINEAR)
+                arr, boxes = data.load(k)  # (3, H, W); boxes relative to the image
+                im = Image.fromarray(arr.transpose(1, 2, 0))
                 name = f"{split}{k:05d}"
                 im.save(root / split / "images" / f"{name}.jpg", quality=90)
                 (root / split / "labels" / f"{name}.txt").write_text(
