@@ -260,3 +260,20 @@ def test_a_checkpoint_runs_at_another_size_unless_its_weights_are_made_for_one(w
     with pytest.raises(SwarmError, match="lenet.pt: the weights do not fit lenet5 at --img-size 48x32 "
                                          r"\(it was trained at 32\)"):
         load_network(load_checkpoint(tmp_path / "lenet.pt"), str(tmp_path / "lenet.pt"), ImageSize(48, 32))
+
+
+def test_darknet_export_writes_the_size_and_the_anchors_trained_with(wide_checkpoint, tmp_path, capsys):
+    """The .cfg says 64x32, and its anchors are those scaled for 64x32: read back, the network
+    decodes boxes as the trained one does."""
+    from swarm.cli import main
+
+    assert main(["export", "--checkpoint", str(wide_checkpoint), "--format", "darknet", "--out",
+                 str(tmp_path / "wide")]) == 0
+    text = (tmp_path / "wide.cfg").read_text()
+    assert "width=64" in text and "height=32" in text
+    back = describe_model(str(tmp_path / "wide.cfg"))
+    trained = describe_model("yolov2-16", WIDE, classes=5)
+    assert back.img_size == WIDE and back.extra["grid"] == (2, 4)
+    assert np.allclose(back.extra["anchors"], trained.extra["anchors"], rtol=1e-5)
+    assert not np.allclose(back.extra["anchors"], describe_model("yolov2-16", 416).extra["anchors"])
+

@@ -167,9 +167,11 @@ def _last_layer_mismatch(source: str, desc: ModelDesc, d: LayerDesc, keys: list[
 
 def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str, list[str]]:
     """The .cfg text for exported weights: `text` with [net] width/height set to the trained
-    size and the last layer's filters/output and [region] classes set to the trained class
-    count (the rest of the file, comments included, unchanged); and notes on what darknet
-    itself reads differently."""
+    size, the last layer's filters/output and [region] classes set to the trained class
+    count, and [region] anchors to those the network was trained with (scaled from the
+    file's own size: read back at the size the file now gives, they are not scaled again);
+    the rest of the file, comments included, unchanged. And notes on what darknet itself
+    reads differently."""
     sections = parse_cfg(text, source)
     layer_sections = sections[1:1 + len(desc.layers)]
     edits: list[tuple[int, str, str]] = [(0, "width", str(desc.img_size.width)),
@@ -180,6 +182,7 @@ def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str,
     region = next((n for n, s in enumerate(sections) if s.name == "region"), None)
     if region is not None:
         edits.append((region, "classes", str(desc.extra["classes"])))
+        edits.append((region, "anchors", ", ".join(f"{v:.6g}" for anchor in desc.extra["anchors"] for v in anchor)))
     notes = [f"{s.where()}: size= makes a local average pool in swarm; darknet's [avgpool] is always global"
              for s in layer_sections if s.name == "avgpool" and "size" in s.options]
 
