@@ -257,6 +257,8 @@ def test_a_checkpoint_runs_at_another_size_unless_its_weights_are_made_for_one(w
     result = evaluate(net, desc, SyntheticShapes("heldout", desc.img_size, 3, size=4))
     assert result.metric == "mAP@0.5" and result.samples == 4 and 0 <= result.value <= 1
     save_checkpoint(tmp_path / "lenet.pt", LocalTrainer(TrainConfig(model="lenet5", seed=1)).state())
+    assert torch.load(tmp_path / "lenet.pt", weights_only=True)["img_size"] == 32  # a square is an int, as before
+    assert load_checkpoint(tmp_path / "lenet.pt")["img_size"] == ImageSize(32, 32)
     with pytest.raises(SwarmError, match="lenet.pt: the weights do not fit lenet5 at --img-size 48x32 "
                                          r"\(it was trained at 32\)"):
         load_network(load_checkpoint(tmp_path / "lenet.pt"), str(tmp_path / "lenet.pt"), ImageSize(48, 32))

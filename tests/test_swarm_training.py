@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.testbed, pytest.mark.slow,
 
 YOLO16 = ["--model", "yolov2-16", "--img-size", "128", "--batch-size", "16", "--microbatches", "4", "--steps", "3",
           "--seed", "7", "--no-eval"]
+WIDE16 = ["--model", "yolov2-16", "--img-size", "64x32", "--batch-size", "8", "--microbatches", "4", "--steps", "2",
+          "--seed", "7", "--no-eval"]  # a non-square input: maps 32x64 down to a 2x4 grid of cells
 YOLO2 = ["--model", "yolov2", "--img-size", "64", "--batch-size", "8", "--microbatches", "4", "--steps", "3",
          "--seed", "7", "--no-eval"]
 
@@ -72,6 +74,8 @@ CASES = [
     ("yolov2-16 tiles, two 1x2 replicas", YOLO16, ["--strategy", "tiles", "--grid", "1x2", "--replicas", "2"]),
     ("yolov2-16 pp over 4", YOLO16, ["--strategy", "pp", "--stages", "4"]),
     ("yolov2-16 hybrid", YOLO16, ["--strategy", "hybrid"]),
+    ("yolov2-16 64x32 tiles 2x2", WIDE16, ["--strategy", "tiles", "--grid", "2x2"]),
+    ("yolov2-16 64x32 hybrid", WIDE16, ["--strategy", "hybrid"]),
     # yolov2's tiles front and dp: tests/test_execution.py, in one process
     ("yolov2 pp over 4", YOLO2, ["--strategy", "pp", "--stages", "4"]),
     ("yolov2 hybrid", YOLO2, ["--strategy", "hybrid"]),
