@@ -124,3 +124,13 @@ DETACH_ARG_CHARS = 4 * KiB
 # is ~400 MB: 1 MiB chunks keep every frame small (a link at 20 Mbit/s moves one in half a
 # second, so heartbeats are never stuck behind it) at a round trip per MiB.
 DETACH_CHUNK = 1 * MiB
+
+# -- coordinator replicas (swarm/agent/failover.py) -----------------------------------------
+
+# Bytes of one coordinator replica an agent keeps (msgpack of its body). A replica is a plan,
+# who holds which layers and the run's flags: a few kB for yolov2 over a dozen devices.
+REPLICA_BYTES = 256 * KiB
+
+# Jobs whose newest replica an agent keeps at once (the oldest goes): an agent works for
+# one job at a time, and a few more cover the jobs it has just left.
+REPLICAS = 4

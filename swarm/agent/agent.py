@@ -28,24 +28,31 @@ import trio
 from swarm import __version__
 from swarm.agent.detached import DetachedRun, DetachedRuns
 from swarm.agent.early import EarlyMessages
+from swarm.agent.failover import Replica, elect, term_of
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.host import malloc
 from swarm.host.accelerator import accelerator, accelerator_memory
-from swarm.limits import EARLY_AGE, EARLY_BYTES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX
+from swarm.limits import EARLY_AGE, EARLY_BYTES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX, REPLICA_BYTES, REPLICAS
 from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection, connect_peer, parse_endpoint
 from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.net.peer import serve_peers
 from swarm.net.ratelimit import LogLimiter
 from swarm.errors import SwarmError
 from swarm.wire import (PROTOCOL_VERSION, DetachAnswer, DetachChunk, DetachList, DetachRead, DetachStop, DetachSubmit,
-                        Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobStart, JobState, JobStop, Limits, Ping,
-                        Pong, RemoteProtocolError, Watch)
+                        Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobReplica, JobStart, JobState, JobStop,
+                        Limits, Ping, Pong, RemoteProtocolError, ReplicaQuery, ReplicaState, Watch)
 
 log = logging.getLogger("swarm.agent")
 
 DEFAULT_PORT = 4750
 MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
 MAX_NAME = 128           # longest job id or job kind
+# A job's coordinator is gone (and, with a replica of it here, a successor is elected) when
+# no connection to it has been open for COORDINATOR_GONE_S, or nothing came from it for
+# COORDINATOR_SILENT_S (a busy device's heartbeat deadline and probe, as the coordinator
+# gives its devices: swarm/cluster/membership.py).
+COORDINATOR_GONE_S, COORDINATOR_SILENT_S = 1.0, 4.0
+ELECTION_S = 2.0         # how long the other replica holders have to say which replica they hold
 
 
 @dataclass
@@ -92,6 +99,7 @@ class Peer:
         self.scope: trio.CancelScope | None = None  # the conversation's: cancelling it ends the connection
         self.watch_interval = 0.0
         self.watching = False
+        self.last_heard = trio.current_time()
         self.heartbeat_seq = 0
 
     @property
@@ -130,6 +138,7 @@ class AgentJob:
         self.nursery: trio.Nursery | None = None
         self.links: list[PeerConnection] = []
         self.coordinator_changed = trio.Event()
+        self.elected_in: int | None = None  # the replica term whose coordinator this agent replaced
 
     @property
     def epoch(self) -> int:
@@ -158,6 +167,9 @@ class Agent:
         self._early = EarlyMessages(config.early_messages, config.early_bytes, config.early_age, self._refuse,
                                     self._lines)
         # training runs this agent coordinates for users who went away (`swarm train --detach`)
+        self.replicas: dict[str, Replica] = {}  # job id -> the newest coordinator replica of that job
+        self._asked: dict[int, tuple[trio.Event, list]] = {}  # seq of a ReplicaQuery -> (answered, [answer])
+        self._seq = 0
         self.detached = DetachedRuns(Path(config.state_dir) / "runs", config.name, config.check_run_flags,
                                      self._run_command) if config.state_dir and config.check_run_flags else None
 
@@ -230,6 +242,7 @@ class Agent:
     async def _converse(self, conn: PeerConnection, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read one connection until it ends, dispatching each message."""
         peer = Peer(conn, self.config.outbox, self._outbox_full)
+        conn.on_activity = lambda: setattr(peer, "last_heard", trio.current_time())  # bytes, not whole messages
         self._peers.setdefault(peer.node_id, []).append(peer)
         job = self.job
         if job is not None and peer.node_id == job.coordinator_id:
@@ -293,8 +306,110 @@ class Agent:
             self._deliver(peer.node_id, message)
         elif isinstance(message, (DetachSubmit, DetachList, DetachStop, DetachRead)):
             await self._detached_request(peer, message)
+        elif isinstance(message, JobReplica):
+            self._keep_replica(peer, message)
+        elif isinstance(message, ReplicaQuery):
+            held = self.replicas.get(message.job_id)
+            peer.reply(ReplicaState(message.seq, message.job_id[:MAX_NAME], *(held.version if held else (-1, -1))))
+        elif isinstance(message, ReplicaState):
+            asked = self._asked.get(message.seq)
+            if asked is not None and not asked[0].is_set():
+                asked[1].append((peer.node_id, message))
+                asked[0].set()
         else:
             self._lines.log(logging.DEBUG, "ignored", "ignoring %s from node %s", type(message).__name__, peer.node_id)
+
+    # -- coordinator fail-over (swarm/agent/failover.py) -------------------------------
+
+    def _keep_replica(self, peer: Peer, msg: JobReplica) -> None:
+        """Keep the newest replica of the job this agent holds, sent by that job's coordinator."""
+        import msgpack
+
+        job = self.job
+        why = None
+        if job is None or job.job_id != msg.job_id or peer.node_id != job.coordinator_id:
+            why = "it does not come from the coordinator of the job held here"
+        elif len(msgpack.packb(msg.body, default=lambda _: b"")) > REPLICA_BYTES:
+            why = f"it is over {REPLICA_BYTES} bytes"
+        else:
+            try:
+                replica = Replica.from_body(msg.body)
+            except ValueError as exc:
+                why = str(exc)
+            else:
+                held = self.replicas.get(msg.job_id)
+                if replica.version != (msg.term, msg.step) or replica.job_id != msg.job_id:
+                    why = "its term or step differs from its body's"
+                elif held is None or replica.version >= held.version:
+                    self.replicas.pop(msg.job_id, None)
+                    self.replicas[msg.job_id] = replica
+                    while len(self.replicas) > REPLICAS:
+                        del self.replicas[next(iter(self.replicas))]
+                    return
+                else:
+                    why = f"a newer one (term {held.term}, step {held.step}) is held"
+        self._lines.log(logging.WARNING, "replica", "refused a replica of job %.40s from node %s: %s", msg.job_id,
+                        peer.node_id, why)
+
+    async def _coordinator_watch(self, job: AgentJob) -> None:
+        """With a replica of the job's coordinator here: when that coordinator is gone, elect its
+        successor with the other holders, and if it is this agent, start it."""
+        gone_since = None
+        while True:
+            await trio.sleep(0.1)
+            replica = self.replicas.get(job.job_id)
+            if replica is None or replica.term == job.elected_in or self.detached is None:
+                gone_since = None
+                continue
+            now = trio.current_time()
+            peer = self._coordinator(job)
+            if peer is not None and now - peer.last_heard < COORDINATOR_SILENT_S:
+                gone_since = None
+                continue
+            gone_since = now if gone_since is None else gone_since
+            if peer is None and now - gone_since < COORDINATOR_GONE_S:
+                continue
+            job.elected_in = replica.term
+            await self._elect(job, replica)
+
+    async def _elect(self, job: AgentJob, replica: Replica) -> None:
+        versions = {self.node_id: replica.version}
+        holders = {replica.devices[name]["node_id"]: replica.devices[name]["address"]
+                   for name in replica.devices if replica.devices[name]["node_id"] in replica.holders}
+
+        async def ask(node_id: str, address: str) -> None:
+            self._seq += 1
+            seq = self._seq
+            answered, answer = self._asked[seq] = (trio.Event(), [])
+            try:
+                with trio.move_on_after(ELECTION_S):
+                    conn = await self.open_link(address, node_id)
+                    await conn.send(ReplicaQuery(seq, job.job_id))
+                    await answered.wait()
+                    sender, state = answer[0]
+                    if sender == node_id and state.job_id == job.job_id and state.term >= 0:
+                        versions[node_id] = (state.term, state.step)
+            except (OSError, ConnectionLost, SwarmError):
+                pass  # a holder that cannot be reached is no survivor
+            finally:
+                self._asked.pop(seq, None)
+
+        async with trio.open_nursery() as nursery:
+            for node_id, address in holders.items():
+                if node_id != self.node_id:
+                    nursery.start_soon(ask, node_id, address)
+        successor = elect(versions)
+        self._lines.log(logging.WARNING, "election", "coordinator of job %s (run %s) is gone; replicas held: %s; "
+                        "successor: node %s", job.job_id, replica.run_id,
+                        ", ".join(f"{n} {t}/{s}" for n, (t, s) in sorted(versions.items())), successor)
+        if successor != self.node_id:
+            return
+        try:
+            run = self.detached.take_over(replica)
+        except (SwarmError, OSError) as exc:
+            self._lines.log(logging.ERROR, "election", "cannot take over run %s: %s", replica.run_id, exc)
+            return
+        self._detached_nursery.start_soon(self.detached.watch, run)
 
     # -- detached runs ----------------------------------------------------------------
 
@@ -310,7 +425,10 @@ class Agent:
         this agent does."""
         network = self.config.network
         argv = [sys.executable, "-m", "swarm", "train", *run.args, "--save", str(run.folder / "checkpoint.pt"),
-                "--metrics", str(run.folder / "metrics.jsonl"), "--state-dir", str(self.config.state_dir)]
+                "--metrics", str(run.folder / "metrics.jsonl"), "--state-dir", str(self.config.state_dir),
+                "--run-id", run.job_id]
+        if (run.folder / "replica.json").exists():  # a successor (swarm/agent/failover.py)
+            argv += ["--take-over", str(run.folder / "replica.json")]
         if network.pinned:
             argv += ["--interface", network.interface]
         if self.config.peers:
@@ -437,6 +555,9 @@ class Agent:
             msg.job_id = msg.job_id[:MAX_NAME]  # the reply need not carry all of a megabyte-long id back
         elif job is not None and job.job_id != msg.job_id:
             refuse = f"busy with job {job.job_id} of coordinator {job.coordinator_id}"
+        elif job is not None and term_of(msg.epoch) < term_of(job.epoch):
+            refuse = (f"fenced: a coordinator of term {term_of(job.epoch)} has taken the job over (this one's term is "
+                      f"{term_of(msg.epoch)})")
         elif job is not None and msg.epoch < job.epoch:
             refuse = f"epoch {msg.epoch} is older than the job's epoch {job.epoch}"
         elif runner is None and refuse is None:
@@ -517,6 +638,7 @@ class Agent:
                     job.nursery = nursery
                     nursery.start_soon(self._job_heartbeats, job)
                     nursery.start_soon(self._orphan_watch, job)
+                    nursery.start_soon(self._coordinator_watch, job)
                     task_status.started()
         finally:
             with trio.CancelScope(shield=True):  # all at once: each may wait up to a second on a cut peer

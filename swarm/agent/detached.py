@@ -46,6 +46,7 @@ class DetachedRun:
     model: str
     steps: int | None  # as asked (None: --epochs, known once the run says)
     started: float
+    term: int = 0  # the coordinator's term (swarm/agent/failover.py): 1 and up for a successor
     state: str = "running"  # running, done, failed, stopped, lost
     detail: str = ""
     process: subprocess.Popen | None = field(default=None, repr=False)
@@ -73,7 +74,8 @@ class DetachedRuns:
         for folder in self.root.iterdir():
             try:
                 meta = json.loads((folder / "run.json").read_text())
-                run = DetachedRun(folder.name, folder, meta["args"], meta["model"], meta["steps"], meta["started"])
+                run = DetachedRun(folder.name, folder, meta["args"], meta["model"], meta["steps"], meta["started"],
+                                  meta.get("term", 0))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             try:
@@ -100,16 +102,34 @@ class DetachedRuns:
         job_id = secrets.token_hex(3)
         while job_id in self.runs:
             job_id = secrets.token_hex(3)
-        folder = self.root / job_id
-        folder.mkdir(parents=True)
-        run = DetachedRun(job_id, folder, list(args), parsed.model or "yolov2-16", parsed.steps, time.time())
-        (folder / "run.json").write_text(json.dumps({"args": run.args, "model": run.model, "steps": run.steps,
-                                                     "started": run.started}))
+        return self._start(DetachedRun(job_id, self.root / job_id, list(args), parsed.model or "yolov2-16",
+                                       parsed.steps, time.time()))
+
+    def take_over(self, replica) -> DetachedRun:
+        """Start the successor of a run whose coordinator was lost, from its replica
+        (swarm/agent/failover.py): the same run id, the next term."""
+        parsed = self.check_flags(replica.flags)
+        old = self.runs.get(replica.run_id)
+        if old is not None:
+            if old.state == "running":
+                raise SwarmError(f"run {replica.run_id} is running here already")
+            shutil.rmtree(old.folder, ignore_errors=True)  # a term of it this agent coordinated before
+        self._forget_old()
+        run = DetachedRun(replica.run_id, self.root / replica.run_id, list(replica.flags), parsed.model or "yolov2-16",
+                          parsed.steps, time.time(), replica.term + 1)
+        run.folder.mkdir(parents=True)
+        (run.folder / "replica.json").write_text(json.dumps(replica.to_body()))
+        return self._start(run)
+
+    def _start(self, run: DetachedRun) -> DetachedRun:
+        run.folder.mkdir(parents=True, exist_ok=True)
+        (run.folder / "run.json").write_text(json.dumps({"args": run.args, "model": run.model, "steps": run.steps,
+                                                         "started": run.started, "term": run.term}))
         argv, env = self.command_for(run)
-        with open(folder / FILES["log"], "ab") as log:
+        with open(run.folder / FILES["log"], "ab") as log:
             run.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                           cwd=folder, preexec_fn=_die_with_parent)
-        self.runs[job_id] = run
+                                           cwd=run.folder, preexec_fn=_die_with_parent)
+        self.runs[run.job_id] = run
         return run
 
     def _forget_old(self) -> None:
@@ -188,7 +208,7 @@ class DetachedRuns:
         return {"id": run.job_id, "model": run.model, "step": int(latest.get("step", 0)), "steps": steps,
                 "samples_per_s": float(latest.get("samples_per_s", 0.0)), "devices": int(latest.get("devices", 1)),
                 "state": run.state + (" (stopping)" if run.stop_asked and run.state == "running" else ""),
-                "node": self.node_name, "detail": run.detail, "started": run.started}
+                "node": self.node_name, "detail": run.detail, "started": run.started, "term": run.term}
 
     def read(self, job_id: str, what: str, offset: int) -> tuple[str, int, bytes]:
         """(version, total bytes, up to DETACH_CHUNK bytes from `offset`) of the run's log or

@@ -229,6 +229,7 @@ class Roster:
             await conn.send(Ping(ping))
             await conn.send(InfoRequest())
             await conn.send(Watch(self.heartbeat_interval))
+            self._nursery.start_soon(self._beat, conn)  # ends when the connection does
             async for message in conn:
                 if isinstance(message, Pong) and message.seq == ping:
                     device.rtt = trio.current_time() - sent_at
@@ -246,6 +247,19 @@ class Roster:
             await conn.aclose()
             self.membership.lost(node_id, "its connection closed")
             self._touch()
+
+    async def _beat(self, conn) -> None:
+        """A Ping whenever nothing else went to the agent for a heartbeat interval: the agents of
+        a job see that its coordinator is alive (swarm/agent/failover.py)."""
+        try:
+            while not conn.closed:
+                quiet = trio.current_time() - conn.last_sent
+                if quiet >= self.heartbeat_interval:
+                    await conn.send(Ping(0))
+                    quiet = 0.0
+                await trio.sleep(self.heartbeat_interval - quiet)
+        except ConnectionLost:
+            pass
 
     def _on_message(self, device: Member, message) -> None:
         if isinstance(message, Info):

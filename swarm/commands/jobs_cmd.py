@@ -17,6 +17,7 @@ COLUMNS = ("ID", "MODEL", "STEP", "SAMPLES/S", "DEVICES", "STATE", "COORDINATOR"
 FOLLOW_S = 0.5  # how often `swarm logs -f` asks for more of the log
 STOP_WAIT_S = 60.0  # how long `swarm stop` waits to say the run has stopped
 ASK_S = 10.0  # how long an agent has to answer one request
+FOLLOW_NEXT_S = 60.0  # how long `swarm logs -f` looks for the next coordinator of a run whose one is gone
 
 
 def _common(p) -> None:
@@ -115,23 +116,38 @@ async def list_runs(cluster, devices) -> list[tuple[object, dict]]:
     return sorted(found, key=lambda f: -f[1].get("started", 0))
 
 
-async def find_run(cluster, job_id: str, wait: float):
-    """(device, run) of the agent that coordinates run `job_id`: each agent is asked as it
-    appears, for up to `wait` seconds (at least long enough to reach those already known)."""
+async def find_run(cluster, job_id: str, wait: float, newer_than: int = -1):
+    """(device, run) of the agent that coordinates run `job_id` (of the newest term, after a
+    fail-over, and newer than term `newer_than`): each agent is asked as it appears, for up to
+    `wait` seconds (at least long enough to reach those already known)."""
     import trio
 
     asked: set[str] = set()
+    best = None
     deadline = trio.current_time() + max(wait, 2.0)
     while True:
         fresh = [d for d in cluster.alive() if d.node_id not in asked]
         asked |= {d.node_id for d in fresh}
         for device, run in await list_runs(cluster, fresh):
-            if run.get("id") == job_id:
-                return device, run
+            if run.get("id") == job_id and run.get("term", 0) > newer_than and \
+                    (best is None or run.get("term", 0) > best[1].get("term", 0)):
+                best = device, run
+        if best is not None and not fresh:
+            return best
         if trio.current_time() >= deadline:
             names = ", ".join(sorted(d.name for d in cluster.alive())) or "none"
             raise SwarmError(f"no agent knows a run {job_id} (asked: {names}); `swarm jobs` lists the runs")
         await trio.sleep(0.1)
+
+
+def newest_terms(runs: list[dict]) -> list[dict]:
+    """Each run once: the term of its newest coordinator (an older one may be listed by an
+    agent that came back after a fail-over)."""
+    newest: dict[str, dict] = {}
+    for run in runs:
+        if run["id"] not in newest or run.get("term", 0) > newest[run["id"]].get("term", 0):
+            newest[run["id"]] = run
+    return [run for run in runs if newest[run["id"]] is run]
 
 
 # -- swarm train --detach -------------------------------------------------------------------
@@ -191,7 +207,7 @@ async def _jobs(args, cluster) -> int:
     import trio
 
     await trio.sleep(args.wait)
-    runs = [run for _, run in await list_runs(cluster, cluster.alive())]
+    runs = newest_terms([run for _, run in await list_runs(cluster, cluster.alive())])
     if args.json:
         print(json.dumps(runs, indent=2))
     elif runs:
@@ -222,11 +238,22 @@ async def _logs(args, cluster) -> int:
 
     from swarm.wire import DetachRead
 
-    device, _ = await find_run(cluster, args.job, args.wait)
+    device, run = await find_run(cluster, args.job, args.wait)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     offset = 0
     while True:
-        chunk = await ask(cluster, device, DetachRead(0, args.job, "log", offset))
+        try:
+            chunk = await ask(cluster, device, DetachRead(0, args.job, "log", offset))
+        except SwarmError as exc:
+            if not args.follow:
+                raise
+            # its coordinator's device is gone: follow the run to the successor the agents elect
+            print(f"-- {device.name}, coordinating run {args.job}, is gone ({exc}); following the run to its next "
+                  f"coordinator --", flush=True)
+            device, run = await find_run(cluster, args.job, FOLLOW_NEXT_S, newer_than=run.get("term", 0))
+            print(f"-- run {args.job} is now coordinated by {device.name} --", flush=True)
+            decoder, offset = codecs.getincrementaldecoder("utf-8")("replace"), 0
+            continue
         if chunk.data:
             sys.stdout.write(decoder.decode(chunk.data))
             sys.stdout.flush()

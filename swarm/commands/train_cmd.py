@@ -97,6 +97,9 @@ def add_parser(sub) -> None:
                    "fetch`); paths given (--data, --resume, --weights, --plan) are read on that agent's device")
     p.add_argument("--coordinator", metavar="NAME", help="with --detach: the agent that coordinates the run "
                    "(default: the least loaded)")
+    # set by the agent that coordinates a detached run: its id, and a lost coordinator's replica to carry on from
+    p.add_argument("--run-id", help=argparse.SUPPRESS)
+    p.add_argument("--take-over", metavar="REPLICA", help=argparse.SUPPRESS)
     add_network_args(p)
     add_token_args(p)
     p.set_defaults(run=run)
@@ -105,7 +108,7 @@ def add_parser(sub) -> None:
 # Flags that concern this command, not the run: not handed to a detached run's coordinator,
 # which sets these itself, and --save and --metrics (where the run writes).
 CLIENT_FLAGS = ("help", "detach", "coordinator", "interface", "peers", "state_dir", "token_file")
-AGENT_FLAGS = ("save", "metrics", *CLIENT_FLAGS[1:])
+AGENT_FLAGS = ("save", "metrics", "run_id", "take_over", *CLIENT_FLAGS[1:])
 
 
 class FlagError(SwarmError):
@@ -151,7 +154,7 @@ def run_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for action in train_parser()._actions:
         value = getattr(args, action.dest, action.default)
-        if action.dest in CLIENT_FLAGS or value is None or value == action.default:
+        if action.dest in AGENT_FLAGS or value is None or value == action.default:
             continue
         flag = next(s for s in action.option_strings if s.startswith("--"))
         flags += [flag] if action.nargs == 0 else [flag, str(value)]
@@ -252,7 +255,8 @@ def runner_for(args: argparse.Namespace, log):
                            local_save_every=args.save_every, recovery=args.recovery,
                            save_path=args.save or args.resume or f"swarm-{Path(args.model or 'yolov2-16').stem}.pt",
                            interface=args.interface, peers=args.peers, state_dir=args.state_dir,
-                           token_file=args.token_file)
+                           token_file=args.token_file, run_id=args.run_id, take_over=args.take_over,
+                           run_flags=run_flags(args) if args.run_id else [])
     return LocalTrainer, SwarmRunner(options, log, fallback=run_local_steps)
 
 

@@ -109,6 +109,14 @@ class TrainingCoordinator:
         self.recoveries: list[Recovery] = []
         self.replay_until = 0  # steps below this are being run again
         self.joined: set[str] = set()  # devices that (re)appeared and may be taken in
+        self.replicate = None  # async (): the state a successor needs, sent to the agents (failover.py)
+
+    def take_over(self, epoch: int, step: int, holdings: dict[str, set[int]]) -> None:
+        """Carry on a run whose coordinator was lost: its newest complete backup is at `step`,
+        `holdings` says who holds which layers there, and `epoch` is the first of this term."""
+        self.epoch = epoch - 1  # recover() starts the next epoch
+        self.committed = self.furthest = step
+        self.backups.step, self.backups.holdings = (step, holdings) if holdings else (None, {})
 
     # ---- epochs ------------------------------------------------------------------------
     async def start_epoch(self, plan: Plan, start: int, moves: list[Move]) -> None:
@@ -119,6 +127,8 @@ class TrainingCoordinator:
         self.layout = Layout(plan, self.trainer.desc, TileGeometry(plan, self.trainer.desc))
         self.backups.epoch_started(start, plan.used_devices())
         self.ep = await self.control.start_epoch(self.epoch, self.job)
+        if self.replicate is not None:
+            await self.replicate()
         own = [m for m in moves if m.src == COORDINATOR]
         if own:
             states = await trio.to_thread.run_sync(self._own_states)
@@ -164,11 +174,15 @@ class TrainingCoordinator:
                                    {"arrays": [targets[lo + s0:lo + s1].contiguous()]})
 
     # ---- the run -----------------------------------------------------------------------
-    async def run(self, total_steps: int, on_step=None) -> None:
+    async def run(self, total_steps: int, on_step=None, lost: set[str] | None = None) -> None:
         """Train from the trainer's step to `total_steps` (or until asked to stop), surviving
-        lost devices; then collect the weights into the trainer."""
-        await self.start_epoch(self.plan, self.committed,
-                               from_coordinator(self.plan, self.committed, len(self.trainer.desc.layers)))
+        lost devices; then collect the weights into the trainer. `lost`: the run is taken over
+        from a lost coordinator (take_over): first recover without these devices."""
+        if lost is None:
+            await self.start_epoch(self.plan, self.committed,
+                                   from_coordinator(self.plan, self.committed, len(self.trainer.desc.layers)))
+        else:
+            await self.recover(lost)
         while True:
             lost: set[str] = set()
             async with trio.open_nursery() as nursery:
@@ -232,7 +246,10 @@ class TrainingCoordinator:
             for r in self.recoveries:
                 if r.resumed_at is None:
                     r.resumed_at = trio.current_time()
+            backed_up = self.backups.step
             await self.backups.take_acks(self.ep, self.plan)
+            if self.replicate is not None and self.backups.step != backed_up:
+                await self.replicate()
             if on_step is not None:
                 on_step(StepReport(self.committed, loss, time.monotonic() - t0, busy, times, self.epoch,
                                    self.committed <= self.replay_until))
@@ -280,6 +297,10 @@ class TrainingCoordinator:
         dead = (set(self.plan.used_devices()) - alive) | lost
         self.joined |= lost & alive  # lost for a broken link, it still answers: taken in again at a backup step
         survivors = [d for d in self.plan.used_devices() if d not in dead]
+        if not survivors and self.replicate is not None:
+            raise SwarmError(f"cut off from every device of the plan ({', '.join(sorted(dead))}) after step "
+                             f"{self.committed}: the agents holding this run's replica elect another coordinator, "
+                             f"which carries the run on; this one gives up")
         if not survivors:
             raise SwarmError(f"lost every device of the plan ({', '.join(sorted(dead))}); training stopped after "
                              f"step {self.committed}")

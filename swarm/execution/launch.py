@@ -19,6 +19,7 @@ from planner.memory_fit import describe as describe_overflows
 from planner.memory_fit import memory_overflows
 from planner.plan import Plan, PlanError
 from swarm.agent import DEFAULT_PORT
+from swarm.agent.failover import Replica, first_epoch, term_of
 from swarm.cluster import JobError, open_roster
 from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.errors import SwarmError, run_trio
@@ -29,7 +30,8 @@ from swarm.execution.worker import JobSpec
 from swarm.host.state import find_token, process_id, state_dir_from
 from swarm.local.checkpoint import save_checkpoint
 from swarm.local.trainer import SAVE_EVERY_S
-from swarm.net import ConnectionLost, Credentials, parse_peers, resolve_network
+from swarm.net import ConnectionLost, Credentials, parse_endpoint, parse_peers, resolve_network
+from swarm.wire import JobReplica
 from swarm.profiling.bandwidth import measure_bandwidth
 from swarm.profiling.profiler import profile_devices
 from swarm.profiling.survey import offered_accelerators
@@ -41,6 +43,7 @@ from tiles.layout import tileable_prefix
 STOP_GRACE_S = 5.0
 RELEASE_S = 3.0  # how long the devices have to confirm they let go of the job at the end
 LINK_WATCH_S = 0.2  # how often the coordinator looks at its connections to the epoch's devices
+REPLICA_WAIT_S = 10.0  # how long a successor waits for the devices of the run it takes over
 
 
 @dataclass
@@ -68,6 +71,9 @@ class SwarmOptions:
     save_path: str | None = None
     local_save_every: int = 0  # --save-every when the run stays on this machine
     recovery: str = "auto"  # after a lost device: auto | light | heavy (see TrainingCoordinator)
+    run_id: str | None = None  # a detached run's id: its state is replicated to the agents (failover.py)
+    take_over: str | None = None  # a lost coordinator's replica (a JSON file): carry its run on
+    run_flags: list[str] | None = None  # the detached run's `swarm train` flags, for the replica
 
 
 def unique_names(devices) -> dict[str, object]:
@@ -142,6 +148,14 @@ class SwarmRunner:
         # Training devices are busy: a heartbeat may come late without the device being gone.
         async with open_roster(credentials, network, peers=peers, heartbeat_interval=o.heartbeat_s,
                                 suspect_after=o.suspect_after_s, probe_timeout=o.probe_timeout_s) as cluster:
+            if o.take_over:
+                replica = read_replica(o.take_over)
+                names = await self._find_replica_devices(cluster, replica)
+                self.plan = Plan.from_dict(replica.plan)
+                self.log(f"taking over run {replica.run_id} from its lost coordinator (term {replica.term + 1}) at the "
+                         f"backup of step {replica.step}, with {', '.join(sorted(names)) or 'no device'}")
+                await self._run_job(cluster, names, self.plan, trainer, train_set, total, report, replica)
+                return False
             found = await self._find(cluster)
             if not found:
                 if o.strategy == "auto":
@@ -158,6 +172,22 @@ class SwarmRunner:
             self.log(describe_plan(plan))
             await self._run_job(cluster, names, plan, trainer, train_set, total, report)
         return False
+
+    async def _find_replica_devices(self, cluster, replica: Replica) -> dict:
+        """Name -> Member of the replica's devices that answer: reached at their addresses, and
+        waited for (all but the lost coordinator's) up to REPLICA_WAIT_S."""
+        for d in replica.devices.values():
+            host, port = parse_endpoint(d["address"], DEFAULT_PORT)
+            cluster.add_endpoint(host, port, node_id=d["node_id"])
+        wanted = {n: d["node_id"] for n, d in replica.devices.items() if d["node_id"] != replica.coordinator}
+
+        def answering() -> dict:
+            return {n: cluster.device(node) for n, node in replica_nodes(replica).items()
+                    if cluster.device(node) is not None and cluster.device(node).health == "alive"}
+        with trio.move_on_after(REPLICA_WAIT_S):
+            while not set(wanted) <= set(answering()):
+                await trio.sleep(0.1)
+        return answering()
 
     async def _find(self, cluster) -> list:
         o = self.options
@@ -251,12 +281,14 @@ class SwarmRunner:
         strategy = "tiles" if tileable_prefix(desc) > 0 else "pp"
         return simple_plan(strategy, desc, names, cfg.batch_size, cfg.microbatches, facts=facts)
 
-    async def _run_job(self, cluster, names: dict, plan: Plan, trainer, train_set, total: int, report) -> None:
+    async def _run_job(self, cluster, names: dict, plan: Plan, trainer, train_set, total: int, report,
+                       replica: Replica | None = None) -> None:
         o = self.options
         async with trio.open_nursery() as nursery:
             # --devices N or a given plan: at most that many devices, however many more answer
             limit = o.devices or (len(plan.used_devices()) if o.plan_path else None)
-            control = RosterControl(cluster, f"train-{uuid.uuid4().hex[:8]}", names, nursery, self.log, limit)
+            job_id = replica.job_id if replica else f"train-{uuid.uuid4().hex[:8]}"
+            control = RosterControl(cluster, job_id, names, nursery, self.log, limit)
             job = JobSpec(plan, trainer.cfg, trainer.cfg_text, o.timeout_s, backup_interval=o.backup_interval)
             save_hook = self._save_hook(trainer)
             coordinator = TrainingCoordinator(control, job, trainer, train_set, strategy=self.strategy_for_replan(),
@@ -264,6 +296,14 @@ class SwarmRunner:
                                               save_hook=save_hook, log=self.log, recovery=o.recovery)
             coordinator.should_stop = lambda: self.stopping
             self.coordinator = coordinator
+            lost = None
+            if replica is not None:
+                control.ever_in_plan |= set(replica.devices)
+                coordinator.take_over(first_epoch(replica.term + 1), replica.step,
+                                      {d: set(layers) for d, layers in replica.holdings.items()})
+                lost = {n for n, node in replica_nodes(replica).items() if node == replica.coordinator} - set(names)
+            if o.run_id:
+                coordinator.replicate = lambda: self._replicate(cluster, control, coordinator)
 
             def on_step(r: StepReport) -> None:
                 if self.stopping:  # the stopping step committed: its weights come back before the run ends
@@ -277,11 +317,28 @@ class SwarmRunner:
                         "epoch": r.epoch, "replayed": r.replayed, "devices": len(used)})
 
             try:
-                await coordinator.run(total, on_step)
+                await coordinator.run(total, on_step, lost)
             finally:
                 with trio.CancelScope(shield=True):
                     await control.release()
             nursery.cancel_scope.cancel()
+
+    async def _replicate(self, cluster, control: RosterControl, coordinator: TrainingCoordinator) -> None:
+        """Send what a successor needs (failover.Replica) to the agents of the plan but this
+        device's own (it goes with this coordinator)."""
+        o = self.options
+        own = cluster.credentials.node_id.split("~")[0]  # this device's agent (host.state.process_id)
+        devices = {n: {"node_id": d.node_id, "address": f"{d.address}:{d.port}"} for n, d in control.names.items()}
+        holders = [devices[n]["node_id"] for n in coordinator.plan.used_devices() if devices[n]["node_id"] != own]
+        backups = coordinator.backups
+        held = {d: sorted(layers) for d, layers in backups.holdings.items()} if backups.step is not None else {}
+        replica = Replica(o.run_id, control.job_id, term_of(coordinator.epoch), coordinator.epoch, backups.step or 0,
+                          held, coordinator.plan.to_dict(), devices, list(o.run_flags or []), own, holders)
+        for node_id in holders:
+            try:
+                await cluster.send(node_id, JobReplica(control.job_id, replica.term, replica.step, replica.to_body()))
+            except (SwarmError, ConnectionLost):
+                pass  # a device that cannot be reached now is being lost: the next replica goes to the survivors
 
     def _save_hook(self, trainer):
         """Writes the checkpoint once the coordinator holds the collected weights (or None)."""
@@ -321,6 +378,20 @@ class SwarmRunner:
     def _stop_now(self) -> None:
         self.interrupted = True
         self.run_scope.cancel()
+
+
+def read_replica(path: str) -> Replica:
+    import json
+
+    try:
+        return Replica.from_body(json.loads(open(path).read()))
+    except (OSError, ValueError) as exc:
+        raise SwarmError(f"cannot read the replica {path}: {exc}") from None
+
+
+def replica_nodes(replica: Replica) -> dict[str, str]:
+    """Device name -> node id of every device of the replica's run."""
+    return {n: d["node_id"] for n, d in replica.devices.items()}
 
 
 def busy_hint(reasons) -> str:
@@ -454,6 +525,9 @@ class RosterControl:
                 why[n] = str(exc) or "no answer in time"
                 self.log(f"{n} could not take its part: {why[n]}")
                 lost.add(n)
+        fenced = [why[n] for n in sorted(lost) if why[n].startswith("fenced")]
+        if fenced:
+            raise SwarmError(f"another coordinator has taken this run over ({fenced[0]}); this one gives up")
         if lost and lost == set(used):  # nothing to re-plan onto: say why rather than "lost every device"
             raise SwarmError("no device could take its part of the run: "
                              + "; ".join(f"{n}: {why[n]}" for n in sorted(lost))

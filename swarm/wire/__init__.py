@@ -8,14 +8,14 @@ from swarm.wire.frames import FrameDecoder, Limits, encode_frame
 from swarm.wire.handshake import CLIENT, SERVER
 from swarm.wire.messages import (MAGIC, MESSAGES, PROTOCOL_VERSION, Auth, DetachAnswer, DetachChunk, DetachList,
                                  DetachRead, DetachStop, DetachSubmit, Goodbye, Heartbeat, Hello, Info,
-                                 InfoRequest, JobAssign, JobData, JobRelease, JobStart, JobState, JobStop, Ping,
-                                 Pong, Tensor, Watch, channel_of, from_wire, message, to_wire)
+                                 InfoRequest, JobAssign, JobData, JobRelease, JobReplica, JobStart, JobState, JobStop,
+                                 Ping, Pong, ReplicaQuery, ReplicaState, Tensor, Watch, channel_of, from_wire, message, to_wire)
 
 __all__ = [
     "NEED_DATA", "Authenticated", "Closed", "Connection", "LocalProtocolError", "ProtocolError",
     "RemoteProtocolError", "FrameDecoder", "Limits", "encode_frame", "CLIENT", "SERVER", "MAGIC", "MESSAGES",
     "PROTOCOL_VERSION", "Auth", "DetachAnswer", "DetachChunk", "DetachList", "DetachRead", "DetachStop",
     "DetachSubmit", "Goodbye", "Heartbeat", "Hello", "Info", "InfoRequest", "JobAssign", "JobData",
-    "JobRelease", "JobStart", "JobState", "JobStop", "Ping", "Pong", "Tensor", "Watch", "channel_of",
+    "JobRelease", "JobReplica", "JobStart", "JobState", "JobStop", "Ping", "Pong", "ReplicaQuery", "ReplicaState", "Tensor", "Watch", "channel_of",
     "from_wire", "message", "to_wire",
 ]

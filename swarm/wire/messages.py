@@ -30,8 +30,8 @@ import numpy as np
 
 from swarm.wire.faults import RemoteProtocolError
 
-PROTOCOL_VERSION = 4  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs;
-                      # 4: Info's accelerator memory
+PROTOCOL_VERSION = 5  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs;
+                      # 4: Info's accelerator memory; 5: coordinator replicas and elections
 MAGIC = "swarm"
 
 MESSAGES: dict[int, type] = {}  # code -> message class
@@ -177,6 +177,32 @@ class JobState:
     state: str
     detail: str
     result: dict | None
+
+
+@message(25)
+class JobReplica:
+    """Coordinator -> agent: the coordinator's state for a successor (swarm/agent/failover.py
+    Replica), at `term` and backup `step`; an agent keeps the newest of each job."""
+    job_id: str
+    term: int
+    step: int
+    body: dict
+
+
+@message(26)
+class ReplicaQuery:
+    """Agent -> agent, when a job's coordinator is gone: which replica of `job_id` do you hold?"""
+    seq: int
+    job_id: str
+
+
+@message(27)
+class ReplicaState:
+    """The answer to ReplicaQuery: the replica's term and step (-1, -1: none held)."""
+    seq: int
+    job_id: str
+    term: int
+    step: int
 
 
 # -- job data -------------------------------------------------------------------------

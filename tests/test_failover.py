@@ -1,0 +1,178 @@
+"""Coordinator fail-over without the testbed: the election rule, the replica an agent keeps
+(and the ones it refuses), the term epochs that fence a replaced coordinator, and an election
+among agents on loopback whose coordinator went away."""
+from __future__ import annotations
+
+import pytest
+import trio
+
+from swarm.agent import Agent, AgentConfig
+from swarm.agent.failover import TERM_EPOCHS, Replica, elect, first_epoch, term_of
+from swarm.cluster import JobError, open_roster
+from swarm.net import Credentials, resolve_network
+from swarm.wire import JobReplica, JobData, RemoteProtocolError, from_wire, to_wire
+
+TOKEN = "test-token-" + "x" * 20
+
+
+def replica(term=0, step=4, **changes) -> Replica:
+    fields = dict(run_id="abc123", job_id="train-1", term=term, epoch=first_epoch(term) + 2, step=step,
+                  holdings={"a1": [0, 1], "a2": [2, 3]}, plan={"stages": []},
+                  devices={f"a{i}": {"node_id": f"node{i}", "address": f"127.0.0.1:{4750 + i}"} for i in range(3)},
+                  flags=["--steps", "8"], coordinator="node0", holders=["node1", "node2"])
+    fields.update(changes)
+    return Replica(**fields)
+
+
+def test_the_successor_is_the_lowest_node_id_holding_the_newest_replica():
+    assert elect({"node2": (0, 4), "node1": (0, 4), "node3": (0, 4)}) == "node1"
+    assert elect({"node1": (0, 2), "node3": (0, 4), "node2": (0, 4)}) == "node2"  # node1's replica is older
+    assert elect({"node1": (0, 8), "node2": (1, 2)}) == "node2"  # a newer term beats a later step
+    assert elect({"node5": (0, 4)}) == "node5"
+    assert elect({}) is None
+
+
+def test_terms_split_the_epochs():
+    assert term_of(0) == 0 and term_of(TERM_EPOCHS - 1) == 0 and term_of(first_epoch(3) + 7) == 3
+    assert first_epoch(1) > first_epoch(0) + 10**6  # more re-plans than any coordinator makes
+
+
+def test_a_replica_from_the_wire_is_checked():
+    r = replica()
+    assert Replica.from_body(r.to_body()) == r
+    body = r.to_body()
+    wire = from_wire(to_wire(JobReplica("train-1", 0, 4, body)))
+    assert Replica.from_body(wire.body) == r
+    for bad in ({**body, "term": "0"}, {**body, "epoch": first_epoch(1)}, {**body, "devices": {"a0": {"node_id": 1}}},
+                {**body, "flags": [1]}, {**body, "extra": 1}, {k: v for k, v in body.items() if k != "plan"},
+                {**body, "step": -1}):
+        with pytest.raises(ValueError):
+            Replica.from_body(bad)
+    with pytest.raises(RemoteProtocolError):
+        from_wire([25, "train-1", 0, 4, ["not", "a", "dict"]])
+
+
+async def agents_in_a_job(n: int, job_id: str, epoch: int, nursery, cluster_node: str = "coordinator"):
+    """n agents on loopback (mDNS off), each holding `job_id` at `epoch` for a roster."""
+    network = resolve_network("lo")
+    agents = []
+    for i in range(n):
+        config = AgentConfig(name=f"a{i}", node_id=f"node{i}", token=TOKEN, network=network, port=0,
+                             advertise=False)
+        agents.append(await nursery.start(Agent(config).run))
+    return agents, [("127.0.0.1", a.port) for a in agents]
+
+
+@pytest.mark.trio
+async def test_an_agent_keeps_the_newest_replica_of_its_coordinator_only():
+    from swarm.agent.jobs import register_job_kind
+
+    async def wait_forever(ctx):
+        await trio.sleep_forever()
+
+    register_job_kind("wait", wait_forever)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            agents, peers = await agents_in_a_job(1, "train-1", 0, nursery)
+            agent = agents[0]
+            network = resolve_network("lo")
+            async with open_roster(Credentials("coordinator", TOKEN), network, peers=peers, discover=False) as c, \
+                    open_roster(Credentials("stranger", TOKEN), network, peers=peers, discover=False) as other:
+                await c.wait_for(1, timeout=10)
+                await other.wait_for(1, timeout=10)
+                job = c.job("train-1", epoch=2)
+                await job.assign("node0", "wait", {})
+                for sender, r in [(c, replica(step=4)), (c, replica(step=2)), (other, replica(step=6)),
+                                  (c, replica(step=5, job_id="train-2"))]:
+                    await sender.send("node0", JobReplica(r.job_id, r.term, r.step, r.to_body()))
+                await c.send("node0", JobReplica("train-1", 0, 9, replica(step=8).to_body()))  # says 9, holds 8
+                await c.send("node0", JobReplica("train-1", 0, 8, {"not": "a replica"}))
+                await trio.sleep(0.3)
+                assert list(agent.replicas) == ["train-1"] and agent.replicas["train-1"].step == 4
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_replaced_coordinator_is_fenced():
+    """Once an agent holds the job at the successor's term, the old coordinator's assignment
+    is refused, and its data is dropped."""
+    from swarm.agent.jobs import register_job_kind
+
+    async def wait_forever(ctx):
+        await trio.sleep_forever()
+
+    register_job_kind("wait", wait_forever)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            agents, peers = await agents_in_a_job(1, "train-1", 0, nursery)
+            network = resolve_network("lo")
+            async with open_roster(Credentials("old", TOKEN), network, peers=peers, discover=False) as old, \
+                    open_roster(Credentials("new", TOKEN), network, peers=peers, discover=False) as new:
+                await old.wait_for(1, timeout=10)
+                await new.wait_for(1, timeout=10)
+                await old.job("train-1", epoch=3).assign("node0", "wait", {})
+                await new.job("train-1", epoch=first_epoch(1)).assign("node0", "wait", {})
+                with pytest.raises(JobError, match="fenced: a coordinator of term 1 has taken the job over"):
+                    await old.job("train-1", epoch=4).assign("node0", "wait", {})
+                refused = agents[0].refused_messages
+                await old.send("node0", JobData("train-1", 4, "x", {}))
+                await trio.sleep(0.2)
+                assert agents[0].refused_messages == refused + 1
+                assert agents[0].job.coordinator_id == "new"
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_the_holders_elect_a_successor_when_the_coordinator_goes(tmp_path):
+    """Two agents hold the replica of a coordinator that goes away: the lower node id starts
+    the run's next term from the replica (its `swarm train --take-over`), the other does not."""
+    import sys
+
+    from swarm.agent.jobs import register_job_kind
+    from swarm.commands.train_cmd import check_detached_flags
+
+    async def wait_forever(ctx):
+        await trio.sleep_forever()
+
+    register_job_kind("wait", wait_forever)
+    network = resolve_network("lo")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            agents = []
+            for i in (1, 2):
+                config = AgentConfig(name=f"a{i}", node_id=f"node{i}", token=TOKEN, network=network, port=0,
+                                     advertise=False, state_dir=tmp_path / f"a{i}", check_run_flags=check_detached_flags)
+                agent = await nursery.start(Agent(config).run)
+                real = agent._run_command
+
+                def recorded(run, real=real):  # the command the agent would run, written down instead
+                    argv, env = real(run)
+                    return [sys.executable, "-c", "import sys; open('argv', 'w').write(' '.join(sys.argv[1:]))",
+                            *argv[4:]], env
+                agent.detached.command_for = recorded
+                agents.append(agent)
+            devices = {"a0": {"node_id": "node0", "address": "127.0.0.1:9"}}
+            devices.update({f"a{i}": {"node_id": a.node_id, "address": f"127.0.0.1:{a.port}"}
+                            for i, a in zip((1, 2), agents)})
+            r = replica(devices=devices)
+            async with open_roster(Credentials("node0~1-a", TOKEN), network, discover=False,
+                                   peers=[("127.0.0.1", a.port) for a in agents]) as coordinator:
+                await coordinator.wait_for(2, timeout=10)
+                job = coordinator.job("train-1", epoch=r.epoch)
+                for a in agents:
+                    await job.assign(a.node_id, "wait", {})
+                    await coordinator.send(a.node_id, JobReplica("train-1", 0, r.step, r.to_body()))
+                await trio.sleep(0.3)
+            # the coordinator is gone: its connections closed
+            while "abc123" not in agents[0].detached.runs:
+                await trio.sleep(0.1)
+            run = agents[0].detached.runs["abc123"]
+            while not (run.folder / "argv").exists():
+                await trio.sleep(0.1)
+            argv = (run.folder / "argv").read_text()
+            assert argv.startswith("--steps 8 ") and f"--take-over {run.folder / 'replica.json'}" in argv
+            assert "--run-id abc123" in argv and run.term == 1
+            assert Replica.from_body(__import__("json").loads((run.folder / "replica.json").read_text())) == r
+            await trio.sleep(0.5)
+            assert agents[1].detached.runs == {}
+            nursery.cancel_scope.cancel()
