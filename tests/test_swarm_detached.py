@@ -1,16 +1,20 @@
 """Detached runs on the namespace testbed (root): `swarm train --detach` hands the run to an
 agent and exits; the run goes on without it, and its checkpoint, brought home by `swarm
-fetch`, holds the weights of the same run on one machine (float64, as test_swarm_replay.py)."""
+fetch`, holds the weights of the same run on one machine (float64, as test_swarm_replay.py).
+When the coordinator's device is killed or cut off, the agents elect a successor, `swarm logs
+-f` follows the run there, and the weights are still those of the run on one machine."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from tests.conftest import namespace_testbed, run_swarm
+from tests.conftest import ROOT, namespace_testbed, run_swarm
 from tests.test_swarm_replay import worst
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow,
@@ -43,10 +47,15 @@ def swarm_on(device: str, *args, timeout=120):
     return run_swarm("testbed", "exec", device, "--", "swarm", *args, "--peers", peers, timeout=timeout)
 
 
-def run_of(device: str, job: str) -> dict | None:
+def records(device: str, job: str) -> list[dict]:
+    """Every agent's record of run `job` (one per coordinator term)."""
     r = swarm_on(device, "jobs", "--json", "--wait", "0.5")
     assert r.returncode == 0, r.stderr
-    return next((run for run in json.loads(r.stdout) if run["id"] == job), None)
+    return [run for run in json.loads(r.stdout) if run["id"] == job]
+
+
+def run_of(device: str, job: str) -> dict | None:
+    return max(records(device, job), key=lambda run: run["term"], default=None)
 
 
 def test_a_detached_run_outlives_its_command_and_ends_with_the_local_weights(bed, local_weights, tmp_path):
@@ -72,3 +81,94 @@ def test_a_detached_run_outlives_its_command_and_ends_with_the_local_weights(bed
     unknown = swarm_on("dev0", "logs", "0badid", "--wait", "1")
     assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1, unknown.stderr
     assert "no agent knows a run 0badid" in unknown.stderr
+
+
+FAILOVER_STEPS = 16
+LONG = [*FLAGS[:FLAGS.index("--steps")], "--steps", FAILOVER_STEPS, *FLAGS[FLAGS.index("--steps") + 2:],
+        "--backup-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def long_local_weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("local") / "long.pt"
+    r = run_swarm("train", "--strategy", "local", *LONG, "--save", path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return torch.load(path, weights_only=True)["model"]
+
+
+@pytest.fixture
+def bed4(monkeypatch):
+    monkeypatch.setenv("SWARM_PROGRESS_SECONDS", "0")  # the agents' runs log every step
+    yield from namespace_testbed(4)
+
+
+def failover_run(faults):
+    """Detach a pipeline run over the 4 devices, coordinated by dev1; follow it with `swarm logs
+    -f` from dev0 and do `swarm testbed ACTION DEVICE` for each (when, action, device) in turn
+    once a line of the log starts with `when` (or, for "next step", is a step after the run
+    moved to a new coordinator). DEVICE "worker" is a device neither dev0, dev1 nor the one
+    coordinating now. Returns (job, log lines, the device coordinating at the end)."""
+    from swarm.testbed import testbed
+
+    r = swarm_on("dev0", "train", "--detach", "--coordinator", "dev1", *LONG, "--strategy", "pp", "--devices", "4",
+                 "--wait", "30")
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip()
+    peers = ",".join(f"{d.address}:{d.port}" for d in testbed.load().devices)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    follow = subprocess.Popen([sys.executable, "-m", "swarm", "testbed", "exec", "dev0", "--", "swarm", "logs", job,
+                               "-f", "--peers", peers], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env)
+    lines, todo, now, moved = [], list(faults), "dev1", False
+    deadline = time.monotonic() + 180
+    try:
+        for line in follow.stdout:
+            lines.append(line)
+            if "is now coordinated by" in line:
+                now, moved = line.split("coordinated by ")[1].split()[0], True
+                continue
+            while todo and (line.startswith(todo[0][0]) or (todo[0][0] == "next step" and moved
+                                                             and line.startswith("step "))):
+                _, action, device = todo.pop(0)
+                if device == "worker":
+                    device = min({"dev2", "dev3"} - {now})
+                done = run_swarm("testbed", action, device)
+                assert done.returncode == 0, done.stderr
+                moved = False
+            assert time.monotonic() < deadline, "".join(lines)
+        follow.wait(timeout=30)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    log = "".join(lines)
+    assert not todo, f"the run ended before {todo[0][0]}:\n{log}"
+    assert follow.returncode == 0 and "Traceback" not in log, log
+    return job, log, now
+
+
+def check_final_weights(job: str, log: str, coordinator: str, weights, tmp_path) -> None:
+    assert f"trained yolov2-16 for {FAILOVER_STEPS} steps" in log, log
+    run = run_of("dev0", job)
+    assert (run["state"], run["node"], run["step"], run["term"]) == ("done", coordinator, FAILOVER_STEPS, 1), run
+    out = tmp_path / "fetched.pt"
+    fetched = swarm_on("dev0", "fetch", job, "--out", out)
+    assert fetched.returncode == 0, fetched.stderr
+    saved = torch.load(out, weights_only=True)
+    assert saved["step"] == FAILOVER_STEPS
+    assert worst(saved["model"], weights) < 1e-9
+
+
+def test_a_killed_coordinator_then_a_worker_and_the_run_ends_with_the_local_weights(bed4, long_local_weights,
+                                                                                    tmp_path):
+    job, log, now = failover_run([("step 4/", "kill", "dev1"), ("next step", "kill", "worker")])
+    assert "taking over run" in log and "rolling back to step" in log, log
+    assert now != "dev1" and log.count("lost dev") >= 2, log  # dev1 (by the successor), then the worker
+    check_final_weights(job, log, now, long_local_weights, tmp_path)
+
+
+def test_a_cut_off_coordinator_is_replaced_and_gives_up(bed4, long_local_weights, tmp_path):
+    job, log, now = failover_run([("step 4/", "cut", "dev1"), ("next step", "heal", "dev1")])
+    assert now != "dev1", log
+    check_final_weights(job, log, now, long_local_weights, tmp_path)
+    old = next(run for run in records("dev1", job) if run["node"] == "dev1")
+    assert (old["term"], old["state"]) == (0, "failed") and "this one gives up" in old["detail"], old

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("jobs", help="list detached training runs", description=(
         "List the training runs the agents coordinate (`swarm train --detach`): id, model, step, "
         "samples/s, devices, state, and the device coordinating each."))
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (every agent's record of "
+                   "each run: after a fail-over, the older coordinators' too, each with its term)")
     _common(p)
     p.set_defaults(run=run_jobs)
 
@@ -126,6 +127,9 @@ async def find_run(cluster, job_id: str, wait: float, newer_than: int = -1):
     best = None
     deadline = trio.current_time() + max(wait, 2.0)
     while True:
+        if newer_than >= 0 and not best:  # following a run to its next coordinator: it may start any moment
+            asked.clear()
+            await trio.sleep(FOLLOW_S)
         fresh = [d for d in cluster.alive() if d.node_id not in asked]
         asked |= {d.node_id for d in fresh}
         for device, run in await list_runs(cluster, fresh):
@@ -207,9 +211,10 @@ async def _jobs(args, cluster) -> int:
     import trio
 
     await trio.sleep(args.wait)
-    runs = newest_terms([run for _, run in await list_runs(cluster, cluster.alive())])
+    every = [run for _, run in await list_runs(cluster, cluster.alive())]
+    runs = newest_terms(every)
     if args.json:
-        print(json.dumps(runs, indent=2))
+        print(json.dumps(every, indent=2))
     elif runs:
         print(format_table(runs))
     else:
