@@ -131,6 +131,7 @@ DETACH_CHUNK = 1 * MiB
 # who holds which layers and the run's flags: a few kB for yolov2 over a dozen devices.
 REPLICA_BYTES = 256 * KiB
 
-# Jobs whose newest replica an agent keeps at once (the oldest goes): an agent works for
-# one job at a time, and a few more cover the jobs it has just left.
+# Jobs whose newest replica (and newest coordinator term, which fences older coordinators) an
+# agent keeps at once (the oldest goes): an agent works for one job at a time, and a few more
+# cover the jobs it has just left.
 REPLICAS = 4

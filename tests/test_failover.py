@@ -94,8 +94,8 @@ async def test_an_agent_keeps_the_newest_replica_of_its_coordinator_only():
 
 @pytest.mark.trio
 async def test_a_replaced_coordinator_is_fenced():
-    """Once an agent holds the job at the successor's term, the old coordinator's assignment
-    is refused, and its data is dropped."""
+    """Once an agent has held the job at the successor's term, the old coordinator's assignment
+    is refused (also after the job ended there), and its data is dropped."""
     from swarm.agent.jobs import register_job_kind
 
     async def wait_forever(ctx):
@@ -119,6 +119,10 @@ async def test_a_replaced_coordinator_is_fenced():
                 await trio.sleep(0.2)
                 assert agents[0].refused_messages == refused + 1
                 assert agents[0].job.coordinator_id == "new"
+                await new.job("train-1", epoch=first_epoch(1)).release("node0")  # the run ended
+                assert agents[0].job is None
+                with pytest.raises(JobError, match="fenced"):  # the job is gone here, its newest term is not
+                    await old.job("train-1", epoch=5).assign("node0", "wait", {})
             nursery.cancel_scope.cancel()
 
 

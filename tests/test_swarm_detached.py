@@ -83,7 +83,7 @@ def test_a_detached_run_outlives_its_command_and_ends_with_the_local_weights(bed
     assert "no agent knows a run 0badid" in unknown.stderr
 
 
-FAILOVER_STEPS = 16
+FAILOVER_STEPS = 24
 LONG = [*FLAGS[:FLAGS.index("--steps")], "--steps", FAILOVER_STEPS, *FLAGS[FLAGS.index("--steps") + 2:],
         "--backup-every", "2"]
 
@@ -160,14 +160,14 @@ def check_final_weights(job: str, log: str, coordinator: str, weights, tmp_path)
 
 def test_a_killed_coordinator_then_a_worker_and_the_run_ends_with_the_local_weights(bed4, long_local_weights,
                                                                                     tmp_path):
-    job, log, now = failover_run([("step 4/", "kill", "dev1"), ("next step", "kill", "worker")])
+    job, log, now = failover_run([("step 2/", "kill", "dev1"), ("next step", "kill", "worker")])
     assert "taking over run" in log and "rolling back to step" in log, log
     assert now != "dev1" and log.count("lost dev") >= 2, log  # dev1 (by the successor), then the worker
     check_final_weights(job, log, now, long_local_weights, tmp_path)
 
 
 def test_a_cut_off_coordinator_is_replaced_and_gives_up(bed4, long_local_weights, tmp_path):
-    job, log, now = failover_run([("step 4/", "cut", "dev1"), ("next step", "heal", "dev1")])
+    job, log, now = failover_run([("step 2/", "cut", "dev1"), ("next step", "heal", "dev1")])
     assert now != "dev1", log
     check_final_weights(job, log, now, long_local_weights, tmp_path)
     old = next(run for run in records("dev1", job) if run["node"] == "dev1")

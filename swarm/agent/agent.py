@@ -168,6 +168,7 @@ class Agent:
                                     self._lines)
         # training runs this agent coordinates for users who went away (`swarm train --detach`)
         self.replicas: dict[str, Replica] = {}  # job id -> the newest coordinator replica of that job
+        self.terms: dict[str, int] = {}  # job id -> the newest coordinator term seen (failover.py fencing)
         self._asked: dict[int, tuple[trio.Event, list]] = {}  # seq of a ReplicaQuery -> (answered, [answer])
         self._seq = 0
         self.detached = DetachedRuns(Path(config.state_dir) / "runs", config.name, config.check_run_flags,
@@ -320,6 +321,14 @@ class Agent:
             self._lines.log(logging.DEBUG, "ignored", "ignoring %s from node %s", type(message).__name__, peer.node_id)
 
     # -- coordinator fail-over (swarm/agent/failover.py) -------------------------------
+
+    def _note_term(self, job_id: str, term: int) -> None:
+        """Remember the newest coordinator term of a job, also once it is released here: a
+        coordinator of an older term is fenced off for good."""
+        self.terms.pop(job_id, None)
+        self.terms[job_id] = max(term, self.terms.get(job_id, 0))
+        while len(self.terms) > REPLICAS:
+            del self.terms[next(iter(self.terms))]
 
     def _keep_replica(self, peer: Peer, msg: JobReplica) -> None:
         """Keep the newest replica of the job this agent holds, sent by that job's coordinator."""
@@ -555,9 +564,9 @@ class Agent:
             msg.job_id = msg.job_id[:MAX_NAME]  # the reply need not carry all of a megabyte-long id back
         elif job is not None and job.job_id != msg.job_id:
             refuse = f"busy with job {job.job_id} of coordinator {job.coordinator_id}"
-        elif job is not None and term_of(msg.epoch) < term_of(job.epoch):
-            refuse = (f"fenced: a coordinator of term {term_of(job.epoch)} has taken the job over (this one's term is "
-                      f"{term_of(msg.epoch)})")
+        elif term_of(msg.epoch) < self.terms.get(msg.job_id, 0):
+            refuse = (f"fenced: a coordinator of term {self.terms[msg.job_id]} has taken the job over (this one's "
+                      f"term is {term_of(msg.epoch)})")
         elif job is not None and msg.epoch < job.epoch:
             refuse = f"epoch {msg.epoch} is older than the job's epoch {job.epoch}"
         elif runner is None and refuse is None:
@@ -568,6 +577,7 @@ class Agent:
             self._reply_state(peer, msg.job_id, msg.epoch, "refused", refuse)
             return
         interval = max(MIN_INTERVAL, msg.heartbeat_interval)
+        self._note_term(msg.job_id, term_of(msg.epoch))
         if job is not None and msg.epoch == job.epoch:  # the same assignment again: re-attach
             job.coordinator_id = peer.node_id
             job.coordinator_changed.set()

@@ -110,6 +110,7 @@ class TrainingCoordinator:
         self.replay_until = 0  # steps below this are being run again
         self.joined: set[str] = set()  # devices that (re)appeared and may be taken in
         self.replicate = None  # async (): the state a successor needs, sent to the agents (failover.py)
+        self.own_device: str | None = None  # the device of this coordinator's own agent (a replicated run's)
 
     def take_over(self, epoch: int, step: int, holdings: dict[str, set[int]]) -> None:
         """Carry on a run whose coordinator was lost: its newest complete backup is at `step`,
@@ -297,10 +298,10 @@ class TrainingCoordinator:
         dead = (set(self.plan.used_devices()) - alive) | lost
         self.joined |= lost & alive  # lost for a broken link, it still answers: taken in again at a backup step
         survivors = [d for d in self.plan.used_devices() if d not in dead]
-        if not survivors and self.replicate is not None:
-            raise SwarmError(f"cut off from every device of the plan ({', '.join(sorted(dead))}) after step "
-                             f"{self.committed}: the agents holding this run's replica elect another coordinator, "
-                             f"which carries the run on; this one gives up")
+        if self.replicate is not None and not set(survivors) - {self.own_device}:
+            raise SwarmError(f"cut off from every other device of the plan ({', '.join(sorted(dead))}) after step "
+                             f"{self.committed}: those that are alive elect another coordinator from this run's "
+                             f"replica, which carries the run on; this one gives up")
         if not survivors:
             raise SwarmError(f"lost every device of the plan ({', '.join(sorted(dead))}); training stopped after "
                              f"step {self.committed}")

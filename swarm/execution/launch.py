@@ -304,6 +304,8 @@ class SwarmRunner:
                 lost = {n for n, node in replica_nodes(replica).items() if node == replica.coordinator} - set(names)
             if o.run_id:
                 coordinator.replicate = lambda: self._replicate(cluster, control, coordinator)
+                own = cluster.credentials.node_id.split("~")[0]  # this device's agent (host.state.process_id)
+                coordinator.own_device = next((n for n, d in names.items() if d.node_id == own), None)
 
             def on_step(r: StepReport) -> None:
                 if self.stopping:  # the stopping step committed: its weights come back before the run ends
