@@ -168,6 +168,10 @@ class Roster:
                     device.error = event.reason
             if event.kind != "joined":
                 log.info("%s %s (%s)", device.name if device else event.node_id, event.kind, event.reason)
+            if event.kind in ("dead", "left"):
+                for asked_of, done, _ in self._answers.values():
+                    if asked_of == event.node_id:
+                        done.set()  # no answer will come from it
             for job in self._jobs.values():
                 if event.kind in ("dead", "left"):
                     job.on_lost(event.node_id, event.reason)

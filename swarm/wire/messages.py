@@ -8,7 +8,8 @@ field types before anyone sees them.
 Codes:
     1-9     handshake (fixed forever: Hello must stay readable by every version)
     10-19   liveness and device information
-    20-29   job lifecycle, between a coordinator and an agent
+    20-29   job lifecycle, between a coordinator and an agent; a coordinator's replica,
+            and the agents' election of its successor (swarm/agent/failover.py)
     30-39   job data, between the participants of a job (coordinator and agents);
             delivered to the job's per-channel queues after the epoch check
     40-49   detached training runs, between a user's command and the agent coordinating
