@@ -30,6 +30,7 @@ from swarm.agent.detached import DetachedRun, DetachedRuns
 from swarm.agent.early import EarlyMessages
 from swarm.agent.failover import Replica, elect, term_of
 from swarm.agent.jobs import JobContext, job_runner
+from swarm.errors import SwarmError
 from swarm.host import malloc
 from swarm.host.accelerator import accelerator, accelerator_memory
 from swarm.limits import EARLY_AGE, EARLY_BYTES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX, REPLICA_BYTES, REPLICAS
@@ -37,7 +38,6 @@ from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection
 from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.net.peer import serve_peers
 from swarm.net.ratelimit import LogLimiter
-from swarm.errors import SwarmError
 from swarm.wire import (PROTOCOL_VERSION, DetachAnswer, DetachChunk, DetachList, DetachRead, DetachStop, DetachSubmit,
                         Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobReplica, JobStart, JobState, JobStop,
                         Limits, Ping, Pong, RemoteProtocolError, ReplicaQuery, ReplicaState, Watch)

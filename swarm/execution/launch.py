@@ -31,10 +31,10 @@ from swarm.host.state import find_token, process_id, state_dir_from
 from swarm.local.checkpoint import save_checkpoint
 from swarm.local.trainer import SAVE_EVERY_S
 from swarm.net import ConnectionLost, Credentials, parse_endpoint, parse_peers, resolve_network
-from swarm.wire import JobReplica
 from swarm.profiling.bandwidth import measure_bandwidth
 from swarm.profiling.profiler import profile_devices
 from swarm.profiling.survey import offered_accelerators
+from swarm.wire import JobReplica
 from swarm.zoo import BUILTIN
 from tiles.layout import tileable_prefix
 
@@ -179,13 +179,13 @@ class SwarmRunner:
         for d in replica.devices.values():
             host, port = parse_endpoint(d["address"], DEFAULT_PORT)
             cluster.add_endpoint(host, port, node_id=d["node_id"])
-        wanted = {n: d["node_id"] for n, d in replica.devices.items() if d["node_id"] != replica.coordinator}
+        wanted = {n for n, d in replica.devices.items() if d["node_id"] != replica.coordinator}
 
         def answering() -> dict:
             return {n: cluster.device(node) for n, node in replica_nodes(replica).items()
                     if cluster.device(node) is not None and cluster.device(node).health == "alive"}
         with trio.move_on_after(REPLICA_WAIT_S):
-            while not set(wanted) <= set(answering()):
+            while not wanted <= set(answering()):
                 await trio.sleep(0.1)
         return answering()
 
@@ -304,8 +304,7 @@ class SwarmRunner:
                 lost = {n for n, node in replica_nodes(replica).items() if node == replica.coordinator} - set(names)
             if o.run_id:
                 coordinator.replicate = lambda: self._replicate(cluster, control, coordinator)
-                own = cluster.credentials.node_id.split("~")[0]  # this device's agent (host.state.process_id)
-                coordinator.own_device = next((n for n, d in names.items() if d.node_id == own), None)
+                coordinator.own_device = next((n for n, d in names.items() if d.node_id == own_agent(cluster)), None)
 
             def on_step(r: StepReport) -> None:
                 if self.stopping:  # the stopping step committed: its weights come back before the run ends
@@ -329,7 +328,7 @@ class SwarmRunner:
         """Send what a successor needs (failover.Replica) to the agents of the plan but this
         device's own (it goes with this coordinator)."""
         o = self.options
-        own = cluster.credentials.node_id.split("~")[0]  # this device's agent (host.state.process_id)
+        own = own_agent(cluster)
         devices = {n: {"node_id": d.node_id, "address": f"{d.address}:{d.port}"} for n, d in control.names.items()}
         holders = [devices[n]["node_id"] for n in coordinator.plan.used_devices() if devices[n]["node_id"] != own]
         backups = coordinator.backups
@@ -389,6 +388,12 @@ def read_replica(path: str) -> Replica:
         return Replica.from_body(json.loads(open(path).read()))
     except (OSError, ValueError) as exc:
         raise SwarmError(f"cannot read the replica {path}: {exc}") from None
+
+
+def own_agent(cluster) -> str:
+    """The node id of this device's agent (a coordinator's id is the agent's and its pid:
+    swarm.host.state.process_id)."""
+    return cluster.credentials.node_id.split("~")[0]
 
 
 def replica_nodes(replica: Replica) -> dict[str, str]:
