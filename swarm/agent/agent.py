@@ -8,6 +8,10 @@ Job lifecycle (messages from the coordinator; each answered with JobState):
                      └─────── JobStop ──────┘ (stopped)          JobRelease: back to idle
     JobAssign of the same job at a newer epoch: the run is cancelled, the job re-assigned.
 
+An agent also coordinates detached training runs (detached.py), keeps the replica of the
+coordinator of the job it holds, and with the other holders elects a successor when that
+coordinator is gone (failover.py).
+
 What a remote side can make an agent hold is bounded (swarm/limits.py): job messages that
 arrive before their assignment by count, bytes and age; replies waiting for a peer that does
 not read by count (the peer is disconnected); log lines by kind and second.
