@@ -131,7 +131,8 @@ def test_full_yolov2_dp_equals_local():
     """yolov2's passthrough (layer 16 read by layer 25) inside a dp group (pipelines that
     cut it run on the testbed: tests/test_swarm_training.py)."""
     cfg = _cfg("yolov2", 4)
-    result = _planned(cfg, _plan("yolov2", PLANS["dp4"](N2), 4))
+    group = Stage(0, N2, "dp", ["d0", "d1"], allocation={"d0": 1, "d1": 1})
+    result = _planned(cfg, _plan("yolov2", [group], 4))
     assert _worst(result.net.state_dict(), _local(cfg))[0] < 1e-9
 
 
