@@ -84,9 +84,9 @@ def kill_step(seed: int) -> int:
 
 CASES = [
     ("a tiles device", ["--strategy", "tiles"], [(kill_step(1), "kill", "dev2")]),
-    ("a single-device pipeline stage", ["--strategy", "pp"], [(kill_step(2), "kill", "dev1")]),
     ("a dp replica", ["--strategy", "dp"], [(kill_step(3), "kill", "dev1")]),  # 2 samples per micro-batch: dev0, dev1
     ("the backup holder of stage 1", ["--strategy", "pp"], [(kill_step(4), "kill", "dev2")]),
+    # dev1 is a single-device pipeline stage
     ("two devices, one after the other", ["--strategy", "pp"], [(2, "kill", "dev1"), (5, "kill", "dev3")]),
     # healed once the loss is seen: the log is read behind the run, so "two steps later" can
     # come before the heartbeats have had time to miss the device

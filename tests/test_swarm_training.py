@@ -20,11 +20,11 @@ from tests.conftest import ROOT, namespace_testbed, run_swarm
 pytestmark = [pytest.mark.testbed, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")]
 
-YOLO16 = ["--model", "yolov2-16", "--img-size", "128", "--batch-size", "16", "--microbatches", "4", "--steps", "3",
+YOLO16 = ["--model", "yolov2-16", "--img-size", "64", "--batch-size", "16", "--microbatches", "4", "--steps", "2",
           "--seed", "7", "--no-eval"]
 WIDE16 = ["--model", "yolov2-16", "--img-size", "64x32", "--batch-size", "8", "--microbatches", "4", "--steps", "2",
           "--seed", "7", "--no-eval"]  # a non-square input: maps 32x64 down to a 2x4 grid of cells
-YOLO2 = ["--model", "yolov2", "--img-size", "64", "--batch-size", "8", "--microbatches", "4", "--steps", "3",
+YOLO2 = ["--model", "yolov2", "--img-size", "64", "--batch-size", "8", "--microbatches", "4", "--steps", "2",
          "--seed", "7", "--no-eval"]
 
 
@@ -106,7 +106,7 @@ def test_replicas_of_dp_groups_on_the_testbed_equal_local(bed, local_runs, tmp_p
     4 micro-batches: over real connections, the local trainer's weights."""
     from planner.plan import Plan, Stage
 
-    plan = Plan("yolov2-16", 128, 16, 4, [Stage(0, 17, "dp", ["dev0", "dev1", "dev2", "dev3"],
+    plan = Plan("yolov2-16", 64, 16, 4, [Stage(0, 17, "dp", ["dev0", "dev1", "dev2", "dev3"],
                                                 allocation={"dev0": 4, "dev1": 2, "dev2": 1, "dev3": 1},
                                                 replicas=2, groups=[1, 3], shares=[3, 1])])
     path, out = tmp_path / "plan.json", tmp_path / "swarm.pt"
