@@ -116,10 +116,11 @@ def _local_wide() -> dict:
     return _local(_cfg("yolov2-16", 4, img_size=WIDE))
 
 
-@pytest.mark.parametrize("name", ["hybrid", "tiles2x2", "tiles-in-the-middle"])
+@pytest.mark.parametrize("name", ["pp4", "dp4", "hybrid", "tiles2x2", "tiles-in-the-middle"])
 def test_yolov2_16_plans_equal_local_on_a_rectangular_input(name):
-    """Single, dp and tiles stages at 64x32, over maps twice as wide as they are tall: one device,
-    a dp pair, one device; a 2x2 grid over the whole network; one device, a 1x2 grid, a dp pair."""
+    """Single, dp and tiles stages at 64x32, over maps twice as wide as they are tall: four
+    single-device stages; one dp group; one device, a dp pair, one device; a 2x2 grid over the
+    whole network; one device, a 1x2 grid, a dp pair."""
     result = _planned(_cfg("yolov2-16", 4, img_size=WIDE), _plan("yolov2-16", PLANS[name](N16), 4, WIDE))
     worst = _worst(result.net.state_dict(), _local_wide())
     assert worst[0] < 1e-9, worst

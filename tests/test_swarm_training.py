@@ -75,6 +75,8 @@ CASES = [
     ("yolov2-16 pp over 4", YOLO16, ["--strategy", "pp", "--stages", "4"]),
     ("yolov2-16 hybrid", YOLO16, ["--strategy", "hybrid"]),
     ("yolov2-16 64x32 tiles 2x2", WIDE16, ["--strategy", "tiles", "--grid", "2x2"]),
+    ("yolov2-16 64x32 dp over 4", WIDE16, ["--strategy", "dp"]),
+    ("yolov2-16 64x32 pp over 4", WIDE16, ["--strategy", "pp", "--stages", "4"]),
     ("yolov2-16 64x32 hybrid", WIDE16, ["--strategy", "hybrid"]),
     # yolov2's tiles front and dp: tests/test_execution.py, in one process
     ("yolov2 pp over 4", YOLO2, ["--strategy", "pp", "--stages", "4"]),
