@@ -2,7 +2,8 @@
 when the agents elect a successor, against the manual way.
 
     sudo python bench/coordinator_failover.py [--devices 4] [--cpu 0.5] [--bandwidth 100mbit]
-        [--model yolov2-16] [--img-size 64] [--steps 40] [--kill-at 12] [--save-every 10] [--repeat 1]
+        [--model yolov2-16] [--img-size 64] [--steps 40] [--kill-at 12] [--save-every 10]
+        [--backup-every N|auto] [--repeat 1]
 
 Two runs of the same training (pp over every device), each on a fresh testbed, the
 coordinator on dev1:
@@ -54,7 +55,8 @@ def testbed_up(args) -> list:
 def train_flags(args) -> list[str]:
     return ["--model", args.model, "--img-size", str(args.img_size), "--batch-size", str(args.batch_size),
             "--microbatches", str(args.microbatches), "--steps", str(args.steps), "--seed", "1", "--strategy", "pp",
-            "--devices", str(args.devices), "--wait", "60", "--no-eval", "--save-every", str(args.save_every)]
+            "--devices", str(args.devices), "--wait", "60", "--no-eval", "--save-every", str(args.save_every),
+            "--backup-every", args.backup_every]
 
 
 def committed(path: Path) -> list[tuple[float, int]]:
@@ -104,6 +106,7 @@ def failover_run(args) -> dict:
 
 def manual_run(args, work: Path) -> dict:
     testbed_up(args)
+    work = Path(tempfile.mkdtemp(dir=work))  # this run's own files (a metrics file is appended to)
     save, metrics = work / "manual.pt", work / "manual.jsonl"
     coordinator = subprocess.Popen([sys.executable, "-m", "swarm", "testbed", "exec", "dev1", "--", sys.executable,
                                     "-m", "swarm", "train", *train_flags(args), "--save", str(save),
@@ -149,6 +152,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--kill-at", type=int, default=12)
     p.add_argument("--save-every", type=int, default=10, help="checkpoint interval of both runs (default 10)")
+    p.add_argument("--backup-every", default="auto", help="backups of both runs (default auto: by time); the "
+                   "successor rolls back to the last one")
     p.add_argument("--repeat", type=int, default=1, help="runs of each way, alternating (medians reported)")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -163,7 +168,8 @@ def main() -> None:
         swarm("testbed", "down", check=False)
     print(f"{args.model} {args.img_size}px, batch {args.batch_size} in {args.microbatches}, pp over {args.devices} "
           f"devices ({args.cpu} core, {args.bandwidth} each); coordinator's device killed after step "
-          f"{args.kill_at}; medians of {args.repeat}")
+          f"{args.kill_at}; checkpoints every {args.save_every}, backups every {args.backup_every}; medians of "
+          f"{args.repeat}")
     print(f"{'way':10} {'to first commit':>16} {'to catch up':>12} {'steps redone':>13}")
     for way, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in ("first_commit_s", "caught_up_s", "redone")}

@@ -247,10 +247,7 @@ class TrainingCoordinator:
             for r in self.recoveries:
                 if r.resumed_at is None:
                     r.resumed_at = trio.current_time()
-            backed_up = self.backups.step
-            await self.backups.take_acks(self.ep, self.plan)
-            if self.replicate is not None and self.backups.step != backed_up:
-                await self.replicate()
+            await self.backups.take_acks(self.ep, self.plan, self.replicate)
             if on_step is not None:
                 on_step(StepReport(self.committed, loss, time.monotonic() - t0, busy, times, self.epoch,
                                    self.committed <= self.replay_until))
@@ -330,7 +327,7 @@ class TrainingCoordinator:
         with trio.move_on_after(self.job.timeout_s):
             while self.committed in self.backups.pending:
                 await trio.sleep(0.05)
-                await self.backups.take_acks(self.ep, self.plan)
+                await self.backups.take_acks(self.ep, self.plan, self.replicate)
         if self.backups.step != self.committed:
             return
         alive = self.control.alive()

@@ -310,9 +310,10 @@ class BackupLedger:
         self.pending[committed] = set(devices)
         self.started[committed] = trio.current_time()
 
-    async def take_acks(self, ep, plan: Plan) -> None:
+    async def take_acks(self, ep, plan: Plan, before_forget=None) -> None:
         """Note the backup steps every device has confirmed (without waiting for more), and
-        tell the devices to forget what is older."""
+        tell the devices to forget what is older; `before_forget()` (async) is awaited first
+        (the coordinator's replica names the new backup before the older one is gone)."""
         for step in sorted(self.pending):
             waiting = self.pending[step]
             for device in list(waiting):
@@ -330,6 +331,8 @@ class BackupLedger:
                     # devices now keep only what the plan has them keep (DeviceBackups._hold_backups)
                     self.step = step
                     self.holdings = holdings(plan)
+                if before_forget is not None:
+                    await before_forget()
                 for device in plan.used_devices():
                     await ep.send(device, channels.forget(step), {})
 
