@@ -299,11 +299,12 @@ class BackupLedger:
             self.started.setdefault(step, trio.current_time())
 
     def due(self, committed: int, waiting_to_join: bool) -> bool:
-        """Back up after this commit? Every `interval` steps, or (0) by time: when no backup is
-        under way and the last one's quiet period is over, or a device waits to be taken in
-        (which needs a backup step)."""
+        """Back up after this commit? Every `interval` steps once the backup under way (if any) is
+        complete, or (0) by time: when no backup is under way and the last one's quiet period is
+        over, or a device waits to be taken in (which needs a backup step). One backup at a time:
+        a device keeps its newest two snapshots, which must include the last complete one."""
         if self.interval:
-            return committed % self.interval == 0
+            return committed % self.interval == 0 and not self.pending
         return not self.pending and (waiting_to_join or trio.current_time() >= self.next_at)
 
     def begin(self, committed: int, devices: list[str]) -> None:
