@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from swarm import __version__
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     malloc.tune()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started in the background by a script, which leaves SIGINT ignored: Ctrl-C and
+        # `swarm stop` (which stops a detached run the same way) must still reach it
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = build_parser()
     args = parser.parse_args(argv)
     from planner.plan import PlanError

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -139,6 +140,21 @@ async def test_a_run_stops_fails_or_is_lost(tmp_path):
     gone.process.kill()  # as when the agent dies: no exit record
     gone.process.wait()
     assert DetachedRuns(tmp_path / "runs", "pi-3", check_detached_flags, stand_in).describe(gone.job_id)[0]["state"] == "lost"
+
+
+@pytest.mark.trio
+async def test_a_run_stops_even_when_the_agent_was_started_with_sigint_ignored(tmp_path):
+    """As by `swarm join &` in a script: the run must not inherit the ignored SIGINT that
+    `swarm stop` sends, even asked to stop before it has started."""
+    runs = DetachedRuns(tmp_path / "runs", "pi-3", check_detached_flags, stand_in)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        run = runs.submit(["--steps", "1000"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    runs.stop(run.job_id)
+    await wait_ended(runs, run)
+    assert runs.describe(run.job_id)[0]["state"] == "stopped"
 
 
 @pytest.mark.trio

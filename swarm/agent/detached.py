@@ -128,7 +128,7 @@ class DetachedRuns:
         argv, env = self.command_for(run)
         with open(run.folder / FILES["log"], "ab") as log:
             run.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                           cwd=run.folder, preexec_fn=_die_with_parent)
+                                           cwd=run.folder, preexec_fn=_in_the_run_process)
         self.runs[run.job_id] = run
         return run
 
@@ -241,10 +241,14 @@ def _tail(path: Path, size: int) -> bytes:
         return b""
 
 
-def _die_with_parent() -> None:
-    """In the run's process before it starts: die with the agent (Linux; elsewhere it outlives
-    a killed agent and is found "lost" by the next one)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _in_the_run_process() -> None:
+    """In the run's process before it starts: SIGINT back to its default, since `swarm stop`
+    stops a run with it and an agent started in the background by a script has it ignored,
+    which the run would inherit; and die with the agent (Linux; elsewhere it outlives a
+    killed agent and is found "lost" by the next one)."""
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal(signal.SIGINT, 0)  # SIG_DFL, through libc: this is a child of any thread
+    if sys.platform.startswith("linux"):
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
