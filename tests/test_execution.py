@@ -214,10 +214,10 @@ def test_simple_strategies_equal_local(strategy):
 
 @pytest.mark.slow
 def test_full_yolov2_tiles_front_then_pipeline():
-    cfg = _cfg("yolov2", 4)
+    cfg = _cfg("yolov2", 2)
     plan = _plan("yolov2", [Stage(0, 17, "tiles", ["d0", "d1", "d2", "d3"], grid=(2, 2),
                                   tile_devices=["d0", "d1", "d2", "d3"]),
-                            Stage(17, 25, "single", ["d1"]), Stage(25, N2, "single", ["d2"])], 4)
+                            Stage(17, 25, "single", ["d1"]), Stage(25, N2, "single", ["d2"])], 2)
     assert _worst(_planned(cfg, plan).net.state_dict(), _local(cfg))[0] < 1e-9
 
 

@@ -85,9 +85,9 @@ def test_a_reset_link_between_workers_is_a_lost_device_and_the_run_equals_local(
 # ---- the soak ------------------------------------------------------------------------------
 
 FULL = os.environ.get("SWARM_SOAK") == "full"
-SOAK_STEPS = 200 if FULL else 36
-CUT_S, PERIOD_S, CUTS = (15.0, 45.0, 1000) if FULL else (6.0, 15.0, 3)  # full: cuts until near the end
-LAST_CUT_BEFORE = 40 if FULL else 8  # no cut starts this close to the end: the last device back is taken in
+SOAK_STEPS = 200 if FULL else 24
+CUT_S, PERIOD_S, CUTS = (15.0, 45.0, 1000) if FULL else (6.0, 12.0, 2)  # full: cuts until near the end
+LAST_CUT_BEFORE = 40 if FULL else 6  # no cut starts this close to the end: the last device back is taken in
 SOAK_FLAGS = ["--model", "yolov2-16", "--img-size", "128", "--batch-size", "8", "--microbatches", "4",
               "--steps", str(SOAK_STEPS), "--seed", "9", "--dtype", "float64", "--no-eval"]
 RECOVERED = re.compile(r"rolling back to step|joined: re-planned")
@@ -196,7 +196,7 @@ def test_soak_flapping_links_and_a_killed_device(tmp_path):
     print("".join(line for line in lines if re.search(r"lost|joined|rolling|could not|stopp", line)))
     assert proc.returncode == 0, log
     assert "Traceback" not in log and "error:" not in log, log
-    assert cuts >= min(CUTS, 3) and killed, (faults.events, log)
+    assert cuts >= min(CUTS, 2) and killed, (faults.events, log)
     assert diff < 1e-9, diff
     # Memory does not grow with the number of re-plans. One reading swings by up to a fifth
     # with the stage and backups a device happens to hold at that step, so the readings after
