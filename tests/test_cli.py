@@ -61,12 +61,21 @@ def test_metrics_file_and_eval(tmp_path):
     (["train", "--steps", "2", "--epochs", "1"], "not both"),
     (["bogus"], "invalid choice"),
 ])
-def test_user_mistakes_get_a_message_not_a_traceback(tmp_path, args, message):
-    r = run_swarm(*args, cwd=tmp_path, timeout=120)
-    assert r.returncode == 2
-    assert message in r.stderr
-    assert "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # one line, not the usage text first
+def test_user_mistakes_get_a_message_not_a_traceback(tmp_path, monkeypatch, capsys, args, message):
+    """In this process (the command line's own entry, main): a fresh interpreter per mistake
+    costs seconds each; test_the_largest_size_is_said and the next run one."""
+    from swarm.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(args)
+    except SystemExit as stop:  # argparse's errors
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err  # one line, not the usage text first
 
 
 def test_the_largest_size_is_said(tmp_path):
