@@ -8,6 +8,7 @@ import trio
 
 from swarm.agent import Agent, AgentConfig
 from swarm.agent.failover import TERM_EPOCHS, Replica, elect, first_epoch, term_of
+from swarm.agent.jobs import register_job_kind
 from swarm.cluster import JobError, open_roster
 from swarm.net import Credentials, resolve_network
 from swarm.wire import JobReplica, JobData, RemoteProtocolError, from_wire, to_wire
@@ -63,13 +64,14 @@ async def agents_in_a_job(n: int, job_id: str, epoch: int, nursery, cluster_node
     return agents, [("127.0.0.1", a.port) for a in agents]
 
 
+
+async def wait_forever(ctx):
+    """A job kind that holds the job until it is released."""
+    await trio.sleep_forever()
+
+
 @pytest.mark.trio
 async def test_an_agent_keeps_the_newest_replica_of_its_coordinator_only():
-    from swarm.agent.jobs import register_job_kind
-
-    async def wait_forever(ctx):
-        await trio.sleep_forever()
-
     register_job_kind("wait", wait_forever)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
@@ -96,11 +98,6 @@ async def test_an_agent_keeps_the_newest_replica_of_its_coordinator_only():
 async def test_a_replaced_coordinator_is_fenced():
     """Once an agent has held the job at the successor's term, the old coordinator's assignment
     is refused (also after the job ended there), and its data is dropped."""
-    from swarm.agent.jobs import register_job_kind
-
-    async def wait_forever(ctx):
-        await trio.sleep_forever()
-
     register_job_kind("wait", wait_forever)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
