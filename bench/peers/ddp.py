@@ -11,7 +11,8 @@ last (no_sync on the others). BatchNorm statistics are per rank and micro-batch,
 has them. One compute thread per rank. Rank 0 appends one JSON line per step to --metrics:
 step, seconds (loading its share, forward, backward, all-reduce, optimizer step), samples
 (the global batch), samples_per_s, loss (the global batch's), rank_cpu_s (each rank's
-CPU seconds in the step: how busy it was) and ranks. With --checkpoint a worker starts from the
+CPU seconds in the step: how busy it was), rank_main_cpu_s (those of its main thread: the
+compute, without gloo's threads) and ranks. With --checkpoint a worker starts from the
 checkpoint when there is one, and rank 0 writes one every --save-every steps: what torchrun's
 elastic agent restarts workers from after a lost node (bench/versus_kill.py).
 """
@@ -145,14 +146,16 @@ def train(args: argparse.Namespace, cfg: TrainConfig, train_set) -> None:
     metrics = open(args.metrics, "a") if args.metrics and dist.get_rank() == 0 else None  # noqa: SIM115
     try:
         for step in range(start, cfg.steps):
-            t0, c0 = time.monotonic(), time.process_time()
+            t0, c0, m0 = time.monotonic(), time.process_time(), time.thread_time()
             part, samples = train_step(step, cfg, train_set, model, loss_fn, optimizer)
-            seconds, cpu_s = time.monotonic() - t0, time.process_time() - c0
+            seconds, cpu_s, main_s = time.monotonic() - t0, time.process_time() - c0, time.thread_time() - m0
             loss, rank_cpu_s = gather_step(part, cpu_s)
+            _, rank_main_cpu_s = gather_step(0.0, main_s)
             if metrics:
                 metrics.write(json.dumps({"step": step + 1, "seconds": seconds, "samples": samples,
                                           "samples_per_s": samples / seconds, "loss": loss,
-                                          "rank_cpu_s": rank_cpu_s, "ranks": dist.get_world_size()}) + "\n")
+                                          "rank_cpu_s": rank_cpu_s,
+                                          "rank_main_cpu_s": rank_main_cpu_s, "ranks": dist.get_world_size()}) + "\n")
                 metrics.flush()
             if args.checkpoint and dist.get_rank() == 0 and (step + 1) % args.save_every == 0:
                 save_checkpoint(args.checkpoint, model, optimizer, step + 1)

@@ -15,7 +15,6 @@ What it sends and receives, and the keys, are in channels.py.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -96,7 +95,6 @@ class TrainingCoordinator:
         # auto: shift the plan when that is nearly as good as a fresh one; light: always shift;
         # heavy: stop, plan again, and reload the last checkpoint (the coordinator's copy)
         self.recovery = recovery
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-feed")
         self.committed = trainer.step_count  # steps applied on every device
         self.should_stop = lambda: False  # asked after every commit: end the run there?
         self.stopped_early = False
@@ -210,20 +208,28 @@ class TrainingCoordinator:
                 self.stopped_early = True
                 break
             await self.recover(lost)
-        self.pool.shutdown(wait=False)
 
     async def _watch_joins(self) -> None:
         while True:
             self.joined |= await self.control.next_join()
 
     async def _steps(self, total_steps: int, on_step) -> None:
+        """The epoch's steps. Each step's samples go out while the step before it runs (its
+        devices hold one step of input ahead), so that no device waits at a step's start for
+        its share to cross the link after the others'."""
         step = self.committed
+        fed = -1  # the step whose samples are out
         next_batch = await trio.to_thread.run_sync(self.load_batch, step) if step < total_steps else None
         while step < total_steps:
             self.backups.step_begins(step)
             t0 = time.monotonic()
-            await self.feed(step, next_batch)
-            pending = self.pool.submit(self.load_batch, step + 1) if step + 1 < total_steps else None
+            if fed != step:
+                await self.feed(step, next_batch)
+                fed = step
+            if step + 1 < total_steps and not self.should_stop():
+                next_batch = await trio.to_thread.run_sync(self.load_batch, step + 1)
+                await self.feed(step + 1, next_batch)
+                fed = step + 1
             loss, busy, times = 0.0, {}, {}
             for device in self.plan.used_devices():
                 report = await self.get(channels.ready(step, device))
@@ -257,10 +263,10 @@ class TrainingCoordinator:
                 self.stopped_early = True
                 break
             step += 1
-            if pending is not None:
-                next_batch = await trio.to_thread.run_sync(pending.result)
-            if self.joined and backup:
-                await self.take_in_joined()
+            if fed != step and step < total_steps:
+                next_batch = await trio.to_thread.run_sync(self.load_batch, step)
+            if self.joined and backup and await self.take_in_joined():
+                fed = -1  # a new plan: the samples sent ahead went to the last one's devices
         if step >= total_steps or self.stopped_early:
             for device in self.plan.used_devices():
                 await self.ep.send(device, channels.stop(), {})
@@ -322,29 +328,31 @@ class TrainingCoordinator:
                                         plan=change.plan))
         await self.start_epoch(change.plan, start, moves)
 
-    async def take_in_joined(self) -> None:
-        """At a backup step, once it is complete, re-plan with devices that joined or came back."""
+    async def take_in_joined(self) -> bool:
+        """At a backup step, once it is complete, re-plan with devices that joined or came back;
+        whether it did."""
         with trio.move_on_after(self.job.timeout_s):
             while self.committed in self.backups.pending:
                 await trio.sleep(0.05)
                 await self.backups.take_acks(self.ep, self.plan, self.replicate)
         if self.backups.step != self.committed:
-            return
+            return False
         alive = self.control.alive()
         joined = sorted(d for d in self.joined if d in alive and d not in self.plan.used_devices())
         self.joined.clear()
         joined = self.control.admit(joined, len(self.plan.used_devices()))
         if not joined:
-            return
+            return False
         devices = [d for d in alive if d in self.plan.used_devices() or d in joined]
         try:
             change = replan(self.plan, self.trainer.desc, set(), devices, self.strategy, prefer="heavy")
         except PlanError as exc:
             self.log(f"{', '.join(joined)} joined, but no plan takes them in: {exc}")
-            return
+            return False
         moves = layer_sources(dict(self.backups.holdings), change.plan, self.committed)
         self.log(f"{', '.join(joined)} joined: re-planned over {len(devices)} devices from step {self.committed}")
         self.epoch += 1
         self.recoveries.append(Recovery(self.epoch, [], "rejoin", f"{', '.join(joined)} joined", self.committed,
                                         trio.current_time(), plan=change.plan))
         await self.start_epoch(change.plan, self.committed, moves)
+        return True
