@@ -60,15 +60,20 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
     return steps * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
 
 
+DIRECT_GATHER_MAX = 4  # groups up to this size all-gather in one round, each member to every other
+
+
 def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
-    """Bruck's all-gather: ceil(log2 g) rounds, each a message out and one in per member
-    (and a latency); every member's `nbytes` reach the g-1 others once."""
+    """swarm.execution.collectives.allgather: a group of up to DIRECT_GATHER_MAX members in
+    one round of g-1 messages out and in per member, a larger one by Bruck's algorithm in
+    ceil(log2 g) rounds of one message out and one in (and a latency each); every member's
+    `nbytes` reach the g-1 others once."""
     g = len(group)
     if g < 2:
         return 0.0
-    rounds = (g - 1).bit_length()
+    rounds, messages = (1, g - 1) if g <= DIRECT_GATHER_MAX else ((g - 1).bit_length(), (g - 1).bit_length())
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
-    return rounds * cluster.latency + 2 * rounds * cluster.msg_cpu(group) + (g - 1) * nbytes * per_byte
+    return rounds * cluster.latency + 2 * messages * cluster.msg_cpu(group) + (g - 1) * nbytes * per_byte
 
 
 BUCKET_BYTES = 1 << 20

@@ -113,3 +113,27 @@ def test_allreduce_sum_messages_per_member(n, messages):
     trio.run(main)
     assert len(sent) == n * messages
     assert network.bytes_sent == n * 2 * (n - 1) * (840 // n) * 4
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_allgather_of_a_small_group_takes_one_round_of_direct_messages(n):
+    sent = []
+    network = LocalNetwork()
+    names = [f"d{i}" for i in range(n)]
+    eps = [network.endpoint(name) for name in names]
+    for ep in eps:
+        original = ep.send
+
+        async def counting(dst, key, payload, original=original, src=ep.name):
+            sent.append((src, dst, key))
+            await original(dst, key, payload)
+        ep.send = counting
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for i, ep in enumerate(eps):
+                nursery.start_soon(allgather, ep, names, ("k",), [torch.tensor([float(i)])])
+    trio.run(main)
+    assert len(sent) == n * (n - 1)  # every member to every other, once
+    assert {key[2] for _, _, key in sent} == {0}  # all in round 0
+    assert {(src, dst) for src, dst, _ in sent} == {(a, b) for a in names for b in names if a != b}

@@ -7,16 +7,25 @@ import math
 import torch
 import trio
 
+from planner.stage_work import DIRECT_GATHER_MAX
 from swarm.execution import channels
 from swarm.execution.endpoint import Endpoint
 
 
 async def allgather(ep: Endpoint, group: list[str], key: tuple, arrays: list[torch.Tensor],
                     timeout: float = math.inf) -> list[list[torch.Tensor]]:
-    """Every member's `arrays`, in group order, by Bruck's algorithm: in round r each member
-    passes what it holds (its own and the next members' arrays, up to 2^r of them) to the
-    member 2^r before it. ceil(log2 g) messages out and in per member instead of g-1: with
-    small arrays (BatchNorm sums) the messages, not the bytes, are what costs."""
+    """Every member's `arrays`, in group order.
+
+    A group of up to DIRECT_GATHER_MAX members gathers in one round: each member sends its
+    arrays to every other and waits for theirs. Larger ones use Bruck's algorithm: in round r
+    each member passes what it holds (its own and the next members' arrays, up to 2^r of
+    them) to the member 2^r before it, ceil(log2 g) messages out and in per member instead of
+    g-1. With small arrays (BatchNorm sums) what costs is the messages and, where devices
+    wait for each other at every BatchNorm layer, the rounds: a round is a hop on which any
+    member may be late (on a CPU quota, one that has spent its share waits for the next
+    period), and Bruck's second round forwards what came in the first."""
+    if len(group) <= DIRECT_GATHER_MAX:
+        return await _direct_gather(ep, group, key, arrays, timeout)
     n = len(group)
     me = group.index(ep.name)
     size = len(arrays)
@@ -33,6 +42,24 @@ async def allgather(ep: Endpoint, group: list[str], key: tuple, arrays: list[tor
         held += [got[i * size:(i + 1) * size] for i in range(count)]
         dist, r = dist * 2, r + 1
     return [held[(i - me) % n] for i in range(n)]
+
+
+async def _direct_gather(ep: Endpoint, group: list[str], key: tuple, arrays: list[torch.Tensor],
+                         timeout: float) -> list[list[torch.Tensor]]:
+    me = group.index(ep.name)
+    for j, member in enumerate(group):
+        if j != me:
+            await ep.send(member, channels.gather(key, 0, me), {"arrays": arrays})
+    out = []
+    for j, member in enumerate(group):
+        if j == me:
+            out.append(arrays)
+            continue
+        got = (await ep.mailbox.get(channels.gather(key, 0, j), timeout))["arrays"]
+        if len(got) != len(arrays):
+            raise ValueError(f"gather {key}: member {member} sent {len(got)} arrays, expected {len(arrays)}")
+        out.append(got)
+    return out
 
 
 async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor,
