@@ -30,43 +30,63 @@ Exchange = Callable[[str, list[torch.Tensor]], list[list[torch.Tensor]]]
 
 
 class _GroupBatchNorm(torch.autograd.Function):
+    """The arithmetic is torch's own fused kernels wherever the group's sums allow: this
+    replica's statistics by var_mean in the input's dtype (combined in float64), the output by
+    batch_norm with the group's statistics, and backward's two per-channel sums by the
+    eval-mode BatchNorm backward, which computes exactly them. Written out elementwise, the
+    layer cost a yolov2-16 sample 55% more compute than native BatchNorm."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, exchange: Exchange):
-        # x: (b, C, H, W), this replica's samples
+        # x: (b, C, H, W) or (b, C), this replica's samples
         dims = [d for d in range(x.dim()) if d != 1]
-        count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64)
+        channels = x.shape[1]
+        count = torch.tensor([x.numel() / channels], dtype=torch.float64)
         if x.numel():
-            mean = x.mean(dims, dtype=torch.float64)
-            m2 = ((x.double() - _bc(mean, x)) ** 2).sum(dims)
+            var, mean = torch.var_mean(x, dims, correction=0)
+            mean, m2 = mean.double(), var.double() * count
         else:  # a replica with no samples in this micro-batch still takes part
-            mean = m2 = torch.zeros(x.shape[1], dtype=torch.float64)
+            mean = m2 = torch.zeros(channels, dtype=torch.float64)
         parts = exchange("fwd", [count, to_host(mean), to_host(m2)])  # over the wire: from the host
         n = sum(p[0] for p in parts)
         gmean = sum(p[0] * p[1] for p in parts) / n
         gm2 = sum(p[2] + p[0] * (p[1] - gmean) ** 2 for p in parts)
-        var = gm2 / n
-        invstd = torch.rsqrt(var + eps).to(x.device, x.dtype)
+        gvar = (gm2 / n).to(x.device, x.dtype)
         gmean = gmean.to(x.device, x.dtype)
-        xhat = (x - _bc(gmean, x)) * _bc(invstd, x)
-        y = xhat * _bc(weight, x) + _bc(bias, x)
-        ctx.save_for_backward(xhat, invstd, weight)
-        ctx.exchange = exchange
-        ctx.n = float(n)
+        ctx.affine = weight is not None
+        if weight is None:
+            weight = torch.ones(channels, dtype=x.dtype, device=x.device)
+        y = torch.batch_norm(x, weight, bias, gmean, gvar, False, 0.0, eps, False)
+        ctx.save_for_backward(x, weight, gmean, gvar)
+        ctx.exchange, ctx.eps, ctx.n = exchange, eps, float(n)
         unbiased = (gm2 / max(float(n) - 1.0, 1.0)).to(x.device, x.dtype)
         ctx.mark_non_differentiable(gmean, unbiased)
         return y, gmean, unbiased
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
-        xhat, invstd, weight = ctx.saved_tensors
-        dims = [d for d in range(dy.dim()) if d != 1]
-        sum_dy = dy.sum(dims)
-        sum_dy_xhat = (dy * xhat).sum(dims)
+        x, weight, gmean, gvar = ctx.saved_tensors
+        if x.numel():  # with the group's mean and variance as "running" statistics: (dy w invstd, sum dy xhat, sum dy)
+            scaled, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy.contiguous(), x, weight, gmean, gvar, None, None, False, ctx.eps, [True, True, True])
+        else:
+            scaled = dy
+            sum_dy_xhat = sum_dy = torch.zeros_like(weight)
         parts = ctx.exchange("bwd", [to_host(sum_dy.double()), to_host(sum_dy_xhat.double())])
-        g_dy = sum(p[0] for p in parts).to(dy.device, dy.dtype)
-        g_dy_xhat = sum(p[1] for p in parts).to(dy.device, dy.dtype)
+        g_dy = sum(p[0] for p in parts)
+        g_dy_xhat = sum(p[1] for p in parts)
+        if not ctx.affine:
+            sum_dy_xhat = sum_dy = None
+        if not x.numel():
+            return dy, sum_dy_xhat, sum_dy, None, None
+        # dx = w invstd / n (n dy - sum dy - xhat sum(dy xhat)) = scaled - k (x - mean) - w invstd sum(dy) / n,
+        # with k = w invstd^2 sum(dy xhat) / n
         n = ctx.n
-        dx = _bc(weight * invstd / n, dy) * (n * dy - _bc(g_dy, dy) - xhat * _bc(g_dy_xhat, dy))
+        invstd = torch.rsqrt(gvar.double() + ctx.eps)
+        w = weight.double()
+        k = w * invstd * invstd * g_dy_xhat.to(w.device) / n
+        shift = k * gmean.double() - w * invstd * g_dy.to(w.device) / n
+        dx = scaled.addcmul_(x, _bc(-k.to(x.dtype), x)).add_(_bc(shift.to(x.dtype), x))
         return dx, sum_dy_xhat, sum_dy, None, None
 
 
