@@ -43,16 +43,17 @@ def test_allgather_gives_every_member_everyones_arrays_in_group_order(n):
     assert network.bytes_sent == sum((n - 1) * (24 + (i + 1) * 8) for i in range(n))
 
 
-def test_allgather_sends_log2_messages_per_member():  # g - 1 = 7 each before
+def _gather_sends(n: int) -> tuple[list[str], list[tuple[str, str, tuple]]]:
+    """An all-gather of one small array over n members: (their names, every (src, dst, key) sent)."""
     sent = []
     network = LocalNetwork()
-    names = [f"d{i}" for i in range(8)]
+    names = [f"d{i}" for i in range(n)]
     eps = [network.endpoint(name) for name in names]
     for ep in eps:
         original = ep.send
 
-        async def counting(dst, key, payload, original=original):
-            sent.append(key)
+        async def counting(dst, key, payload, original=original, src=ep.name):
+            sent.append((src, dst, key))
             await original(dst, key, payload)
         ep.send = counting
 
@@ -61,6 +62,11 @@ def test_allgather_sends_log2_messages_per_member():  # g - 1 = 7 each before
             for i, ep in enumerate(eps):
                 nursery.start_soon(allgather, ep, names, ("k",), [torch.tensor([float(i)])])
     trio.run(main)
+    return names, sent
+
+
+def test_allgather_sends_log2_messages_per_member():  # g - 1 = 7 each before
+    _, sent = _gather_sends(8)
     assert len(sent) == 8 * 3
 
 
@@ -117,23 +123,7 @@ def test_allreduce_sum_messages_per_member(n, messages):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_allgather_of_a_small_group_takes_one_round_of_direct_messages(n):
-    sent = []
-    network = LocalNetwork()
-    names = [f"d{i}" for i in range(n)]
-    eps = [network.endpoint(name) for name in names]
-    for ep in eps:
-        original = ep.send
-
-        async def counting(dst, key, payload, original=original, src=ep.name):
-            sent.append((src, dst, key))
-            await original(dst, key, payload)
-        ep.send = counting
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            for i, ep in enumerate(eps):
-                nursery.start_soon(allgather, ep, names, ("k",), [torch.tensor([float(i)])])
-    trio.run(main)
+    names, sent = _gather_sends(n)
     assert len(sent) == n * (n - 1)  # every member to every other, once
     assert {key[2] for _, _, key in sent} == {0}  # all in round 0
     assert {(src, dst) for src, dst, _ in sent} == {(a, b) for a in names for b in names if a != b}
