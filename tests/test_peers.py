@@ -71,6 +71,9 @@ def test_ddp_writes_one_metrics_line_per_step(ddp_run):
         assert m["seconds"] > 0 and m["samples_per_s"] == pytest.approx(m["samples"] / m["seconds"])
         assert torch.isfinite(torch.tensor(m["loss"]))
         assert len(m["rank_cpu_s"]) == 2
+        # the main thread's CPU is part of its rank's, and each rank's own (not another's)
+        assert len(m["rank_main_cpu_s"]) == 2
+        assert all(0 < main <= cpu + 1e-3 for main, cpu in zip(m["rank_main_cpu_s"], m["rank_cpu_s"]))
 
 
 def test_ddp_equals_local_training_without_batchnorm(ddp_run):

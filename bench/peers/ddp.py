@@ -114,13 +114,14 @@ def train_step(step: int, cfg: TrainConfig, train_set, model, loss_fn, optimizer
     return part, len(indices)
 
 
-def gather_step(part: float, cpu_s: float) -> tuple[float, list[float]]:
-    """(the global batch's loss, each rank's CPU seconds) from every rank's own."""
+def gather_step(part: float, cpu_s: float, main_s: float) -> tuple[float, list[float], list[float]]:
+    """(the global batch's loss, each rank's CPU seconds, those of each rank's main thread)
+    from every rank's own, in one all-reduce."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    values = torch.zeros(1 + world, dtype=torch.float64)
-    values[0], values[1 + rank] = part, cpu_s
+    values = torch.zeros(1 + 2 * world, dtype=torch.float64)
+    values[0], values[1 + rank], values[1 + world + rank] = part, cpu_s, main_s
     dist.all_reduce(values)
-    return float(values[0]), values[1:].tolist()
+    return float(values[0]), values[1:1 + world].tolist(), values[1 + world:].tolist()
 
 
 def resume(path: str | None, model, optimizer) -> int:
@@ -149,8 +150,7 @@ def train(args: argparse.Namespace, cfg: TrainConfig, train_set) -> None:
             t0, c0, m0 = time.monotonic(), time.process_time(), time.thread_time()
             part, samples = train_step(step, cfg, train_set, model, loss_fn, optimizer)
             seconds, cpu_s, main_s = time.monotonic() - t0, time.process_time() - c0, time.thread_time() - m0
-            loss, rank_cpu_s = gather_step(part, cpu_s)
-            _, rank_main_cpu_s = gather_step(0.0, main_s)
+            loss, rank_cpu_s, rank_main_cpu_s = gather_step(part, cpu_s, main_s)
             if metrics:
                 metrics.write(json.dumps({"step": step + 1, "seconds": seconds, "samples": samples,
                                           "samples_per_s": samples / seconds, "loss": loss,
