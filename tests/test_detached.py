@@ -35,10 +35,13 @@ steps = int(args[args.index("--steps") + 1])
 metrics = args[args.index("--metrics") + 1]
 if "--lr" in args:
     print("swarm train: error: the loss became nan at step 1", file=sys.stderr); sys.exit(2)
-if steps >= 1000:
+if steps >= 999:
     print("waiting", flush=True)
     try: time.sleep(60)
-    except KeyboardInterrupt: print("stopped"); sys.exit(130)
+    except KeyboardInterrupt:
+        if steps == 999:  # as an interpreter interrupted while it starts: a traceback and status 1
+            print("Traceback (most recent call last):\nKeyboardInterrupt", file=sys.stderr); sys.exit(1)
+        print("stopped"); sys.exit(130)
 for k in range(1, steps + 1):
     print(f"step {k}/{steps} [#] loss 1.0  2.0 samples/s", flush=True)
     open(metrics, "a").write(json.dumps({"step": k, "samples_per_s": 2.0, "devices": 3}) + "\n")
@@ -143,6 +146,20 @@ async def test_a_run_stops_fails_or_is_lost(tmp_path):
 
 
 @pytest.mark.trio
+async def test_a_run_stopped_while_it_starts_is_stopped_not_failed(tmp_path):
+    """`swarm stop` right after `swarm train --detach` interrupts the run's interpreter in its
+    imports: status 1 and a KeyboardInterrupt traceback, which is a stop like any other."""
+    runs = DetachedRuns(tmp_path / "runs", "pi-3", check_detached_flags, stand_in)
+    run = runs.submit(["--steps", "999"])
+    while b"waiting" not in runs.read(run.job_id, "log", 0)[2]:
+        await trio.sleep(0.05)
+    runs.stop(run.job_id)
+    await wait_ended(runs, run)
+    assert run.process.returncode == 1
+    assert (runs.describe(run.job_id)[0]["state"], runs.describe(run.job_id)[0]["detail"]) == ("stopped", "")
+
+
+@pytest.mark.trio
 async def test_a_run_stops_even_when_the_agent_was_started_with_sigint_ignored(tmp_path):
     """As by `swarm join &` in a script: the run must not inherit the ignored SIGINT that
     `swarm stop` sends, even asked to stop before it has started."""
@@ -179,8 +196,9 @@ async def test_requests_over_the_wire(tmp_path):
                 assert unknown.error == "no run nosuch here"
                 (stopping,) = (await cluster.ask("node0", DetachStop(0, run["id"]))).jobs
                 assert stopping["state"] in ("running (stopping)", "stopped")
-                while (await cluster.ask("node0", DetachList(0))).jobs[0]["state"] != "stopped":
+                while (ended := (await cluster.ask("node0", DetachList(0))).jobs[0])["state"].startswith("running"):
                     await trio.sleep(0.05)
+                assert ended["state"] == "stopped", ended
             nursery.cancel_scope.cancel()
 
 

@@ -161,8 +161,13 @@ class DetachedRuns:
     def _ended(self, run: DetachedRun, code: int) -> None:
         if code == 0:
             run.state, run.detail = "done", ""
-        elif run.stop_asked and code in (130, -signal.SIGINT):
-            run.state, run.detail = "stopped", ""
+        elif run.stop_asked:
+            # Asked to stop, it stopped. A run interrupted while its interpreter was still
+            # starting ends with status 1 and a KeyboardInterrupt traceback rather than 130;
+            # any other error on the way out is kept as the detail.
+            last = _tail(run.folder / FILES["log"], 256).decode("utf-8", "replace").strip().rsplit("\n", 1)[-1]
+            interrupted = code in (130, -signal.SIGINT) or last == "KeyboardInterrupt"
+            run.state, run.detail = "stopped", "" if interrupted else self._last_error(run)
         else:
             run.state, run.detail = "failed", self._last_error(run) or f"exit status {code}"
         (run.folder / "exit.json").write_text(json.dumps({"state": run.state, "detail": run.detail, "code": code}))
