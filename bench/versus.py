@@ -49,7 +49,7 @@ from swarm.testbed import testbed
 
 HERE = Path(__file__).resolve().parent
 SWARM_RUNS = ("auto", "dp", "pp", "tiles", "hybrid")
-RUNS = (*SWARM_RUNS, "ddp")
+RUNS = (*SWARM_RUNS, "plan", "ddp")  # plan: the plan file --plan names (`swarm plan --out`)
 
 
 class Parser(argparse.ArgumentParser):
@@ -114,9 +114,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=run_list, default="auto,dp,tiles,ddp",
                    help=f"which runs, of {','.join(RUNS)} (default: auto,dp,tiles,ddp)")
     p.add_argument("--timeout", type=positive_float, default=1800, help="seconds one run may take (default: 1800)")
+    p.add_argument("--plan", metavar="PLAN.json", help="the plan the run 'plan' trains (as `swarm plan --out` writes)")
     p.add_argument("--json", metavar="FILE", help="also write the raw results here")
     args = p.parse_args(argv)
     check_testbed_flags(p, args)
+    if ("plan" in args.runs) != bool(args.plan):
+        p.error("--plan and the run 'plan' go together")
+    if args.plan and not Path(args.plan).is_file():
+        p.error(f"no plan file {args.plan}")
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step, which starts everything up, is not counted)")
     return args
@@ -143,7 +148,8 @@ def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dic
     """`swarm train --strategy RUN` in dev0's namespace; its steps and plan, or the error."""
     try:
         r = bench.swarm("testbed", "exec", "dev0", "--", sys.executable, "-m", "swarm", "train", *train_args(args),
-                        "--strategy", run, "--devices", args.devices, "--metrics", metrics, "--no-eval",
+                        *(["--plan", Path(args.plan).resolve()] if run == "plan" else
+                          ["--strategy", run, "--devices", args.devices]), "--metrics", metrics, "--no-eval",
                         "--save", metrics.with_suffix(".pt"), check=False, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": out_of_memory() or f"timed out after {args.timeout:g} s"}

@@ -40,27 +40,48 @@ def in_bytes(desc: ModelDesc, index: int) -> int:
     return sum(desc.input_bytes if s < 0 else desc.layers[s].out_bytes for s in desc.layers[index].inputs)
 
 
+def results_kept(desc: ModelDesc) -> set[int]:
+    """The layers whose output its producer keeps already, as its activation's result (leaky
+    and plain ReLU run in place on BatchNorm's output and keep it; sigmoid and tanh keep
+    their result too), and routes that pass such an output on unchanged."""
+    kept: set[int] = set()
+    for layer in desc.layers:
+        if layer.kind in ("conv", "connected") and layer.activation != "linear":
+            kept.add(layer.index)
+        elif layer.kind == "route" and len(layer.inputs) == 1 and layer.inputs[0] in kept:
+            kept.add(layer.index)
+    return kept
+
+
+def input_kept_upstream(desc: ModelDesc) -> set[int]:
+    """The layers whose one input is kept already by the layer that made it (results_kept),
+    so that keeping it costs them nothing more."""
+    kept = results_kept(desc)
+    return {layer.index for layer in desc.layers if len(layer.inputs) == 1 and layer.inputs[0] in kept}
+
+
 def estimate_activation_bytes(desc: ModelDesc) -> list[int]:
-    """Per-sample bytes each layer keeps for its backward, as torch does for these layers:
-    a conv keeps its input, BatchNorm its input, the activation its input; max pooling only
-    its int64 indices (the zoo's max-pool backward needs no input); route and reorg only
-    rearrange (nothing kept)."""
+    """Per-sample bytes each layer keeps for its backward, as torch does for the zoo's layers:
+    a conv keeps its input (unless its producer keeps it: input_kept_upstream), BatchNorm its
+    input, the activation its result; max pooling a byte per output (the selected position
+    in its window); route and reorg only rearrange (nothing kept)."""
+    upstream = input_kept_upstream(desc)
     out = []
     for layer in desc.layers:
         ob = layer.out_bytes
         if layer.kind in ("route", "reorg"):
             out.append(0)
         elif layer.kind == "maxpool":
-            out.append(2 * ob)
+            out.append(ob // BYTES_PER_FLOAT if layer.kernel * layer.kernel <= 256 else 2 * ob)
         elif layer.kind in ("conv", "connected"):
-            keep = in_bytes(desc, layer.index)
+            keep = 0 if layer.index in upstream else in_bytes(desc, layer.index)
             keep += ob if layer.batch_normalize else 0
             keep += ob if layer.activation != "linear" else 0
             out.append(keep)
         elif layer.kind == "dropout":
             out.append(ob // BYTES_PER_FLOAT)  # a bool mask
         else:  # avgpool and anything local: keeps its input
-            out.append(in_bytes(desc, layer.index))
+            out.append(0 if layer.index in upstream else in_bytes(desc, layer.index))
     return out
 
 

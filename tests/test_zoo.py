@@ -186,3 +186,48 @@ def test_max_pool_matches_torch_with_ties_nan_and_inf(kernel, stride):
         assert want.shape == got.shape and got.is_contiguous()
         assert torch.equal(want.isnan(), got.isnan())
         assert torch.equal(torch.nan_to_num(want), torch.nan_to_num(got))
+
+
+@pytest.mark.parametrize("model,size", [("yolov2-16", 64), ("yolov2", 128)])
+def test_a_whole_forward_keeps_what_the_planner_estimates(model, size):
+    """What autograd keeps over one whole forward (each storage once, parameters excluded)
+    is the estimate the planner uses: in-place activations share their result with the next
+    layer's input, and max-pools keep a byte per output. (BatchNorm's per-channel statistics,
+    which the estimate leaves out, are under 1% at these sizes.)"""
+    from planner.memory import estimate_activation_bytes
+
+    net, desc, _ = build_model(model, size, seed=1)
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.rand(2, *desc.layers[0].in_shape)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        net(x)
+    assert sum(seen.values()) / 2 == pytest.approx(sum(estimate_activation_bytes(desc)), rel=0.02)
+
+
+def test_in_place_activations_give_the_gradients_of_out_of_place_ones():
+    from torch import nn
+
+    from swarm.zoo.layers import MaxPool2d
+
+    grads = []
+    for in_place in (True, False):
+        net, desc, _ = build_model("yolov2-16", 64, seed=5)
+        net.double()
+        for module in net.modules():
+            if isinstance(module, (nn.LeakyReLU, nn.ReLU)):
+                assert module.inplace
+                module.inplace = in_place
+            if isinstance(module, MaxPool2d) and not in_place:
+                module.forward = nn.MaxPool2d.forward.__get__(module)  # torch's own, int64 indices
+        x = torch.rand(3, *desc.layers[0].in_shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        net(x).square().sum().backward()
+        grads.append([p.grad for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

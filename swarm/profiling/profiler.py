@@ -35,8 +35,9 @@ from swarm.host.resources import cpu_quota, usable_cores, usable_memory
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_REPEATS = 5
 OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats per parameter
-PROFILE_METHOD = 4  # 4: layers timed in CPU time under a quota, fitted to whole steps; the tiles executor's
-                    # overhead (profiles measured otherwise are measured again)
+PROFILE_METHOD = 5  # 4: layers timed in CPU time under a quota, fitted to whole steps; the tiles executor's
+                    # overhead; 5: saved bytes of in-place activations and byte-coded max-pools
+                    # (profiles measured otherwise are measured again)
 FIT_LIMITS = (0.5, 2.0)  # a fit beyond these says the measurements disagree: keep the layers' own sum
 
 
@@ -291,22 +292,29 @@ def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, watch: S
 
 def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
     """Bytes each layer keeps for the backward, per sample (saved tensors, each storage once,
-    charged to the first layer that keeps it; parameters excluded)."""
+    charged to the first layer that keeps it; parameters excluded, and a layer's input when
+    the layer that made it keeps it already as its activation's result)."""
     import torch
 
+    from planner.memory import input_kept_upstream
+
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    upstream = input_kept_upstream(desc)
     keys = list(range(batch))
     saved = []
     for i in range(len(desc.layers)):
         seen: dict[int, int] = {}
+        inputs = {s: outs[s] if s < 0 else outs[s].detach().requires_grad_(True) for s in desc.live_after(i)}
+        skip = set(params)
+        if i in upstream:
+            skip.update(inputs[s].untyped_storage().data_ptr() for s in desc.layers[i].inputs)
 
         def pack(t):
             key = t.untyped_storage().data_ptr()
-            if key not in params and key not in seen:
+            if key not in skip and key not in seen:
                 seen[key] = t.untyped_storage().nbytes()
             return t
 
-        inputs = {s: outs[s] if s < 0 else outs[s].detach().requires_grad_(True) for s in desc.live_after(i)}
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             net.forward_range(i, i + 1, inputs, keys)
         saved.append(sum(seen.values()) / batch)

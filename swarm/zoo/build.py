@@ -251,8 +251,10 @@ def make_modules(plans: list[LayerPlan], only: range | None = None):
     from swarm.zoo.layers import MaxPool2d, Reorg
 
     def act_module(act: str) -> nn.Module:
-        return {"leaky": lambda: nn.LeakyReLU(0.1), "relu": nn.ReLU, "linear": nn.Identity,
-                "logistic": nn.Sigmoid, "tanh": nn.Tanh}[act]()
+        # in place: the activation overwrites the map BatchNorm (or the conv) made, which
+        # their backward does not read, and keeps its result, which the next layer keeps anyway
+        return {"leaky": lambda: nn.LeakyReLU(0.1, inplace=True), "relu": lambda: nn.ReLU(inplace=True),
+                "linear": nn.Identity, "logistic": nn.Sigmoid, "tanh": nn.Tanh}[act]()
 
     modules = []
     for plan in plans:

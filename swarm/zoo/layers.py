@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tiles.ops import max_pool_channels_last
+from tiles.ops import max_pool_channels_last, maxpool_forward, maxpool_input_grad
 
 
 class Reorg(nn.Module):
@@ -51,20 +51,29 @@ def _single(v) -> int | None:
 
 
 class _MaxPoolChannelsLast(torch.autograd.Function):
-    """Forward on the channels-last kernel; backward is torch's own, from the indices."""
+    """Forward on the channels-last kernel; backward is torch's own, from the selected
+    positions. Those are kept as a byte per output (the position inside its window, as the
+    tiles keep them) rather than torch's int64 index: an eighth of the memory a max-pool
+    holds until its backward, the same gradients."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, kernel: int, stride: int) -> torch.Tensor:
-        y, idx = max_pool_channels_last(x, kernel, stride)
-        ctx.save_for_backward(idx.contiguous())
+        if kernel * kernel <= 256:
+            y, code = maxpool_forward(x, kernel, stride)
+        else:
+            y, code = max_pool_channels_last(x, kernel, stride)
+            code = code.contiguous()
+        ctx.save_for_backward(code)
         ctx.shape, ctx.kernel, ctx.stride = x.shape, kernel, stride
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (idx,) = ctx.saved_tensors
+        (code,) = ctx.saved_tensors
+        k, s = ctx.kernel, ctx.stride
+        if code.dtype == torch.uint8:
+            return maxpool_input_grad(dy.contiguous(), code, k, s, tuple(ctx.shape[2:])), None, None
         shape_only = dy.new_empty(()).expand(ctx.shape)  # the kernel reads only the input's shape
-        k, s = [ctx.kernel] * 2, [ctx.stride] * 2
-        dx = torch.ops.aten.max_pool2d_with_indices_backward(dy.contiguous(), shape_only, k, s, [0, 0], [1, 1],
-                                                             False, idx)
+        dx = torch.ops.aten.max_pool2d_with_indices_backward(dy.contiguous(), shape_only, [k, k], [s, s], [0, 0],
+                                                             [1, 1], False, code)
         return dx, None, None
