@@ -114,10 +114,8 @@ class MemoryModel:
         self.out_bytes = np.array([layer.out_bytes for layer in self.desc.layers], dtype=float)
         self.in_bytes = np.array([in_bytes(self.desc, i) for i in range(len(self.desc.layers))], dtype=float)
         # a layer's backward holds the gradient of its output and of its input, and one more
-        # map of its output's size while its pointwise steps (activation, BatchNorm) run: each
-        # makes its input's gradient from its output's and the engine frees the one it was
-        # given, so two such maps at most are alive at once
-        pointwise = [min(1, int(layer.batch_normalize) + int(layer.activation != "linear"))
+        # map of its output's size for each pointwise step it runs (BatchNorm, activation)
+        pointwise = [int(layer.batch_normalize) + int(layer.activation != "linear")
                      if layer.kind in ("conv", "connected") else 0 for layer in self.desc.layers]
         self.grad_bytes = self.out_bytes * (1 + np.array(pointwise, dtype=float)) + self.in_bytes
         self._cum_params = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
