@@ -59,7 +59,6 @@ class AsteroidTables:
         self.act = mem.slack * (cum_a[self.vj] - cum_a[self.vi])
         self.grad_peak = mem.slack * runmax.ravel()[self.valid]
         self.param_bytes = cum_p[self.vj] - cum_p[self.vi]
-        self.whole_reserve = np.where((self.vi == 0) & (self.vj == L), mem.whole_reserve, 0.0)  # MemoryModel.budget
         self._uncapped: dict = {}
         self._capped: dict = {}
 
@@ -88,7 +87,7 @@ class AsteroidTables:
     def caps(self, group: list[int], K: int, cols: np.ndarray) -> np.ndarray:
         """Most samples each device can hold (MemoryModel.max_batch), shape (g, n); -1 where
         even the weights do not fit."""
-        free = self.budget[group][:, None] + self.whole_reserve[cols][None, :] - self.weights[cols][None, :]
+        free = self.budget[group][:, None] - self.weights[cols][None, :]
         per = K * self.act[cols] + self.grad_peak[cols]
         with np.errstate(divide="ignore", invalid="ignore"):
             cap = np.where(per[None, :] > 0, np.floor(free / np.where(per > 0, per, 1.0)[None, :]), float(1 << 30))

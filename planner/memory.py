@@ -33,13 +33,6 @@ RESIDENT_SLACK = 1.5
 STAGE_SCRATCH_BYTES = 64 * 2**20
 WORKER_BYTES = 192 * 2**20
 JOB_BYTES = STAGE_SCRATCH_BYTES + WORKER_BYTES
-# A device whose one stage is the whole model (dp, or a single device) has no activations in
-# flight between stages and no other stage to back up: what is left of WORKER_BYTES for it
-# (its share of the fed images a step ahead, the gradient ring's chunks) is within the slack.
-# Measured on the mixed testbed (yolov2-16 at 416, dp groups, cgroup peaks with the runtime
-# and page cache): 2 samples a micro-batch on a 1 GiB device peaked at 753-866 MiB, against
-# the 1015 MiB this model gives it with the runtime and the scratch; 1 sample at 551-554 MiB.
-WHOLE_MODEL_RESERVE = WORKER_BYTES
 
 
 def in_bytes(desc: ModelDesc, index: int) -> int:
@@ -101,8 +94,6 @@ class MemoryModel:
     optimizer: str = "sgd"
     measured: bool = False  # act_bytes come from a profile rather than the estimate
     slack: float = 1.0  # resident bytes per byte of activations and gradients (RESIDENT_SLACK on devices)
-    whole_reserve: float = 0.0  # bytes a device's budget gains for a stage of the whole model (on devices:
-    #                              WHOLE_MODEL_RESERVE, the part of the job's reserve such a stage leaves unused)
 
     def __post_init__(self):
         self.act_bytes = np.asarray(self.act_bytes, dtype=float)
@@ -131,14 +122,8 @@ class MemoryModel:
         """The model for planning real devices: measured saved bytes when given, and the
         allocator's slack on activations and gradients."""
         if act_bytes is None:
-            return cls(desc, estimate_activation_bytes(desc), optimizer, slack=RESIDENT_SLACK,
-                       whole_reserve=WHOLE_MODEL_RESERVE)
-        return cls(desc, act_bytes, optimizer, measured=True, slack=RESIDENT_SLACK, whole_reserve=WHOLE_MODEL_RESERVE)
-
-    def budget(self, first: int, last: int, memory: float) -> float:
-        """What a device with budget `memory` (its memory less the runtime and JOB_BYTES) may
-        spend on a stage of layers [first, last): more for a stage of the whole model."""
-        return memory + (self.whole_reserve if first == 0 and last == len(self.desc.layers) else 0.0)
+            return cls(desc, estimate_activation_bytes(desc), optimizer, slack=RESIDENT_SLACK)
+        return cls(desc, act_bytes, optimizer, measured=True, slack=RESIDENT_SLACK)
 
     # ---- per stage -------------------------------------------------------------------
     def weights(self, first: int, last: int) -> float:
@@ -169,9 +154,8 @@ class MemoryModel:
         return self.weights(first, last) + warmup * self.activations(first, last, batch) + self.transient(first, last, batch)
 
     def max_batch(self, first: int, last: int, warmup: int, budget: float) -> int:
-        """The largest micro-batch share that fits a device with `budget` bytes (0 when even
-        one sample does not)."""
-        free = self.budget(first, last, budget) - self.weights(first, last)
+        """The largest micro-batch share that fits in `budget` bytes (0 when even one sample does not)."""
+        free = budget - self.weights(first, last)
         per_sample = self.activations(first, last, warmup) + self.transient(first, last, 1)
         if free < 0:
             return 0
