@@ -37,6 +37,23 @@ def test_saved_bytes_are_what_autograd_keeps(profile):
     assert sum(profile.act_bytes) == pytest.approx(sum(estimate), rel=0.05)
 
 
+def test_profiling_leaves_no_graph_alive():
+    """A profile runs in the agent that trains next: what it measured must be freed. (Counting
+    saved tensors with a hook that keeps the tensor itself kept every layer's activations
+    alive, through the in-place activations that save their own output.)"""
+    import gc
+
+    import torch
+
+    def graphs() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.grad_fn is not None)
+
+    before = graphs()
+    profile_model("yolov2-16", 32, batch_sizes=(1,), repeats=1, threads=1)
+    assert graphs() == before
+
+
 def test_profile_round_trips_and_is_cached(tmp_path):
     p1, cached1, path = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1, 2), repeats=1, threads=1)
     p2, cached2, path2 = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1, 2), repeats=1, threads=1)

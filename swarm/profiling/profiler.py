@@ -313,7 +313,10 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
             key = t.untyped_storage().data_ptr()
             if key not in skip and key not in seen:
                 seen[key] = t.untyped_storage().nbytes()
-            return t
+            # detached: a layer that saves its own output (an in-place activation's result)
+            # would otherwise hold its graph in a cycle through autograd's nodes, which
+            # Python's collector cannot see, and every layer's activations would stay alive
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             net.forward_range(i, i + 1, inputs, keys)
