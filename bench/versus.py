@@ -22,7 +22,9 @@ reversed every other round (so neither gains from the machine's drift).
 The table: samples/s is the median over rounds of each run's median over its steps after the
 first (the first includes starting up); peak memory the largest over rounds and devices of a
 device's cgroup peak (cgroup v2 memory.peak, v1 memory.max_usage_in_bytes: its agent and,
-for ddp, torchrun and its worker, page cache included); for auto, the step time the planner
+for ddp, torchrun and its worker, page cache included) and, beside it, the largest of its
+anonymous memory read every 0.2 s (without the page cache, which is reclaimed before a
+process is killed for memory); per device, both are in --json; for auto, the step time the planner
 predicts for its plan (`swarm plan` on the same devices afterwards; swarm train does not
 print it), as samples/s, and whether that plan is the one swarm train ran.
 """
@@ -37,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -144,6 +147,47 @@ def peak_memory() -> dict[str, int]:
     return peaks
 
 
+def resident_memory() -> dict[str, int]:
+    """Each device's anonymous memory now, in bytes (cgroup v2 memory.stat anon, v1 rss +
+    rss_huge): what its processes hold, without the page cache the kernel reclaims first."""
+    now = {}
+    for d in testbed.require().devices:
+        for c in d.cgroups:
+            stat = Path(c) / "memory.stat"
+            if stat.exists():
+                fields = dict(line.split() for line in stat.read_text().splitlines() if len(line.split()) == 2)
+                keys = ("anon",) if "anon" in fields else ("rss", "rss_huge")
+                now[d.name] = sum(int(fields.get(k, 0)) for k in keys)
+                break
+    return now
+
+
+class ResidentPeaks:
+    """The largest resident_memory() of each device, read every `every` seconds while open
+    (cgroup v1 keeps no peak of it; the peak between two readings can be missed)."""
+
+    def __init__(self, every: float = 0.2):
+        self.every, self.peaks = every, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self):
+        while not self._stop.wait(self.every):
+            try:
+                for d, v in resident_memory().items():
+                    self.peaks[d] = max(v, self.peaks.get(d, 0))
+            except (OSError, ValueError):  # a cgroup going away with the testbed
+                pass
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dict:
     """`swarm train --strategy RUN` in dev0's namespace; its steps and plan, or the error."""
     try:
@@ -180,11 +224,13 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
     bench.restart_testbed()
     metrics = work / f"{label}.jsonl"
     t0 = time.monotonic()
-    if run == "ddp":
-        result = run_ddp(args.devices, train_args(args), metrics, work / label, args.timeout)
-    else:
-        result = swarm_train(bench, run, args, metrics)
-    result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory())
+    with ResidentPeaks() as resident:
+        if run == "ddp":
+            result = run_ddp(args.devices, train_args(args), metrics, work / label, args.timeout)
+        else:
+            result = swarm_train(bench, run, args, metrics)
+    result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory(),
+                  resident_bytes=resident.peaks)
     if "error" in result:
         return result
     steps = result["steps"]
@@ -211,6 +257,8 @@ def summarise(run: str, rounds: list[dict]) -> list[str]:
     per_round = ", ".join("failed" if "error" in r else f"{r['samples_per_s']:.3f}" for r in rounds)
     peaks = [(v, d) for r in rounds for d, v in r["peak_bytes"].items()]
     peak = max(peaks) if peaks else None
+    held = [(v, d) for r in rounds for d, v in r.get("resident_bytes", {}).items()]
+    held = max(held) if held else None
     guesses = [r["predicted_samples_per_s"] for r in ok if "predicted_samples_per_s" in r]
     guess = f"{statistics.median(guesses):.3f}" if guesses else "-"
     if guesses and not all(r.get("same_plan") for r in ok):
@@ -218,11 +266,12 @@ def summarise(run: str, rounds: list[dict]) -> list[str]:
     return [run, ",".join(sorted({str(r["used"]) for r in ok})) or "-",
             f"{statistics.median(r['samples_per_s'] for r in ok):.3f}" if ok else "failed", per_round, guess,
             f"{peak[0] / 2**20:.0f} MiB ({peak[1]})" if peak else "-",
+            f"{held[0] / 2**20:.0f} MiB ({held[1]})" if held else "-",
             f"{statistics.median(r['wall_s'] for r in rounds):.0f} s"]
 
 
 def table(rows: list[list[str]]) -> str:
-    head = ["run", "devices", "samples/s", "per round", "predicted", "peak memory (device)", "wall"]
+    head = ["run", "devices", "samples/s", "per round", "predicted", "peak memory (device)", "resident", "wall"]
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [head, *rows])
 

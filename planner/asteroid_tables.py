@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from planner.inputs import PlanInputs
-from planner.memory import OPTIMIZER_STATE_FLOATS
+from planner.memory import OPTIMIZER_STATE_FLOATS, largest_share
 
 
 class AsteroidTables:
@@ -59,6 +59,8 @@ class AsteroidTables:
         self.act = mem.slack * (cum_a[self.vj] - cum_a[self.vi])
         self.grad_peak = mem.slack * runmax.ravel()[self.valid]
         self.param_bytes = cum_p[self.vj] - cum_p[self.vi]
+        self.growth = mem.growth
+        self.whole_reserve = np.where((self.vi == 0) & (self.vj == L), mem.whole_reserve, 0.0)  # MemoryModel.budget
         self._uncapped: dict = {}
         self._capped: dict = {}
 
@@ -87,12 +89,9 @@ class AsteroidTables:
     def caps(self, group: list[int], K: int, cols: np.ndarray) -> np.ndarray:
         """Most samples each device can hold (MemoryModel.max_batch), shape (g, n); -1 where
         even the weights do not fit."""
-        free = self.budget[group][:, None] - self.weights[cols][None, :]
+        free = self.budget[group][:, None] + self.whole_reserve[cols][None, :] - self.weights[cols][None, :]
         per = K * self.act[cols] + self.grad_peak[cols]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            cap = np.where(per[None, :] > 0, np.floor(free / np.where(per > 0, per, 1.0)[None, :]), float(1 << 30))
-        cap = np.where(free < 0, -1.0, cap)
-        return np.minimum(cap, float(1 << 30)).astype(np.int64)
+        return largest_share(free, np.broadcast_to(per[None, :], free.shape), self.growth).astype(np.int64)
 
     # ---- Alg. 1 ------------------------------------------------------------------------
     def allocate(self, group: list[int], cols: np.ndarray, caps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

@@ -33,6 +33,21 @@ RESIDENT_SLACK = 1.5
 STAGE_SCRATCH_BYTES = 64 * 2**20
 WORKER_BYTES = 192 * 2**20
 JOB_BYTES = STAGE_SCRATCH_BYTES + WORKER_BYTES
+# A device whose one stage is the whole model (dp, or a single device) has no activations in
+# flight between stages and no other stage to back up: what is left of WORKER_BYTES for it
+# (its share of the fed images a step ahead, the gradient ring's chunks) is within the slack.
+# Measured on the mixed testbed (yolov2-16 at 416, dp groups, resident memory with the
+# runtime): 2 samples a micro-batch on a 1 GiB device held 733-788 MiB, against the 1017 MiB
+# this model gives it with the runtime and the scratch; 1 sample 541 MiB.
+WHOLE_MODEL_RESERVE = WORKER_BYTES
+# The allocator's slack grows with a device's share of a micro-batch: one heap (swarm.host.
+# malloc) reuses the holes that a small share's maps leave, less so a large share's. Measured
+# for yolov2-16 at 416 as a dp share on the mixed testbed, resident with the runtime: 541 MiB
+# with 1 sample, 733-788 with 2, 1612 with 4, where the constant slack gives 1589; in one
+# process, 4 samples held 1.24 GB after one micro-batch and 1.67 GB from the third on. So
+# beyond 2 samples each sample adds SHARE_GROWTH to the slack (4 samples: 1.2x, 1819 MiB).
+SHARE_GROWTH = 0.1
+GROWTH_FROM = 2
 
 
 def in_bytes(desc: ModelDesc, index: int) -> int:
@@ -94,6 +109,9 @@ class MemoryModel:
     optimizer: str = "sgd"
     measured: bool = False  # act_bytes come from a profile rather than the estimate
     slack: float = 1.0  # resident bytes per byte of activations and gradients (RESIDENT_SLACK on devices)
+    whole_reserve: float = 0.0  # bytes a device's budget gains for a stage of the whole model (on devices:
+    #                              WHOLE_MODEL_RESERVE, the part of the job's reserve such a stage leaves unused)
+    growth: float = 0.0  # the slack's growth per sample of a share beyond GROWTH_FROM (SHARE_GROWTH on devices)
 
     def __post_init__(self):
         self.act_bytes = np.asarray(self.act_bytes, dtype=float)
@@ -122,8 +140,15 @@ class MemoryModel:
         """The model for planning real devices: measured saved bytes when given, and the
         allocator's slack on activations and gradients."""
         if act_bytes is None:
-            return cls(desc, estimate_activation_bytes(desc), optimizer, slack=RESIDENT_SLACK)
-        return cls(desc, act_bytes, optimizer, measured=True, slack=RESIDENT_SLACK)
+            return cls(desc, estimate_activation_bytes(desc), optimizer, slack=RESIDENT_SLACK,
+                       whole_reserve=WHOLE_MODEL_RESERVE, growth=SHARE_GROWTH)
+        return cls(desc, act_bytes, optimizer, measured=True, slack=RESIDENT_SLACK, whole_reserve=WHOLE_MODEL_RESERVE,
+                   growth=SHARE_GROWTH)
+
+    def budget(self, first: int, last: int, memory: float) -> float:
+        """What a device with budget `memory` (its memory less the runtime and JOB_BYTES) may
+        spend on a stage of layers [first, last): more for a stage of the whole model."""
+        return memory + (self.whole_reserve if first == 0 and last == len(self.desc.layers) else 0.0)
 
     # ---- per stage -------------------------------------------------------------------
     def weights(self, first: int, last: int) -> float:
@@ -131,16 +156,20 @@ class MemoryModel:
         per_param_copies = 2 + OPTIMIZER_STATE_FLOATS[self.optimizer]
         return per_param_copies * (self._cum_params[last] - self._cum_params[first])
 
+    def share_factor(self, batch: float) -> float:
+        """How much more than `slack` a share of `batch` samples holds per byte (SHARE_GROWTH)."""
+        return 1.0 + self.growth * max(0.0, batch - GROWTH_FROM)
+
     def activations(self, first: int, last: int, batch: float) -> float:
         """Mem(ACT)(beta): what one micro-batch of `batch` samples keeps until its backward."""
-        return batch * (self.slack * (self._cum_act[last] - self._cum_act[first]))
+        return batch * (self.slack * self.share_factor(batch) * (self._cum_act[last] - self._cum_act[first]))
 
     def transient(self, first: int, last: int, batch: float) -> float:
         """Buffers alive only during one layer's backward: the gradients of its output, of
         each pointwise step and of its input (the outgoing gradient, until it is sent)."""
         if last <= first:
             return 0.0
-        return batch * (self.slack * float(self.grad_bytes[first:last].max()))
+        return batch * (self.slack * self.share_factor(batch) * float(self.grad_bytes[first:last].max()))
 
     def boundary(self, b: int) -> float:
         """Bytes per sample crossing a cut before layer b (forward activations; the
@@ -154,11 +183,23 @@ class MemoryModel:
         return self.weights(first, last) + warmup * self.activations(first, last, batch) + self.transient(first, last, batch)
 
     def max_batch(self, first: int, last: int, warmup: int, budget: float) -> int:
-        """The largest micro-batch share that fits in `budget` bytes (0 when even one sample does not)."""
-        free = budget - self.weights(first, last)
-        per_sample = self.activations(first, last, warmup) + self.transient(first, last, 1)
-        if free < 0:
-            return 0
-        if per_sample <= 0:
-            return 1 << 30
-        return int(free // per_sample)
+        """The largest micro-batch share that fits a device with `budget` bytes (0 when even
+        one sample does not)."""
+        free = self.budget(first, last, budget) - self.weights(first, last)
+        per_sample = warmup * self.activations(first, last, 1) + self.transient(first, last, 1)
+        return max(0, int(largest_share(free, per_sample, self.growth)))
+
+
+def largest_share(free, per_sample, growth: float):
+    """The most samples b with b * per_sample * (1 + growth * max(0, b - GROWTH_FROM)) <= free
+    (MemoryModel.stage less the weights), elementwise over arrays: -1 where free < 0 (not
+    even the weights fit), 1 << 30 where a sample costs nothing."""
+    free, per = np.asarray(free, dtype=float), np.asarray(per_sample, dtype=float)
+    safe = np.where(per > 0, per, 1.0)
+    linear = np.floor(np.maximum(free, 0.0) / safe)
+    if growth > 0:  # beyond GROWTH_FROM: the root of g p b^2 + (1 - g F) p b - free = 0
+        a, b = growth, 1.0 - growth * GROWTH_FROM
+        root = np.floor((-b + np.sqrt(b * b + 4 * a * np.maximum(free, 0.0) / safe)) / (2 * a) + 1e-9)
+        linear = np.where(linear > GROWTH_FROM, np.maximum(GROWTH_FROM, root), linear)
+    cap = np.where(per > 0, np.minimum(linear, float(1 << 30)), float(1 << 30))
+    return np.where(free < 0, -1.0, cap)

@@ -391,9 +391,18 @@ class _Run:
                 busy[e.device] += e.end - e.start
         step = max([self.t_end] + [e.end for e in self.events]
                    + [self.free_at[d] + debt for d, debt in self.debt.items()])
-        budgets = {d: self.cluster.device(d).memory for d in peak}
+        budgets = {d: self._budget(d) for d in peak}
         self.events.sort(key=lambda e: (e.start, e.device))
         return Timeline(self.events, step, self.plan.batch_size, peak, eq3, budgets, dict(busy), self.works)
+
+    def _budget(self, device: str) -> float:
+        """The device's memory for its stages (MemoryModel.budget: more for the whole model
+        alone; not for tiles, whose memory the tiles' own model counts)."""
+        stages = [s for s in self.plan.stages if device in s.devices]
+        memory = self.cluster.device(device).memory
+        if len(stages) == 1 and stages[0].mode != "tiles":
+            return self.mem.budget(stages[0].first, stages[0].last, memory)
+        return memory
 
     def memory(self) -> dict[str, float]:
         """Peak bytes per device: weights of all its stages, activations live between each

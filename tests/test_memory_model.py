@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.memory import RESIDENT_SLACK, STAGE_SCRATCH_BYTES, MemoryModel
+from planner.memory import RESIDENT_SLACK, SHARE_GROWTH, STAGE_SCRATCH_BYTES, WORKER_BYTES, MemoryModel
 from swarm.zoo import describe_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,3 +62,30 @@ def test_stage_peak_is_within_the_device_memory_model(first, last, k):
     assert predicted <= 1.8 * peak
     bare = MemoryModel.estimated(desc)
     assert bare.stage(first, last, 1, k) - bare.weights(first, last) == pytest.approx(stage / RESIDENT_SLACK)
+
+
+def test_largest_share_is_the_most_samples_whose_stage_fits():
+    desc = describe_model("yolov2-16", 416, 5)
+    model = MemoryModel.for_devices(desc)
+    n = len(desc.layers)
+    for first, last in [(0, n), (0, 6), (6, n)]:
+        for warmup in (1, 3):
+            for mib in (0, 50, 300, 426, 618, 1450, 4000):
+                budget = mib * 2**20
+                b = model.max_batch(first, last, warmup, budget)
+                room = model.budget(first, last, budget)
+                fits = [k for k in range(0, 64) if model.stage(first, last, k, warmup) <= room]
+                assert b == (max(fits) if model.weights(first, last) <= room else 0), (first, last, warmup, mib)
+
+
+def test_a_share_beyond_two_samples_is_held_with_more_slack_and_the_whole_model_keeps_the_reserve():
+    desc = describe_model("yolov2-16", 416, 5)
+    model, n = MemoryModel.for_devices(desc), len(desc.layers)
+    per = model.activations(0, n, 1) + model.transient(0, n, 1)
+    assert model.stage(0, n, 2, 1) - model.weights(0, n) == pytest.approx(2 * per)
+    assert model.stage(0, n, 4, 1) - model.weights(0, n) == pytest.approx(4 * per * (1 + 2 * SHARE_GROWTH))
+    assert model.budget(0, n, 1e9) == 1e9 + WORKER_BYTES and model.budget(0, n - 1, 1e9) == 1e9
+    # a 1 GiB device (426 MiB once its runtime and the job's reserve are off) holds 2
+    # samples of the whole model, and a 2 GiB one 4, as measured on the mixed testbed
+    assert model.max_batch(0, n, 1, 426 * 2**20) == 2 and model.max_batch(0, n, 1, 1450 * 2**20) == 4
+    assert MemoryModel.estimated(desc).share_factor(8) == 1.0  # the papers' equation has no slack
