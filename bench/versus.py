@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from planner.plan import Plan
 from swarm.commands.flags import positive_float, positive_int
 from swarm.commands.testbed_cmd import bandwidth_rate, each, memory_size
 from swarm.execution.launch import describe_plan
+from swarm.host.peaks import Peaks
 from swarm.testbed import testbed
 
 HERE = Path(__file__).resolve().parent
@@ -162,32 +162,6 @@ def resident_memory() -> dict[str, int]:
     return now
 
 
-class ResidentPeaks:
-    """The largest resident_memory() of each device, read every `every` seconds while open
-    (cgroup v1 keeps no peak of it; the peak between two readings can be missed)."""
-
-    def __init__(self, every: float = 0.2):
-        self.every, self.peaks = every, {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self):
-        while not self._stop.wait(self.every):
-            try:
-                for d, v in resident_memory().items():
-                    self.peaks[d] = max(v, self.peaks.get(d, 0))
-            except (OSError, ValueError):  # a cgroup going away with the testbed
-                pass
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
 def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dict:
     """`swarm train --strategy RUN` in dev0's namespace; its steps and plan, or the error."""
     try:
@@ -224,13 +198,13 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
     bench.restart_testbed()
     metrics = work / f"{label}.jsonl"
     t0 = time.monotonic()
-    with ResidentPeaks() as resident:
+    with Peaks(resident_memory, 0.2) as resident:
         if run == "ddp":
             result = run_ddp(args.devices, train_args(args), metrics, work / label, args.timeout)
         else:
             result = swarm_train(bench, run, args, metrics)
     result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory(),
-                  resident_bytes=resident.peaks)
+                  resident_bytes=resident.peak or {})
     if "error" in result:
         return result
     steps = result["steps"]

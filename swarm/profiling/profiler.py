@@ -30,6 +30,7 @@ from planner.costs import CostTable
 from planner.image_size import ImageSize
 from planner.profile import DeviceProfile, ProfileError
 from swarm.errors import SwarmError
+from swarm.host.peaks import Peaks
 from swarm.host.resources import cpu_quota, usable_cores, usable_memory
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
@@ -214,31 +215,14 @@ def settled_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-class _PeakRSS:
+class _PeakRSS(Peaks):
     """Samples this process's resident memory in a thread; `peak` is the largest seen."""
 
     def __init__(self, interval: float = 0.001):
         import psutil
 
-        self.proc = psutil.Process()
-        self.interval = interval
-        self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            self._stop.wait(self.interval)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
+        process = psutil.Process()
+        super().__init__(lambda: process.memory_info().rss, interval)
 
 
 def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
