@@ -34,12 +34,13 @@ STAGE_SCRATCH_BYTES = 64 * 2**20
 WORKER_BYTES = 192 * 2**20
 JOB_BYTES = STAGE_SCRATCH_BYTES + WORKER_BYTES
 # A device whose one stage is the whole model (dp, or a single device) has no activations in
-# flight between stages and no other stage to back up: what is left of WORKER_BYTES for it
-# (its share of the fed images a step ahead, the gradient ring's chunks) is within the slack.
-# Measured on the mixed testbed (yolov2-16 at 416, dp groups, resident memory with the
-# runtime): 2 samples a micro-batch on a 1 GiB device held 733-788 MiB, against the 1017 MiB
-# this model gives it with the runtime and the scratch; 1 sample 541 MiB.
-WHOLE_MODEL_RESERVE = WORKER_BYTES
+# flight between stages and no other stage to back up (WORKER_BYTES), and the runtime its
+# profile measured (after a training step of the whole model) already holds that model's
+# kernel scratch (STAGE_SCRATCH_BYTES): it keeps the job's whole reserve. Measured for
+# yolov2-16 at 416 on the testbed, resident with the runtime, against this model with a
+# runtime of 342 MiB: 1 sample 541 MiB (model 668), 2 samples of a group's micro-batch
+# 733-825 (954), 2 samples alone 840-873 (954), 4 alone on a 2 GiB device 1528-1612 (1754).
+WHOLE_MODEL_RESERVE = JOB_BYTES
 # The allocator's slack grows with a device's share of a micro-batch: one heap (swarm.host.
 # malloc) reuses the holes that a small share's maps leave, less so a large share's. Measured
 # for yolov2-16 at 416 as a dp share on the mixed testbed, resident with the runtime: 541 MiB

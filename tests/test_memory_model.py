@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.memory import RESIDENT_SLACK, SHARE_GROWTH, STAGE_SCRATCH_BYTES, WORKER_BYTES, MemoryModel
+from planner.memory import RESIDENT_SLACK, SHARE_GROWTH, STAGE_SCRATCH_BYTES, JOB_BYTES, MemoryModel
 from swarm.zoo import describe_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def test_a_share_beyond_two_samples_is_held_with_more_slack_and_the_whole_model_
     per = model.activations(0, n, 1) + model.transient(0, n, 1)
     assert model.stage(0, n, 2, 1) - model.weights(0, n) == pytest.approx(2 * per)
     assert model.stage(0, n, 4, 1) - model.weights(0, n) == pytest.approx(4 * per * (1 + 2 * SHARE_GROWTH))
-    assert model.budget(0, n, 1e9) == 1e9 + WORKER_BYTES and model.budget(0, n - 1, 1e9) == 1e9
+    assert model.budget(0, n, 1e9) == 1e9 + JOB_BYTES and model.budget(0, n - 1, 1e9) == 1e9
     # a 1 GiB device (426 MiB once its runtime and the job's reserve are off) holds 2
     # samples of the whole model, and a 2 GiB one 4, as measured on the mixed testbed
     assert model.max_batch(0, n, 1, 426 * 2**20) == 2 and model.max_batch(0, n, 1, 1450 * 2**20) == 4

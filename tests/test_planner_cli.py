@@ -54,7 +54,7 @@ def test_a_plan_that_does_not_fit_says_where_and_by_how_much(tmp_path):
     r = plan("--model", "yolov2-16", "--img-size", "416", "--microbatches", "2", "--devices",
              EXAMPLES / "rama-pi-cluster.json", "--strategy", "local", "--out", "p.json", tmp_path=tmp_path)
     assert r.returncode == 2
-    assert "does not fit: stage 0 needs" in r.stderr and "on device pi-1, which has 792 MiB" in r.stderr
+    assert "does not fit: stage 0 needs" in r.stderr and "on device pi-1, which has 856 MiB" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "p.json").exists()
 
 
