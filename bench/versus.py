@@ -24,9 +24,11 @@ first (the first includes starting up); peak memory the largest over rounds and 
 device's cgroup peak (cgroup v2 memory.peak, v1 memory.max_usage_in_bytes: its agent and,
 for ddp, torchrun and its worker, page cache included) and, beside it, the largest of its
 anonymous memory read every 0.2 s (without the page cache, which is reclaimed before a
-process is killed for memory); per device, both are in --json; for auto, the step time the planner
-predicts for its plan (`swarm plan` on the same devices afterwards; swarm train does not
-print it), as samples/s, and whether that plan is the one swarm train ran.
+process is killed for memory); per device, both are in --json, with each device's major page
+faults (code and files read again from disk after the kernel reclaimed them); for auto,
+the step time the planner predicts for its plan (`swarm plan` on the same devices
+afterwards; swarm train does not print it), as samples/s, and whether that plan is the one
+swarm train ran.
 """
 from __future__ import annotations
 
@@ -147,19 +149,23 @@ def peak_memory() -> dict[str, int]:
     return peaks
 
 
-def resident_memory() -> dict[str, int]:
-    """Each device's anonymous memory now, in bytes (cgroup v2 memory.stat anon, v1 rss +
-    rss_huge): what its processes hold, without the page cache the kernel reclaims first."""
-    now = {}
+def memory_stat() -> dict[str, dict[str, int]]:
+    """Each device's cgroup memory.stat (v1 or v2), as numbers."""
+    stats = {}
     for d in testbed.require().devices:
         for c in d.cgroups:
             stat = Path(c) / "memory.stat"
             if stat.exists():
-                fields = dict(line.split() for line in stat.read_text().splitlines() if len(line.split()) == 2)
-                keys = ("anon",) if "anon" in fields else ("rss", "rss_huge")
-                now[d.name] = sum(int(fields.get(k, 0)) for k in keys)
+                fields = [line.split() for line in stat.read_text().splitlines()]
+                stats[d.name] = {f[0]: int(f[1]) for f in fields if len(f) == 2 and f[1].isdigit()}
                 break
-    return now
+    return stats
+
+
+def resident_memory() -> dict[str, int]:
+    """Each device's anonymous memory now, in bytes (cgroup v2 memory.stat anon, v1 rss +
+    rss_huge): what its processes hold, without the page cache the kernel reclaims first."""
+    return {d: f["anon"] if "anon" in f else f.get("rss", 0) + f.get("rss_huge", 0) for d, f in memory_stat().items()}
 
 
 def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dict:
@@ -204,7 +210,8 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
         else:
             result = swarm_train(bench, run, args, metrics)
     result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory(),
-                  resident_bytes=resident.peak or {})
+                  resident_bytes=resident.peak or {},
+                  major_faults={d: f.get("pgmajfault", 0) for d, f in memory_stat().items()})
     if "error" in result:
         return result
     steps = result["steps"]
