@@ -60,7 +60,7 @@ class AsteroidTables:
         self.grad_peak = mem.slack * runmax.ravel()[self.valid]
         self.param_bytes = cum_p[self.vj] - cum_p[self.vi]
         self.growth = mem.growth
-        self.whole_reserve = np.where((self.vi == 0) & (self.vj == L), mem.whole_reserve, 0.0)  # MemoryModel.budget
+        self.whole_reserve = np.array([mem.budget(i, j, 0.0) for i, j in zip(self.vi, self.vj)])  # MemoryModel.budget
         self._uncapped: dict = {}
         self._capped: dict = {}
 

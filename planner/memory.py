@@ -112,7 +112,7 @@ class MemoryModel:
     measured: bool = False  # act_bytes come from a profile rather than the estimate
     slack: float = 1.0  # resident bytes per byte of activations and gradients (RESIDENT_SLACK on devices)
     whole_reserve: float = 0.0  # bytes a device's budget gains for a stage of the whole model (on devices:
-    #                              WHOLE_MODEL_RESERVE, the part of the job's reserve such a stage leaves unused)
+    #                              WHOLE_MODEL_RESERVE, the job's reserve, which such a stage leaves unused)
     growth: float = 0.0  # the slack's growth per sample of a share beyond GROWTH_FROM (SHARE_GROWTH on devices)
 
     def __post_init__(self):
@@ -139,13 +139,13 @@ class MemoryModel:
 
     @classmethod
     def for_devices(cls, desc: ModelDesc, optimizer: str = "sgd", act_bytes=None) -> "MemoryModel":
-        """The model for planning real devices: measured saved bytes when given, and the
-        allocator's slack on activations and gradients."""
+        """The model for planning real devices: measured saved bytes when given, the
+        allocator's slack on activations and gradients (growing with a share), and the
+        reserve a whole-model stage keeps."""
+        held = dict(slack=RESIDENT_SLACK, whole_reserve=WHOLE_MODEL_RESERVE, growth=SHARE_GROWTH)
         if act_bytes is None:
-            return cls(desc, estimate_activation_bytes(desc), optimizer, slack=RESIDENT_SLACK,
-                       whole_reserve=WHOLE_MODEL_RESERVE, growth=SHARE_GROWTH)
-        return cls(desc, act_bytes, optimizer, measured=True, slack=RESIDENT_SLACK, whole_reserve=WHOLE_MODEL_RESERVE,
-                   growth=SHARE_GROWTH)
+            return cls(desc, estimate_activation_bytes(desc), optimizer, **held)
+        return cls(desc, act_bytes, optimizer, measured=True, **held)
 
     def budget(self, first: int, last: int, memory: float) -> float:
         """What a device with budget `memory` (its memory less the runtime and JOB_BYTES) may
