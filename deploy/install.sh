@@ -81,6 +81,16 @@ else
     die "$PY cannot make virtual environments: install python3-venv"
 fi
 
+# -- jemalloc: swarm runs on it where it is installed (less memory a sample; optional) -------
+if ls /usr/lib/*-linux-gnu*/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2 /usr/lib/libjemalloc.so.2 \
+        /usr/local/lib/libjemalloc.so.2 >/dev/null 2>&1; then
+    ok "jemalloc is installed: swarm runs on it"
+elif [ -z "$ROOT" ] && command -v apt-get >/dev/null; then
+    act "install libjemalloc2 (apt-get)" sh -c 'apt-get install -y libjemalloc2 || echo "no libjemalloc2: swarm uses glibc malloc"'
+else
+    ok "no jemalloc here: swarm uses the system's malloc (a device holds fewer samples)"
+fi
+
 # -- a torch that is already there (NVIDIA's, on a Jetson) -------------------------------
 dist_version() {  # the installed version of a distribution, as $PY sees it ("" if none)
     env -u PYTHONPATH "$PY" - "$1" <<'EOF' 2>/dev/null || true

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from planner.costs import CostTable
+from planner.memory import ALLOCATORS
 from planner.units import format_bytes, mbit_to_bytes_per_s, parse_bytes
 
 
@@ -200,7 +201,7 @@ class Cluster:
 # ---- the JSON description -------------------------------------------------------------
 
 DEVICE_KEYS = {"name", "memory", "speed", "gflops", "mem_gbps", "profile", "tier", "power_w", "radio", "link_mbps",
-               "cores", "note", "comm_ns_per_byte", "msg_us", "accelerator"}
+               "cores", "note", "comm_ns_per_byte", "msg_us", "accelerator", "allocator"}
 ACCELERATOR_KEYS = {"kind", "speed", "gflops", "mem_gbps", "profile", "copy_gbps", "memory", "shared_memory", "note"}
 CLUSTER_KEYS = {"name", "description", "reference", "data_source", "bandwidth_mbps", "latency_ms", "links", "devices",
                 "note"}
@@ -275,6 +276,10 @@ def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
             raise
         raise ClusterError(f"{where}: {exc}") from None
     facts = {k: spec[k] for k in ("cores", "note") if k in spec}
+    if "allocator" in spec:
+        if spec["allocator"] not in ALLOCATORS:
+            raise ClusterError(f"{where}: allocator '{spec['allocator']}' is not one of {', '.join(ALLOCATORS)}")
+        facts["allocator"] = spec["allocator"]
     comm = _non_negative(spec, "comm_ns_per_byte", "nanoseconds", where)
     msg = _non_negative(spec, "msg_us", "microseconds", where)
     device = Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts,

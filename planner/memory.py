@@ -50,6 +50,20 @@ WHOLE_MODEL_RESERVE = JOB_BYTES
 # slack (4 samples: 1.3x, 1869 MiB with the runtime).
 SHARE_GROWTH = 0.15
 GROWTH_FROM = 2
+# On jemalloc (swarm.host.malloc preloads it where it is installed) large blocks come in size
+# classes from extents that are reused whatever their order, and a share's peak grows by
+# about its saved bytes and one backward's gradients: JEMALLOC_SLACK, with no growth.
+JEMALLOC_SLACK = 1.0
+JEMALLOC_GROWTH = 0.0
+# the slack and growth of each allocator a device's profile may name; any other: glibc's
+ALLOCATORS = {"glibc": (RESIDENT_SLACK, SHARE_GROWTH), "jemalloc": (JEMALLOC_SLACK, JEMALLOC_GROWTH)}
+
+
+def plan_allocator(allocators) -> str:
+    """The allocator whose slack a plan for devices running on `allocators` assumes: jemalloc's
+    only where every device runs on it (the planner's model is one for all devices)."""
+    allocators = list(allocators)
+    return "jemalloc" if allocators and all(a == "jemalloc" for a in allocators) else "glibc"
 
 
 def in_bytes(desc: ModelDesc, index: int) -> int:
@@ -138,11 +152,13 @@ class MemoryModel:
         return cls(desc, estimate_activation_bytes(desc), optimizer)
 
     @classmethod
-    def for_devices(cls, desc: ModelDesc, optimizer: str = "sgd", act_bytes=None) -> "MemoryModel":
-        """The model for planning real devices: measured saved bytes when given, the
-        allocator's slack on activations and gradients (growing with a share), and the
-        reserve a whole-model stage keeps."""
-        held = dict(slack=RESIDENT_SLACK, whole_reserve=WHOLE_MODEL_RESERVE, growth=SHARE_GROWTH)
+    def for_devices(cls, desc: ModelDesc, optimizer: str = "sgd", act_bytes=None,
+                    allocator: str = "glibc") -> "MemoryModel":
+        """The model for planning real devices: measured saved bytes when given, the slack of
+        the devices' allocator (plan_allocator) on activations and gradients, and the reserve
+        a whole-model stage keeps."""
+        slack, growth = ALLOCATORS.get(allocator, ALLOCATORS["glibc"])
+        held = dict(slack=slack, whole_reserve=WHOLE_MODEL_RESERVE, growth=growth)
         if act_bytes is None:
             return cls(desc, estimate_activation_bytes(desc), optimizer, **held)
         return cls(desc, act_bytes, optimizer, measured=True, **held)

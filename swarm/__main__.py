@@ -1,6 +1,4 @@
 """`python -m swarm` runs the command line."""
-import sys
+from swarm.cli import entry
 
-from swarm.cli import main
-
-sys.exit(main())
+entry()

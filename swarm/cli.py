@@ -57,5 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def entry() -> None:
+    """The `swarm` command itself: on jemalloc where it is installed (swarm.host.malloc), then main."""
+    malloc.preload()
+    sys.exit(main())
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,3 +36,70 @@ def test_a_freed_block_is_reused_without_page_faults():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings")
 def test_the_users_malloc_settings_have_the_last_word():
     assert faults_of_second_block({"MALLOC_ARENA_MAX": "2"}) > 10000
+
+
+# ---- jemalloc, where it is installed -----------------------------------------------------
+from swarm.host import malloc  # noqa: E402
+
+JEMALLOC = malloc.find_jemalloc()
+needs_jemalloc = pytest.mark.skipif(JEMALLOC is None, reason="jemalloc is not installed here")
+
+
+def test_swarm_starts_again_on_jemalloc_unless_the_user_chose():
+    base = {"PATH": "/usr/bin", "HOME": "/root"}
+    env = malloc.preload_environment(base, "/usr/lib/libjemalloc.so.2")
+    assert env["LD_PRELOAD"] == "/usr/lib/libjemalloc.so.2" and env["MALLOC_CONF"] == malloc.JEMALLOC_CONF
+    assert env["PATH"] == "/usr/bin" and env[malloc.PRELOADED] == env["LD_PRELOAD"]
+    assert malloc.preload_environment(env, "/usr/lib/libjemalloc.so.2") is None  # started again already: no loop
+    assert malloc.preload_environment(base, None) is None
+    for chosen in ({"LD_PRELOAD": "/opt/libtcmalloc.so"}, {"MALLOC_ARENA_MAX": "2"}, {"MALLOC_CONF": "narenas:2"},
+                   {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {"SWARM_MALLOC": "glibc"}):
+        assert malloc.preload_environment(dict(base, **chosen), "/usr/lib/libjemalloc.so.2") is None, chosen
+
+
+def test_other_programs_get_the_system_allocator_and_a_users_preload_stays():
+    own = malloc.preload_environment({"PATH": "/usr/bin"}, "/usr/lib/libjemalloc.so.2")
+    assert malloc.without_own_preload(own) == {"PATH": "/usr/bin"}
+    users = {"PATH": "/usr/bin", "LD_PRELOAD": "/opt/libtcmalloc.so", "MALLOC_CONF": "x"}
+    assert malloc.without_own_preload(users) == users
+    assert malloc.without_own_preload(dict(users, **{malloc.PRELOADED: "/usr/lib/libjemalloc.so.2"})) == users
+
+
+JE_PROBE = """
+import resource, psutil, torch
+from swarm.host import malloc
+malloc.tune()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.empty(64 << 20).fill_(1.0)
+before = faults()
+torch.empty(16 << 20).fill_(2.0)
+reused = faults() - before
+held = psutil.Process().memory_info().rss
+malloc.give_back()
+print(malloc.allocator(), reused, (held - psutil.Process().memory_info().rss) >> 20)
+"""
+
+
+@needs_jemalloc
+def test_on_jemalloc_freed_blocks_are_reused_and_given_back_after_a_job():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    env.update(PYTHONPATH=str(ROOT), LD_PRELOAD=JEMALLOC, MALLOC_CONF=malloc.JEMALLOC_CONF)
+    out = subprocess.run([sys.executable, "-c", JE_PROBE], capture_output=True, text=True, env=env, check=True)
+    name, reused, returned = out.stdout.split()
+    assert name == "jemalloc"
+    assert int(reused) < 1000  # 64 MiB is 16384 pages
+    assert int(returned) >= 200  # of the 256 MiB block kept for reuse until then
+
+
+def test_the_swarm_command_runs_on_jemalloc_where_it_is_installed(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "SWARM_MALLOC")}
+    env.update(PYTHONPATH=str(ROOT))
+    probe = "import runpy, sys; sys.argv = ['swarm', '--version']; runpy.run_module('swarm', run_name='__main__')"
+    # what `python -m swarm` runs, with a look at the allocator it ended on
+    code = ("import atexit; from swarm.host import malloc; atexit.register(lambda: print(malloc.allocator()));"
+            + probe)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.stdout.split()[-1] == ("jemalloc" if JEMALLOC else "glibc"), out
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(env, SWARM_MALLOC="glibc"))
+    assert out.stdout.split()[-1] == "glibc", out

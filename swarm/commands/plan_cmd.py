@@ -155,7 +155,10 @@ def this_machine(desc, profiles: LocalProfiles, why: str):
     budget = max(0.0, usable_memory() - profile.runtime_bytes - JOB_BYTES)
     say(f"{why}; planning for this machine alone (to plan other devices: `swarm join` on them, or describe them "
         "with --devices CLUSTER.json, see docs/planner.md)")
-    return Cluster([Device(name, profile.costs, budget, facts={"cores": profile.device.get("cores")})],
+    facts = {"cores": profile.device.get("cores")}
+    if profile.device.get("allocator"):
+        facts["allocator"] = profile.device["allocator"]
+    return Cluster([Device(name, profile.costs, budget, facts=facts)],
                    np.full((1, 1), np.inf), 0.0, None, "this machine")
 
 
@@ -192,7 +195,7 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
 
 def run(args: argparse.Namespace) -> int:
     from planner.inputs import PlanInputs
-    from planner.memory import MemoryModel
+    from planner.memory import MemoryModel, plan_allocator
     from planner.planners import STRATEGIES, compare, make_plan
     from planner.report import compare_table, plan_table
 
@@ -216,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     if args.accelerators == "off":
         cluster = cluster.on_cpus()
     measured = profiles.profile or measured
-    mem = MemoryModel.for_devices(desc, args.optimizer, measured.act_bytes if measured is not None else None)
+    mem = MemoryModel.for_devices(desc, args.optimizer, measured.act_bytes if measured is not None else None,
+                                  plan_allocator(d.facts.get("allocator") for d in cluster.devices))
     inputs = PlanInputs(desc, mem, cluster, args.batch_size, args.microbatches)
     if args.compare:
         rows = compare(inputs)

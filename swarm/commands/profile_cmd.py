@@ -99,5 +99,6 @@ def profile_table(profile) -> str:
                       format_bytes(profile.peak_bytes.get(b, 0))])
     lines.append(table(steps, ["batch", "whole step (measured)", "sum of layers", "peak memory above runtime"
                                + (" (on the GPU)" if accelerator and not accelerator["shared_memory"] else "")]))
-    lines.append(f"\nruntime (torch initialised, no model): {format_bytes(profile.runtime_bytes)}")
+    lines.append(f"\nruntime (torch initialised, no model): {format_bytes(profile.runtime_bytes)}"
+                 + (f", on {profile.device['allocator']}" if profile.device.get("allocator") else ""))
     return "\n".join(lines)

@@ -262,14 +262,15 @@ class SwarmRunner:
         cfg, desc = trainer.cfg, trainer.desc
         if measured is not None:
             from planner.inputs import PlanInputs
-            from planner.memory import MemoryModel
+            from planner.memory import MemoryModel, plan_allocator
             from planner.planners import make_plan
             from swarm.profiling.survey import cluster_from_live
 
             try:
                 cluster = cluster_from_live(measured, desc)
                 profile = next(iter(measured["profiles"].values()))
-                mem = MemoryModel.for_devices(desc, cfg.optimizer, profile.act_bytes)
+                mem = MemoryModel.for_devices(desc, cfg.optimizer, profile.act_bytes,
+                                              plan_allocator(d.facts.get("allocator") for d in cluster.devices))
                 plan = make_plan("auto", PlanInputs(desc, mem, cluster, cfg.batch_size, cfg.microbatches))
                 on = {d.name: {"accelerator": d.accelerator.kind} for d in cluster.devices if d.accelerator}
                 plan.devices = {n: dict(facts.get(n, {}), **on.get(n, {})) for n in plan.used_devices()}

@@ -30,6 +30,7 @@ from planner.costs import CostTable
 from planner.image_size import ImageSize
 from planner.profile import DeviceProfile, ProfileError
 from swarm.errors import SwarmError
+from swarm.host import malloc
 from swarm.host.peaks import Peaks
 from swarm.host.resources import cpu_quota, usable_cores, usable_memory
 
@@ -65,7 +66,7 @@ def device_facts(threads: int, accelerator: dict | None = None) -> dict:
     fingerprint: other CPU, quota, thread count, torch or accelerator means profiling again).
     `accelerator`: what `accelerator_identity` says of the one the layers run on (None: the CPU)."""
     facts = {"cpu": _cpu_name(), "machine": platform.machine(), "cores": usable_cores(), "cpu_quota": cpu_quota(),
-             "threads": threads, "torch": _torch_version()}
+             "threads": threads, "torch": _torch_version(), "allocator": malloc.allocator()}
     if facts["cpu_quota"] is not None:
         facts["timing"] = "quota"  # measured with QuotaClock
     if accelerator is not None:
@@ -204,11 +205,9 @@ def _median_time(fn, repeats: int, watch: Stopwatch) -> float:
 
 
 def settled_rss() -> int:
-    """Resident bytes after handing freed memory back to the system (glibc keeps freed
-    blocks otherwise, and the idle size would include the last step's activations)."""
+    """Resident bytes after handing freed memory back to the system (the allocator keeps
+    freed blocks otherwise, and the idle size would include the last step's activations)."""
     import psutil
-
-    from swarm.host import malloc
 
     gc.collect()
     malloc.give_back()

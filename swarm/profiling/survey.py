@@ -74,7 +74,10 @@ def cluster_from_live(live: dict, desc):
         name = d["name"] if d["name"] not in names.values() else f"{d['name']}@{d['address']}"
         names[d["node_id"]] = name
         budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes - JOB_BYTES)
-        device = Device(name, profile.costs, budget, facts={"cores": d["cores"], "address": d["address"]},
+        facts = {"cores": d["cores"], "address": d["address"]}
+        if profile.device.get("allocator"):
+            facts["allocator"] = profile.device["allocator"]  # the memory model's slack
+        device = Device(name, profile.costs, budget, facts=facts,
                         comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
                         msg_s=_end_cost(d["node_id"], live["links"], "msg_s"))
         entry = profile.device.get("accelerator")

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from swarm.errors import SwarmError
+from swarm.host import malloc
 from swarm.testbed import cgroups, netns
 from swarm.testbed.names import (AGENT_PORT, BRIDGE, CGROUP_GROUP, DEVICE_INTERFACE, HOST_ADDRESS, MAX_DEVICES,
                                  device_address, device_name, host_link, namespace, state_dir)
@@ -105,9 +106,10 @@ def _swarm_command() -> list[str]:
 
 
 def _environment(extra: dict[str, str]) -> dict[str, str]:
-    """The testbed's processes run the same swarm as this one, whatever the caller's setup."""
-    env = {k: v for k, v in os.environ.items() if k not in ("SWARM_TOKEN", "SWARM_TOKEN_FILE", "SWARM_PEERS",
-                                                             "SWARM_STATE_DIR")}
+    """The testbed's processes run the same swarm as this one, whatever the caller's setup
+    (a `swarm` among them picks its allocator itself; any other program gets the system's)."""
+    env = {k: v for k, v in malloc.without_own_preload(dict(os.environ)).items()
+           if k not in ("SWARM_TOKEN", "SWARM_TOKEN_FILE", "SWARM_PEERS", "SWARM_STATE_DIR")}
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(extra)
