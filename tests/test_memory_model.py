@@ -89,3 +89,57 @@ def test_a_share_beyond_two_samples_is_held_with_more_slack_and_the_whole_model_
     # samples of the whole model, and a 2 GiB one 4, as measured on the mixed testbed
     assert model.max_batch(0, n, 1, 426 * 2**20) == 2 and model.max_batch(0, n, 1, 1450 * 2**20) == 4
     assert MemoryModel.estimated(desc).share_factor(8) == 1.0  # the papers' equation has no slack
+
+
+# a dp device's share: b samples of a micro-batch through the whole model, three micro-batches
+# one after another (the heap's holes grow over the first few); the peak above the settled start
+SHARE = textwrap.dedent("""
+    import json, sys
+    import torch
+    from swarm.host import malloc
+    from swarm.profiling.profiler import _PeakRSS, settled_rss
+    from swarm.zoo import build_model
+    malloc.tune()
+    torch.set_num_threads(1)
+    b, size = map(int, sys.argv[1:3])
+    net, desc, _ = build_model("yolov2-16", size, classes=5, seed=1)
+    net.train()
+    net(torch.rand(1, *desc.layers[0].in_shape)).sum().backward()
+    base = settled_rss()
+    with _PeakRSS() as rss:
+        for _ in range(3):
+            net(torch.rand(b, *desc.layers[0].in_shape)).float().pow(2).mean().backward()
+    print(json.dumps({"peak": rss.peak - base, "allocator": malloc.allocator()}))
+""")
+
+
+def share_peak(b: int, size: int, env_extra: dict) -> dict:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+    env.update(PYTHONPATH=str(ROOT), **env_extra)
+    run = subprocess.run([sys.executable, "-c", SHARE, str(b), str(size)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("allocator", ["glibc", "jemalloc"])
+def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
+    from swarm.host import malloc
+
+    env = {}
+    if allocator == "jemalloc":
+        if malloc.find_jemalloc() is None:
+            pytest.skip("jemalloc is not installed here")
+        env = {"LD_PRELOAD": malloc.find_jemalloc(), "MALLOC_CONF": malloc.JEMALLOC_CONF}
+    size = 320
+    desc = describe_model("yolov2-16", size, 5)
+    model, n = MemoryModel.for_devices(desc, allocator=allocator), len(desc.layers)
+    for b in (2, 4):
+        measured = share_peak(b, size, env)
+        assert measured["allocator"] == allocator
+        predicted = model.stage(0, n, b, 1) - model.weights(0, n) + STAGE_SCRATCH_BYTES
+        assert measured["peak"] <= predicted, f"{b} samples: measured {measured['peak'] / 2**20:.0f} MiB, " \
+                                              f"predicted {predicted / 2**20:.0f} MiB"
+        assert predicted <= 1.8 * measured["peak"], (b, measured["peak"] / 2**20, predicted / 2**20)
