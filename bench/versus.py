@@ -15,7 +15,9 @@ would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
     swarm train --model yolov2-16 --img-size 416 --batch-size B --microbatches M --steps S --seed 1
                 --strategy RUN --devices N --metrics FILE --no-eval
 
-and ddp is bench/peers/ddp.py under torchrun, one node inside each device's namespace and
+(`fixed` is auto with `--recost off`: its first plan kept, never re-costed on the devices'
+measured speeds; its re-costing, when auto does it, is printed under the run and kept in
+--json) and ddp is bench/peers/ddp.py under torchrun, one node inside each device's namespace and
 cgroups (bench/peers/run_ddp.py). Each round runs every run once, in the order of --runs,
 reversed every other round (so neither gains from the machine's drift).
 
@@ -54,7 +56,8 @@ from swarm.testbed import testbed
 
 HERE = Path(__file__).resolve().parent
 SWARM_RUNS = ("auto", "dp", "pp", "tiles", "hybrid")
-RUNS = (*SWARM_RUNS, "plan", "ddp")  # plan: the plan file --plan names (`swarm plan --out`)
+# plan: the plan file --plan names (`swarm plan --out`); fixed: auto's first plan, never re-costed (--recost off)
+RUNS = (*SWARM_RUNS, "fixed", "plan", "ddp")
 
 
 class Parser(argparse.ArgumentParser):
@@ -173,6 +176,7 @@ def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dic
     try:
         r = bench.swarm("testbed", "exec", "dev0", "--", sys.executable, "-m", "swarm", "train", *train_args(args),
                         *(["--plan", Path(args.plan).resolve()] if run == "plan" else
+                          ["--strategy", "auto", "--recost", "off", "--devices", args.devices] if run == "fixed" else
                           ["--strategy", run, "--devices", args.devices]), "--metrics", metrics, "--no-eval",
                         "--save", metrics.with_suffix(".pt"), check=False, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -181,8 +185,13 @@ def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dic
     if oom or r.returncode:
         return {"error": oom or last_error(r.stderr)}
     lines = [line.rstrip() for line in (r.stdout + r.stderr).splitlines()]
-    plan = [line.strip() for line in lines if line.startswith("plan (") or line.strip().startswith("stage ")]
-    return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()], "plan": plan}
+    plan, recost = [], []  # the first plan; what re-costing measured, chose (its plan's lines) and did
+    for line in lines:
+        if "measured compute against" in line or "re-planned from" in line or "re-costed plan (" in line:
+            recost.append(line.strip())
+        elif line.startswith("plan (") or line.strip().startswith("stage "):
+            (recost if any("re-costed plan (" in r for r in recost) else plan).append(line.strip())
+    return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()], "plan": plan, "recost": recost}
 
 
 def predicted(bench, args: argparse.Namespace, ran: list[str]) -> dict:
@@ -218,7 +227,7 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
     result["rates"] = [s["samples_per_s"] for s in steps[1:]]
     result["samples_per_s"] = statistics.median(result["rates"])
     result["used"] = max((len(s.get("device_times", {})) for s in steps), default=0) or args.devices
-    if run == "auto":
+    if run in ("auto", "fixed"):
         result.update(predicted(bench, args, result["plan"]))
     return result
 
@@ -230,6 +239,8 @@ def progress(r: dict) -> None:
         text = (f"{r['samples_per_s']:.3f} samples/s (steps {', '.join(f'{x:.3f}' for x in r['rates'])}) on "
                 f"{r['used']} devices")
     print(f"  {r['label']:<10} {text}; {r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    for line in r.get("recost", []):
+        print(f"             {line}", file=sys.stderr, flush=True)
 
 
 def summarise(run: str, rounds: list[dict]) -> list[str]:

@@ -83,6 +83,9 @@ def add_parser(sub) -> None:
     p.add_argument("--recovery", choices=("auto", "light", "heavy"), default="auto",
                    help="after a lost device: shift the plan over the survivors and replay from the last backup "
                    "(light), plan again and reload the last checkpoint (heavy), or whichever suits (auto, default)")
+    p.add_argument("--recost", choices=("on", "off"), default="on",
+                   help="--strategy auto: once the first steps have run, plan again on the devices' measured speeds "
+                   "and switch when that is predicted 10%% faster (on, default), or keep the first plan (off)")
     p.add_argument("--backup-every", type=steps_or_auto, default=0, metavar="N|auto",
                    help="across devices: snapshot and back up every stage every N steps, or (auto, default) as "
                    "often as keeps backups to about a tenth of the time; a device lost later rolls the run back to "
@@ -252,7 +255,7 @@ def runner_for(args: argparse.Namespace, log):
                            wait_s=args.wait if args.wait is not None else (60.0 if args.devices else 2.0),
                            schedule=args.schedule, backup_interval=args.backup_every,
                            checkpoint_every=args.save_every if args.save_every else 25,
-                           local_save_every=args.save_every, recovery=args.recovery,
+                           local_save_every=args.save_every, recovery=args.recovery, recost=args.recost == "on",
                            save_path=args.save or args.resume or f"swarm-{Path(args.model or 'yolov2-16').stem}.pt",
                            interface=args.interface, peers=args.peers, state_dir=args.state_dir,
                            token_file=args.token_file, run_id=args.run_id, take_over=args.take_over,

@@ -35,6 +35,11 @@ from swarm.execution.replay import BackupLedger, Recovery, from_coordinator
 from swarm.execution.worker import JobSpec
 from swarm.local.trainer import LocalTrainer, set_lr
 
+# a plan the cost model made is set against the devices' measure once an epoch has committed
+# this many steps (the first carries one-off costs: first-touch memory, kernels' set-up)
+RECOST_AFTER = 2
+
+
 @dataclass
 class StepReport:
     step: int  # 1-based count of finished steps
@@ -109,6 +114,12 @@ class TrainingCoordinator:
         self.joined: set[str] = set()  # devices that (re)appeared and may be taken in
         self.replicate = None  # async (): the state a successor needs, sent to the agents (failover.py)
         self.own_device: str | None = None  # the device of this coordinator's own agent (a replicated run's)
+        # (plan, {device: seconds of own compute a step}, alive devices) -> planner.recost.Recost | None:
+        # set for plans the cost model made; asked once an epoch has run RECOST_AFTER steps
+        self.recost = None
+        self.epoch_steps = 0  # steps committed in this epoch
+        self.recost_epochs: set[int] = set()  # epochs started by a re-costed plan (not costed again)
+        self.better = None  # a planner.recost.Recost whose plan waits for a backup step
 
     def take_over(self, epoch: int, step: int, holdings: dict[str, set[int]]) -> None:
         """Carry on a run whose coordinator was lost: its newest complete backup is at `step`,
@@ -122,6 +133,7 @@ class TrainingCoordinator:
         """Start `plan` on its devices from committed step `start`."""
         plan.backups = plan.backups or backup_holders(plan)
         self.plan = plan
+        self.epoch_steps, self.better = 0, None
         self.job = replace(self.job, plan=plan, epoch=self.epoch, start_step=start, moves=moves)
         self.layout = Layout(plan, self.trainer.desc, TileGeometry(plan, self.trainer.desc))
         self.backups.epoch_started(start, plan.used_devices())
@@ -241,7 +253,7 @@ class TrainingCoordinator:
             stop_here = step + 1 < total_steps and self.should_stop()
             is_last = step + 1 == total_steps or stop_here
             checkpoint = is_last or bool(self.checkpoint_every and (step + 1) % self.checkpoint_every == 0)
-            backup = not is_last and self.backups.due(step + 1, bool(self.joined))
+            backup = not is_last and self.backups.due(step + 1, bool(self.joined) or self.better is not None)
             for device in self.plan.used_devices():
                 await self.ep.send(device, channels.decide(step), {"commit": True, "last": is_last,
                                                               "checkpoint": checkpoint, "backup": backup})
@@ -257,6 +269,10 @@ class TrainingCoordinator:
             if on_step is not None:
                 on_step(StepReport(self.committed, loss, time.monotonic() - t0, busy, times, self.epoch,
                                    self.committed <= self.replay_until))
+            self.epoch_steps += 1
+            if self.epoch_steps == RECOST_AFTER and not is_last and self.recost is not None \
+                    and self.epoch not in self.recost_epochs and self.committed > self.replay_until:
+                await self.consider_recost(busy, times)
             if checkpoint:
                 await self.collect()
             if stop_here:
@@ -267,6 +283,8 @@ class TrainingCoordinator:
                 next_batch = await trio.to_thread.run_sync(self.load_batch, step)
             if self.joined and backup and await self.take_in_joined():
                 fed = -1  # a new plan: the samples sent ahead went to the last one's devices
+            elif self.better is not None and backup and await self.switch_to_better():
+                fed = -1
         if step >= total_steps or self.stopped_early:
             for device in self.plan.used_devices():
                 await self.ep.send(device, channels.stop(), {})
@@ -328,14 +346,53 @@ class TrainingCoordinator:
                                         plan=change.plan))
         await self.start_epoch(change.plan, start, moves)
 
-    async def take_in_joined(self) -> bool:
-        """At a backup step, once it is complete, re-plan with devices that joined or came back;
-        whether it did."""
+    async def consider_recost(self, busy: dict[str, float], times: dict[str, dict]) -> None:
+        """Set each device's own compute in the step just committed (its busy time less what
+        it waited inside it for its group's BatchNorm sums) against the cost model, and keep
+        a plan the corrected devices would run faster (planner/recost.py) for the next backup
+        step."""
+        own = {d: max(0.0, busy[d] - times.get(d, {}).get("exchange_s", 0.0)) for d in busy}
+        alive = self.control.alive()
+        try:
+            result = await trio.to_thread.run_sync(self.recost, self.plan, own, alive)
+        except Exception as exc:  # noqa: BLE001 (an optimisation: whatever goes wrong, training goes on as planned)
+            self.log(f"could not re-cost the plan from step {self.committed}: {exc}")
+            return
+        if result is None:
+            return
+        self.log(f"step {self.committed}: {result.describe()}")
+        if result.plan is not None and set(result.plan.used_devices()) <= set(alive):
+            self.better = result
+
+    async def switch_to_better(self) -> bool:
+        """At a backup step, once it is complete, move to the re-costed plan; whether it did."""
+        better, self.better = self.better, None
+        if not await self._backup_complete():
+            return False
+        plan = better.plan
+        moves = layer_sources(dict(self.backups.holdings), plan, self.committed)
+        self.log(f"re-planned from step {self.committed} on the measured speeds: {len(plan.used_devices())} devices, "
+                 f"{better.new_s:.1f} s a step predicted against {better.current_s:.1f} s")
+        self.epoch += 1
+        self.recost_epochs.add(self.epoch)
+        self.recoveries.append(Recovery(self.epoch, [], "recost", "re-costed on measured speeds", self.committed,
+                                        trio.current_time(), plan=plan))
+        await self.start_epoch(plan, self.committed, moves)
+        return True
+
+    async def _backup_complete(self) -> bool:
+        """Wait (up to the job's timeout) for the backup of the step just committed; whether
+        every device confirmed it."""
         with trio.move_on_after(self.job.timeout_s):
             while self.committed in self.backups.pending:
                 await trio.sleep(0.05)
                 await self.backups.take_acks(self.ep, self.plan, self.replicate)
-        if self.backups.step != self.committed:
+        return self.backups.step == self.committed
+
+    async def take_in_joined(self) -> bool:
+        """At a backup step, once it is complete, re-plan with devices that joined or came back;
+        whether it did."""
+        if not await self._backup_complete():
             return False
         alive = self.control.alive()
         joined = sorted(d for d in self.joined if d in alive and d not in self.plan.used_devices())

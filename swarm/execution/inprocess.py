@@ -87,11 +87,12 @@ class LocalControl:
 def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_steps: int, *,
                           on_step=None, timeout_s: float = 300.0, events=(), backup_interval: int = 1,
                           strategy: str = "pp", devices: list[str] | None = None, log=lambda s: None,
-                          recovery: str = "auto"):
+                          recovery: str = "auto", recost=None):
     """Train `trainer` (its weights are the start, and receive the result) to `total_steps`
     with `plan`, all devices in this process. `events` are (committed step, "kill"|"revive",
     device, delay seconds): after that step commits, wait `delay`, then do it; `recovery` as
-    `swarm train --recovery` says. Returns the coordinator (its `recoveries` say what happened)."""
+    `swarm train --recovery` says; `recost` as TrainingCoordinator.recost. Returns the
+    coordinator (its `recoveries` say what happened)."""
     plan.validate(trainer.desc)
     job = JobSpec(plan, trainer.cfg, trainer.cfg_text, timeout_s=timeout_s, backup_interval=backup_interval)
     pending = sorted(events)
@@ -101,6 +102,7 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
             control = LocalControl(devices or plan.used_devices(), nursery)
             coordinator = TrainingCoordinator(control, job, trainer, train_set, strategy=strategy, log=log,
                                               recovery=recovery)
+            coordinator.recost = recost
 
             def stepped(report):
                 if on_step is not None:

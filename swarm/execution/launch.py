@@ -71,6 +71,7 @@ class SwarmOptions:
     save_path: str | None = None
     local_save_every: int = 0  # --save-every when the run stays on this machine
     recovery: str = "auto"  # after a lost device: auto | light | heavy (see TrainingCoordinator)
+    recost: bool = True  # auto: plan again on the devices' measured speeds after the first steps (planner/recost.py)
     run_id: str | None = None  # a detached run's id: its state is replicated to the agents (failover.py)
     take_over: str | None = None  # a lost coordinator's replica (a JSON file): carry its run on
     run_flags: list[str] | None = None  # the detached run's `swarm train` flags, for the replica
@@ -105,6 +106,7 @@ class SwarmRunner:
         self.fallback = fallback  # run_steps to use when no other device is found
         self.plan: Plan | None = None
         self.coordinator: TrainingCoordinator | None = None
+        self.recost_inputs = None  # (PlanInputs, facts) of an auto plan: re-costed from the first steps' measures
         self.stopping = False  # a stop signal came: end the run after the step under way
         self.interrupted = False  # the run was cut short without waiting for a step
         self.run_scope = trio.CancelScope()  # the whole run, cancelled when a stop cannot wait
@@ -271,9 +273,9 @@ class SwarmRunner:
                 profile = next(iter(measured["profiles"].values()))
                 mem = MemoryModel.for_devices(desc, cfg.optimizer, profile.act_bytes,
                                               plan_allocator(d.facts.get("allocator") for d in cluster.devices))
-                plan = make_plan("auto", PlanInputs(desc, mem, cluster, cfg.batch_size, cfg.microbatches))
-                on = {d.name: {"accelerator": d.accelerator.kind} for d in cluster.devices if d.accelerator}
-                plan.devices = {n: dict(facts.get(n, {}), **on.get(n, {})) for n in plan.used_devices()}
+                inputs = PlanInputs(desc, mem, cluster, cfg.batch_size, cfg.microbatches)
+                plan = self._with_facts(make_plan("auto", inputs), cluster, facts)
+                self.recost_inputs = (inputs, facts)
                 if plan.predicted and not plan.predicted.get("fits", True):
                     self.log("warning: the planner predicts this plan does not fit in the devices' memory")
                 return plan
@@ -281,6 +283,29 @@ class SwarmRunner:
                 self.log(f"the planner could not plan these devices ({exc}); splitting by FLOPs instead")
         strategy = "tiles" if tileable_prefix(desc) > 0 else "pp"
         return simple_plan(strategy, desc, names, cfg.batch_size, cfg.microbatches, facts=facts)
+
+    @staticmethod
+    def _with_facts(plan: Plan, cluster, facts: dict) -> Plan:
+        """What the runtime reads of the plan's devices: their facts, and the accelerator the
+        planner put a device's layers on."""
+        on = {d.name: {"accelerator": d.accelerator.kind} for d in cluster.devices if d.accelerator}
+        plan.devices = {n: dict(facts.get(n, {}), **on.get(n, {})) for n in plan.used_devices()}
+        return plan
+
+    def _recoster(self):
+        """For the coordinator: the plan re-costed on the devices' measured compute
+        (planner/recost.py), with the facts the runtime reads."""
+        from planner.recost import recost
+
+        inputs, facts = self.recost_inputs
+
+        def run(plan: Plan, measured: dict, alive: list[str]):
+            result = recost(plan, inputs, measured, [d for d in alive if d in facts])
+            if result is not None and result.plan is not None:
+                self._with_facts(result.plan, inputs.cluster, facts)
+                self.log("re-costed " + describe_plan(result.plan))
+            return result
+        return run
 
     async def _run_job(self, cluster, names: dict, plan: Plan, trainer, train_set, total: int, report,
                        replica: Replica | None = None) -> None:
@@ -296,6 +321,8 @@ class SwarmRunner:
                                               checkpoint_every=o.checkpoint_every if save_hook else 0,
                                               save_hook=save_hook, log=self.log, recovery=o.recovery)
             coordinator.should_stop = lambda: self.stopping
+            if o.recost and self.recost_inputs is not None and o.schedule == "1f1b":
+                coordinator.recost = self._recoster()
             self.coordinator = coordinator
             lost = None
             if replica is not None:

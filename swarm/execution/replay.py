@@ -264,10 +264,11 @@ class DeviceBackups:
 # ---- the coordinator's side -----------------------------------------------------------
 @dataclass
 class Recovery:
-    """One change of plan during a run: a loss (lightweight or heavy re-plan) or a rejoin."""
+    """One change of plan during a run: a loss (lightweight or heavy re-plan), a rejoin, or a
+    plan re-costed on the devices' measured speeds."""
     epoch: int
     lost: list[str]
-    how: str  # lightweight | heavy | rejoin
+    how: str  # lightweight | heavy | rejoin | recost
     why: str
     rolled_back_to: int  # committed steps the run went back to
     detected_at: float  # trio clock when the loss was noticed

@@ -73,6 +73,7 @@ class DeviceWorker:
         self.compute_lock = ComputeLock()
         self.busy_s = 0.0
         self.compute_cpu_s = 0.0  # CPU time of the compute itself (busy_s is wall time, quota stalls included)
+        self.exchange_s = 0.0  # of busy_s, the wall time the compute waited for its group's BatchNorm sums
         self.token = None  # trio token, for exchanges from compute threads
         # a replicated tiles stage: {(micro-batch, layer): (mean, var, count)} of our replica's
         # micro-batches this step, replayed with the other replicas' in micro-batch order
@@ -114,8 +115,12 @@ class DeviceWorker:
 
         def exchange(tag: str, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             key = channels.bn(step, p, m, layer, tag)
-            with self.compute_lock.released():
-                return call_in_loop(allgather, self.ep, group, key, tensors, self.job.timeout_s, token=self.token)
+            t0 = time.perf_counter()
+            try:
+                with self.compute_lock.released():
+                    return call_in_loop(allgather, self.ep, group, key, tensors, self.job.timeout_s, token=self.token)
+            finally:
+                self.exchange_s += time.perf_counter() - t0
         return exchange
 
     # ---- the job ---------------------------------------------------------------------
@@ -176,7 +181,7 @@ class DeviceWorker:
         return workers
 
     async def run_step(self, step: int) -> bool:
-        self.busy_s = self.compute_cpu_s = 0.0
+        self.busy_s = self.compute_cpu_s = self.exchange_s = 0.0
         cpu0 = time.process_time()
         for copy in self.copies.values():
             if copy.stage.mode != "tiles" and copy.stage.replica_count() > 1:
@@ -198,7 +203,8 @@ class DeviceWorker:
                 await reducer.finish()
         times = {"schedule_s": t1 - t0, "reduce_s": trio.current_time() - t1,
                  "reducing_s": sum(r.seconds for r in self.reducers.values()),
-                 "compute_cpu_s": self.compute_cpu_s, "cpu_s": time.process_time() - cpu0,
+                 "compute_cpu_s": self.compute_cpu_s, "exchange_s": self.exchange_s,
+                 "cpu_s": time.process_time() - cpu0,
                  **{f"wait_{k}_s": v for k, v in self.ep.mailbox.waited.items()}}
         await self.ep.send(COORDINATOR, channels.ready(step, self.device),
                            {"loss": float(sum(losses)), "busy_s": self.busy_s, "times": times})

@@ -1,0 +1,130 @@
+"""Plans re-costed on what the devices measure (planner/recost.py), and the run that switches
+to such a plan mid-training ending with the weights of local training."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.baselines import simple_plan
+from planner.inputs import PlanInputs
+from planner.memory import MemoryModel
+from planner.planners import make_plan
+from planner.plan import Plan
+from planner.recost import RECOST_GAIN, RATIO_BOUNDS, corrected, own_compute, recost, speed_ratios
+from planner.synthetic import flops_cluster
+from swarm.data import make_batch, open_datasets, step_indices
+from swarm.execution.inprocess import train_plan_in_process
+from swarm.local.trainer import LocalTrainer, TrainConfig
+from swarm.zoo import describe_model
+
+
+def _inputs(gflops: dict[str, float], memory: str = "2 GiB", batch: int = 8, micro: int = 2) -> PlanInputs:
+    desc = describe_model("yolov2-16", 128)
+    cluster = flops_cluster(desc, {d: (g, memory) for d, g in gflops.items()}, mbps=100)
+    return PlanInputs(desc, MemoryModel.for_devices(desc), cluster, batch, micro)
+
+
+def test_own_compute_is_each_devices_samples_by_its_cost_table():
+    inputs = _inputs({"a": 4, "b": 4, "c": 8})
+    plan = simple_plan("dp", inputs.desc, ["a", "b", "c"], 8, 2)
+    n = len(inputs.desc.layers)
+    own = own_compute(plan, inputs.cluster)
+    for d in ("a", "b", "c"):
+        costs = inputs.cluster.device(d).costs
+        samples = plan.stages[0].allocation[d]
+        per_mb = costs.fwd_range(0, n, samples) + costs.bwd_range(0, n, samples) + sum(costs.loss_time(samples))
+        assert own[d] == pytest.approx(2 * per_mb + costs.update_range(0, n))
+    assert own["c"] < own["a"]  # as fast as two of them, with no more samples
+    pipeline = simple_plan("pp", inputs.desc, ["a", "b"], 8, 2)
+    assert set(own_compute(pipeline, inputs.cluster)) == {"a", "b"}
+    assert own_compute(simple_plan("tiles", inputs.desc, ["a", "b", "c"], 8, 2), inputs.cluster) is None
+
+
+def test_ratios_are_bounded_and_an_unmeasured_device_takes_their_median():
+    lo, hi = RATIO_BOUNDS
+    ratios = speed_ratios({"a": 1.0, "b": 2.0, "c": 1.0, "d": 0.0}, {"a": 1.5, "b": 100.0, "c": 0.0, "d": 1.0})
+    assert ratios == {"a": 1.5, "b": hi}
+    inputs = _inputs({"a": 4, "b": 4, "x": 4})
+    fixed = corrected(inputs.cluster, {"a": 2.0, "b": 1.0})
+    t = {d: inputs.cluster.device(d).costs.fwd_range(0, 5, 1) for d in ("a", "b", "x")}
+    assert fixed.device("a").costs.fwd_range(0, 5, 1) == pytest.approx(2.0 * t["a"])
+    assert fixed.device("b").costs.fwd_range(0, 5, 1) == pytest.approx(t["b"])
+    assert fixed.device("x").costs.fwd_range(0, 5, 1) == pytest.approx(1.5 * t["x"])
+    assert lo < 1 < hi
+
+
+def test_a_device_slower_than_its_profile_gets_less_of_the_work():
+    inputs = _inputs({"a": 4, "b": 4, "c": 4, "d": 4})
+    plan = make_plan("auto", inputs)
+    predicted = own_compute(plan, inputs.cluster)
+    slow = plan.used_devices()[-1]
+    measured = {d: t * (3.0 if d == slow else 1.0) for d, t in predicted.items()}
+    result = recost(plan, inputs, measured, inputs.cluster.names)
+    assert result.ratios[slow] == pytest.approx(3.0)
+    assert result.plan is not None and result.new_s <= (1 - RECOST_GAIN) * result.current_s
+    before = own_compute(plan, inputs.cluster)[slow] / sum(predicted.values())
+    after = own_compute(result.plan, inputs.cluster)
+    assert after.get(slow, 0.0) / sum(after.values()) < before
+    assert "keeping" not in result.describe()
+
+
+def test_measures_that_match_the_profiles_keep_the_plan():
+    inputs = _inputs({"a": 4, "b": 2, "c": 8})
+    plan = make_plan("auto", inputs)
+    measured = {d: 1.1 * t for d, t in own_compute(plan, inputs.cluster).items()}  # all a little slower
+    result = recost(plan, inputs, measured, inputs.cluster.names)
+    assert result.plan is None and "keeping it" in result.describe()
+    assert result.current_s == pytest.approx(1.1 * plan.predicted["step_time_s"], rel=0.1)
+    tiles = simple_plan("tiles", inputs.desc, ["a", "b", "c"], 8, 2)
+    assert recost(tiles, inputs, measured, inputs.cluster.names) is None
+
+
+# ---- a run that switches plans -------------------------------------------------------------
+STEPS = 5
+
+
+def _cfg() -> TrainConfig:
+    return TrainConfig(model="yolov2-16", img_size=64, batch_size=8, microbatches=4, seed=11, classes=5,
+                       dtype="float64")
+
+
+class _Switch:
+    """A recost that answers `plan` once, and records what it was asked."""
+
+    def __init__(self, plan: Plan):
+        self.plan, self.asked = plan, []
+
+    def __call__(self, plan, measured, alive):
+        from planner.recost import Recost
+
+        self.asked.append((plan, dict(measured), list(alive)))
+        return Recost({d: 1.0 for d in measured}, 1.0, self.plan, 0.5)
+
+
+@pytest.mark.parametrize("backup_interval", [1, 0], ids=["backups-every-step", "backups-by-time"])
+def test_a_run_that_switches_to_a_re_costed_plan_ends_with_the_local_weights(backup_interval):
+    cfg = _cfg()
+    data, _ = open_datasets(None, 64, 3)
+    local = LocalTrainer(cfg)
+    for s in range(STEPS):
+        local.step(*make_batch(data, step_indices(len(data), 8, s, cfg.seed)))
+
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    first = simple_plan("dp", trainer.desc, ["d0", "d1", "d2", "d3"], 8, 4)
+    second = simple_plan("pp", trainer.desc, ["d2", "d0"], 8, 4)
+    switch = _Switch(second)
+    coordinator = train_plan_in_process(first, trainer, data, STEPS, strategy="dp", timeout_s=60, recost=switch,
+                                        devices=["d0", "d1", "d2", "d3"], backup_interval=backup_interval)
+    assert len(switch.asked) == 1  # once, after the first epoch's second step; not again for the plan it chose
+    asked_plan, measured, alive = switch.asked[0]
+    assert asked_plan is first and set(measured) == {"d0", "d1", "d2", "d3"} and all(t > 0 for t in measured.values())
+    assert [r.how for r in coordinator.recoveries] == ["recost"]
+    # switched at the step it was decided at, when that is a backup step, or at the next one
+    assert coordinator.recoveries[0].rolled_back_to == (2 if backup_interval == 1 else 3)
+    assert coordinator.plan.used_devices() == ["d2", "d0"]
+    assert trainer.step_count == STEPS
+    for k, v in local.net.state_dict().items():
+        if v.is_floating_point():
+            assert float((trainer.net.state_dict()[k] - v).norm() / v.norm().clamp(min=1e-30)) < 1e-10, k
+        else:
+            assert torch.equal(trainer.net.state_dict()[k], v), k
