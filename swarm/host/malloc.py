@@ -3,12 +3,13 @@
 Where jemalloc is installed (`libjemalloc2` on Debian and Raspberry Pi OS), the `swarm`
 command runs itself on it (`preload`: it starts again at once with LD_PRELOAD, keeping its
 process id). Training's large activations of varying sizes fragment glibc's one heap: one
-process training yolov2-16 at 416 on micro-batches of 4 samples peaked at 1703 MiB with the
-glibc settings below and at 992 MiB on jemalloc (1 sample 659 against 560 MiB, 2 samples 1088
-against 705), at the same CPU time and with no page faults once warm, since jemalloc
-keeps freed pages for reuse too (JEMALLOC_CONF). A device that holds more samples of a
-micro-batch needs fewer partners and fewer BatchNorm exchanges; the planner's memory model
-knows which allocator each device's profile ran on (planner.memory.ALLOCATORS).
+process training yolov2-16 at 416 on micro-batches of 4 samples peaked at 1703 MiB resident
+(VmHWM, torch's libraries included) with the glibc settings below and at 992 MiB on jemalloc
+(1 sample 659 against 560 MiB, 2 samples 1088 against 705), at the same CPU time and with
+no page faults once warm, since jemalloc keeps freed pages for reuse too (JEMALLOC_CONF). A
+device that holds more samples of a micro-batch needs fewer partners and fewer BatchNorm
+exchanges; the planner's memory model knows which allocator each device's profile ran on
+(planner.memory.ALLOCATORS).
 
 Training allocates and frees the same large activations every micro-batch. By default glibc
 serves each block above its mmap threshold with a fresh mapping and unmaps it on free, so the
