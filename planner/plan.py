@@ -70,6 +70,10 @@ class Stage:
             by `allocation`, its BatchNorm sums staying inside the group. Groups of uneven
             devices with uneven shares keep every device of a mixed swarm busy when no device
             alone can hold a micro-batch. Default: equal groups.
+    overlap: (dp) each backward runs beside the forward that follows it in the schedule:
+            while one waits for its group's BatchNorm sums, the other computes. Backwards
+            still run in order, and forwards, so the result does not change. Costs one more
+            micro-batch of activations during each backward. Default off.
     """
 
     first: int
@@ -86,6 +90,7 @@ class Stage:
     replicas: int | None = None
     shares: list[int] | None = None
     groups: list[int] | None = None
+    overlap: bool | None = None
 
     @property
     def layers(self) -> range:
@@ -272,6 +277,10 @@ class Plan:
                 raise PlanError(f"{where}: groups are for the replicas of a dp stage")
             if s.together not in (None, 1) and s.mode != "tiles":
                 raise PlanError(f"{where}: only a tiles stage runs micro-batches together")
+            if s.overlap not in (None, False, True):
+                raise PlanError(f"{where}: overlap is true or false, not {s.overlap!r}")
+            if s.overlap and s.mode != "dp":
+                raise PlanError(f"{where}: only a dp stage overlaps a backward with the next forward")
             if s.replicas not in (None, 1):
                 if len(self.stages) > 1:
                     raise PlanError(f"{where}: replicas={s.replicas} only in a plan with this one stage")

@@ -17,9 +17,9 @@ def stage_devices(stage) -> str:
         groups = " | ".join(", ".join(f"{d} ({stage.allocation[d]})" for d in stage.replica_devices(r))
                             for r in range(stage.replica_count()))
         taking = f", taking {'/'.join(str(k) for k in stage.shares)} micro-batches" if stage.shares else ""
-        return f"{stage.replica_count()} replicas: {groups}{taking}"
+        return f"{stage.replica_count()} replicas: {groups}{taking}{overlapping(stage)}"
     if stage.mode == "dp":
-        return ", ".join(f"{d} ({stage.allocation[d]})" for d in stage.devices)
+        return ", ".join(f"{d} ({stage.allocation[d]})" for d in stage.devices) + overlapping(stage)
     if stage.mode == "tiles":
         rows, cols = stage.grid
         per = {}
@@ -34,6 +34,10 @@ def stage_devices(stage) -> str:
     if stage.replica_count() > 1:
         return f"{stage.replica_count()} replicas: {', '.join(stage.devices)}"
     return stage.devices[0]
+
+
+def overlapping(stage) -> str:
+    return "; each backward beside the next forward" if stage.overlap else ""
 
 
 def sync_text(stage) -> str:

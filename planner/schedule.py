@@ -44,6 +44,26 @@ def stage_schedule(microbatches: int, warmup: int) -> list[Op]:
     return ops
 
 
+def overlap_units(ops: list[Op]) -> list[list[Op]]:
+    """The schedule of a stage that overlaps (Stage.overlap): each backward with the forward
+    that follows it, run side by side; every other op alone. Forwards keep their order, and
+    backwards theirs:
+
+        F0 B0 F1 B1 F2 B2 F3 B3  ->  [F0] [B0 F1] [B1 F2] [B2 F3] [B3]
+
+    Beside a backward one more micro-batch is resident than the schedule alone holds."""
+    units: list[list[Op]] = []
+    i = 0
+    while i < len(ops):
+        if ops[i][0] == "B" and i + 1 < len(ops) and ops[i + 1][0] == "F":
+            units.append([ops[i], ops[i + 1]])
+            i += 2
+        else:
+            units.append([ops[i]])
+            i += 1
+    return units
+
+
 def check_warmups(warmups: list[int], microbatches: int) -> None:
     """Warm-ups must not grow along the pipeline, or a stage would wait for a forward its
     predecessor only sends after a backward that cannot come: a deadlock."""

@@ -116,7 +116,7 @@ def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster)
         if stage.mode == "tiles":
             works.append(tiles_stage_work(p, stage, plan, desc, mem, cluster, sizes, p == last_stage))
         else:
-            works.append(split_stage_work(p, stage, desc, mem, cluster, sizes, p == last_stage))
+            works.append(split_stage_work(p, stage, desc, mem, cluster, sizes, p == last_stage, plan.warmups()[p]))
     return works
 
 

@@ -22,6 +22,7 @@ from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import PlanError, Stage
+from planner.schedule import overlap_units, stage_schedule
 
 IMAGE_BYTES_PER_VALUE = 1  # samples travel as uint8 images
 
@@ -148,8 +149,9 @@ class StageWork:
 
 
 def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cluster: Cluster,
-                     sizes: list[int], is_last: bool) -> StageWork:
-    """The work of a single or dp stage: whole samples per device."""
+                     sizes: list[int], is_last: bool, warmup: int = 1) -> StageWork:
+    """The work of a single or dp stage: whole samples per device (`warmup`: its K_p, for a
+    stage that overlaps)."""
     first, last = stage.first, stage.last
     if stage.mode == "single":
         alloc = None
@@ -188,6 +190,8 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
         bwd.append(b)
         act.append({s.device: mem.activations(first, last, s.samples) for s in sh})
         trans.append({s.device: mem.transient(first, last, s.samples) for s in sh})
+    if gang and stage.overlap:
+        _overlap(fwd, bwd, act, trans, sync, warmup)
     weights = {d: mem.weights(first, last) for d in group}
     reduce_bytes = float(mem.param_bytes[first:last].sum())
     allreduce = (ring_allreduce_time(reduce_bytes, group, cluster, gradient_buckets(mem, first, last))
@@ -195,6 +199,22 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
     update = {d: cluster.device(d).costs.update_range(first, last) for d in group}
     return StageWork(p, stage, gang, shares, fwd, bwd, act, trans, weights, allreduce, update,
                      sync if gang else 0.0, sync if gang else 0.0)
+
+
+def _overlap(fwd: list[dict], bwd: list[dict], act: list[dict], trans: list[dict], sync: float, warmup: int) -> None:
+    """A gang that runs each backward beside the next forward (Stage.overlap), in place: in
+    each pair, what one waits for its group's sums the other computes, so each keeps only the
+    part of its sync the other's compute does not cover; and the backward's transient memory
+    holds the forward's activations as they build up."""
+    for unit in overlap_units(stage_schedule(len(fwd), warmup)):
+        if len(unit) < 2:
+            continue
+        (_, j), (_, i) = unit  # B j beside F i
+        for d in bwd[j]:
+            back, fore = bwd[j][d] - sync, fwd[i][d] - sync  # compute alone
+            bwd[j][d] = back + max(0.0, sync - fore)
+            fwd[i][d] = fore + max(0.0, sync - back)
+            trans[j][d] = trans[j].get(d, 0.0) + act[i].get(d, 0.0)
 
 
 def _gang_time(shares: list[Share], cluster: Cluster, first: int, last: int, bn_layers: list[int],

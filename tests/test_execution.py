@@ -8,6 +8,8 @@ in float32 too.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from functools import lru_cache
 
 import pytest
@@ -17,6 +19,7 @@ from planner.image_size import ImageSize
 from planner.plan import Plan, Stage
 from swarm.data import make_batch, open_datasets, step_indices
 from swarm.execution.inprocess import train_plan_in_process
+from swarm.execution.stage import StageCopy
 from swarm.local.trainer import LocalTrainer, TrainConfig
 
 STEPS = 2
@@ -91,6 +94,14 @@ PLANS = {
               groups=[1, 2, 1], shares=[2, 1, 1])],
     "dp-two-replicas-of-two": lambda n: [Stage(0, n, "dp", ["d2", "d0", "d3", "d1"],
                                                allocation={"d2": 1, "d0": 1, "d3": 2, "d1": 0}, replicas=2)],
+    "dp4-overlapped": lambda n: [Stage(0, n, "dp", ["d0", "d1", "d2", "d3"],
+                                       allocation={"d0": 1, "d1": 0, "d2": 1, "d3": 0}, overlap=True)],
+    "dp-replicas-of-groups-overlapped": lambda n: [
+        Stage(0, n, "dp", ["d0", "d1", "d2", "d3"], allocation={"d0": 2, "d1": 1, "d2": 1, "d3": 2}, replicas=3,
+              groups=[1, 2, 1], shares=[2, 1, 1], overlap=True)],
+    "hybrid-overlapped": lambda n: [Stage(0, 6, "single", ["d0"]),
+                                    Stage(6, 12, "dp", ["d1", "d2"], allocation={"d1": 1, "d2": 1}, overlap=True),
+                                    Stage(12, n, "single", ["d3"])],
     "tiles-in-the-middle": lambda n: [Stage(0, 2, "single", ["d0"]),
                                       Stage(2, 12, "tiles", ["d1", "d2"], grid=(1, 2), tile_devices=["d1", "d2"]),
                                       Stage(12, n, "dp", ["d3", "d0"], allocation={"d3": 1, "d0": 1})],
@@ -106,6 +117,40 @@ def test_yolov2_16_plans_equal_local(name):
     worst = _worst(result.net.state_dict(), _local(cfg))
     assert worst[0] < 1e-9, worst
     assert result.step_count == STEPS
+
+
+@pytest.mark.parametrize("name", ["dp4", "dp-two-replicas-of-two", "hybrid"])
+def test_overlapping_a_gang_changes_no_bit(name, monkeypatch):
+    """A backward beside the next forward (Stage.overlap) keeps forwards in order and
+    backwards in order, so float32 weights after real steps are the very bits of the same
+    plan run one op at a time."""
+    cfg = _cfg("yolov2-16", 4, dtype="float32")
+    stages = PLANS[name](N16)
+    plain = _planned(cfg, _plan("yolov2-16", stages, 4)).net.state_dict()
+    spans = _compute_spans(monkeypatch)
+    overlapped = _planned(cfg, _plan("yolov2-16", [replace(s, overlap=s.mode == "dp" or None) for s in stages], 4))
+    for key, value in overlapped.net.state_dict().items():
+        assert torch.equal(value, plain[key]), key
+    # and, in a one-stage plan (where a forward's inputs never wait on another stage), a
+    # forward did compute while a backward on the same device was under way
+    if len(stages) == 1:
+        assert any(b[0] == f[0] and b[2] < f[2] < b[3] for b in spans["B"] for f in spans["F"]), spans
+
+
+def _compute_spans(monkeypatch) -> dict[str, list[tuple]]:
+    """(device's stage copy, micro-batch, start, end) of every forward and backward computed."""
+    spans = {"F": [], "B": []}
+    for kind, name in (("F", "forward"), ("B", "backward")):
+        inner = getattr(StageCopy, name)
+
+        def timed(self, part, m, *args, _inner=inner, _kind=kind, **kw):
+            start = time.perf_counter()
+            try:
+                return _inner(self, part, m, *args, **kw)
+            finally:
+                spans[_kind].append((id(self), m, start, time.perf_counter()))
+        monkeypatch.setattr(StageCopy, name, timed)
+    return spans
 
 
 WIDE = ImageSize(64, 32)  # maps 32x64 down to a 2x4 grid of cells

@@ -3,6 +3,7 @@ data-parallel groups, the data source, memory (Asteroid eq. 3) and the schedule 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -371,3 +372,46 @@ def test_groups_of_a_power_of_two_sum_in_fewer_steps(lenet):
         cl.device(d).msg_s = m
     assert ring_allreduce_time(1.0, names, cl) == pytest.approx(6 * lat + 6 * 2 * m, rel=1e-6)
     assert ring_allreduce_time(1.0, names[:6], cl) == pytest.approx(10 * lat + 10 * 2 * m, rel=1e-6)
+
+
+def test_a_gang_that_overlaps_hides_its_syncs_behind_the_other_op_and_holds_one_more_micro_batch():
+    """dp over two equal devices at one sample each, four micro-batches: F0 [B0 F1] [B1 F2]
+    [B2 F3] B3. In each of the three pairs the backward's BatchNorm syncs hide behind the
+    forward's compute and the forward's behind the backward's: 6 syncs of the 8 per device
+    fewer on the step; and during a paired backward the next forward's activations build up."""
+    desc = describe_model("yolov2-16", 64, 5)
+    mem = MemoryModel.estimated(desc)
+    n = len(desc.layers)
+    lat = 0.002
+    table = uniform_table(n, 0.01, 0.02)
+    cl = cluster_of({"a": table, "b": table}, latency=lat)
+    stage = Stage(0, n, "dp", ["a", "b"], allocation={"a": 1, "b": 1})
+    plain = simulate(Plan("yolov2-16", 64, 8, 4, [stage], devices={"a": {}, "b": {}}), desc, mem, cl)
+    over = simulate(Plan("yolov2-16", 64, 8, 4, [replace(stage, overlap=True)], devices={"a": {}, "b": {}}),
+                    desc, mem, cl)
+    sync = sum(1 for layer in desc.layers if layer.batch_normalize) * lat  # one round of one message a BN layer
+    assert sync < n * 0.01  # the compute covers it
+    assert over.step_time == pytest.approx(plain.step_time - 6 * sync)
+    assert over.peak_memory["a"] == pytest.approx(plain.peak_memory["a"] + mem.activations(0, n, 1))
+
+
+def test_planners_overlap_a_gang_only_where_the_extra_micro_batch_fits():
+    from planner.inputs import PlanInputs
+    from planner.planners import with_overlap
+
+    desc = describe_model("yolov2-16", 64, 5)
+    mem = MemoryModel.estimated(desc)
+    n = len(desc.layers)
+    table = uniform_table(n, 0.01, 0.02)
+    stage = Stage(0, n, "dp", ["a", "b"], allocation={"a": 1, "b": 1})
+
+    def planned(memory: float):
+        inputs = PlanInputs(desc, mem, cluster_of({"a": table, "b": table}, latency=0.002, memory=memory), 8, 4)
+        return with_overlap(inputs, inputs.finish(inputs.plan([stage], "dp")))
+
+    roomy = planned(2**40)
+    assert roomy.stages[0].overlap and roomy.predicted["fits"]
+    plain = roomy.predicted["peak_memory"]["a"] - mem.activations(0, n, 1)  # what it needs without overlapping
+    tight = planned(plain - mem.budget(0, n, 0.0) + 1.0)
+    assert tight.predicted["fits"] and not tight.stages[0].overlap
+    assert tight.predicted["step_time_s"] > roomy.predicted["step_time_s"]

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from planner.plan import Plan, PlanError, Stage
-from planner.schedule import asteroid_warmup, check_warmups, draw, peak_resident, stage_schedule
+from planner.schedule import asteroid_warmup, check_warmups, draw, overlap_units, peak_resident, stage_schedule
 from swarm.zoo import describe_model
 
 
@@ -115,3 +115,26 @@ def test_tiles_refuse_untileable_layers():
 def test_malformed_plan_json(text, message):
     with pytest.raises(PlanError, match=message):
         Plan.from_json(text)
+
+
+def test_overlap_pairs_each_backward_with_the_next_forward():
+    units = overlap_units(stage_schedule(6, 3))
+    assert " ".join("[" + " ".join(f"{k}{m}" for k, m in u) + "]" for u in units) == \
+        "[F0] [F1] [F2] [B0 F3] [B1 F4] [B2 F5] [B3] [B4] [B5]"
+    assert [op for u in units for op in u] == stage_schedule(6, 3)  # the same ops, in the same order
+    assert overlap_units(stage_schedule(1, 1)) == [[("F", 0)], [("B", 0)]]
+
+
+def test_overlap_is_for_dp_stages_and_travels_in_the_plan_file():
+    desc = describe_model("yolov2-16", 64, 5)
+    n = len(desc.layers)
+    dp = Stage(0, n, "dp", ["a", "b"], allocation={"a": 1, "b": 1}, overlap=True)
+    plan = Plan("yolov2-16", 64, 8, 4, [dp])
+    plan.validate(desc)
+    again = Plan.from_json(plan.to_json())
+    assert again.stages[0].overlap is True
+    assert "overlap" not in Plan("yolov2-16", 64, 8, 4, [Stage(0, n, "single", ["a"])]).to_dict()["stages"][0]
+    with pytest.raises(PlanError, match="only a dp stage overlaps"):
+        Plan("yolov2-16", 64, 8, 4, [Stage(0, n, "single", ["a"], overlap=True)]).validate(desc)
+    with pytest.raises(PlanError, match="overlap is true or false"):
+        Plan.from_dict({**plan.to_dict(), "stages": [{**dp.__dict__, "overlap": "yes"}]}).validate(desc)

@@ -655,6 +655,8 @@ def describe_plan(plan: Plan) -> str:
                    + " micro-batches"
         elif s.replica_count() > 1:
             how += f", {s.replica_count()} replicas of {plan.microbatches // s.replica_count()} micro-batch(es) each"
+        if s.overlap:
+            how += ", each backward beside the next forward"
         lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {', '.join(s.devices)}")
     return "\n".join(lines)
 

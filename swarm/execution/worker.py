@@ -22,7 +22,7 @@ import trio
 
 from planner.plan import Plan
 from planner.routing import Layout, Part, parts_on, runs, stage_parts
-from planner.schedule import stage_schedule
+from planner.schedule import overlap_units, stage_schedule
 from swarm.data import microbatch_bounds, sample_keys
 from swarm.execution import channels
 from swarm.execution.blocks import BlockPost
@@ -256,10 +256,13 @@ class DeviceWorker:
             return
         mine = [m for m in range(plan.microbatches) if runs(plan, my_parts[0], m)]  # our replica's
         ops = stage_schedule(len(mine), plan.warmups()[p])
-        for i, (kind, j) in enumerate(ops):
+        last = ops[-1]
+
+        async def run_op(op) -> None:
+            kind, j = op
             m = mine[j]
             lo, hi = bounds[m]
-            final = reducer is not None and i == len(ops) - 1  # the step's last backward
+            final = reducer is not None and op == last  # the step's last backward
             handles = reducer.hooks() if final else []
             try:
                 for part in my_parts:
@@ -270,6 +273,16 @@ class DeviceWorker:
             finally:
                 for h in handles:
                     h.remove()
+
+        # overlapping: a backward and the next forward side by side, each computing while the
+        # other waits for its group (the compute lock lets go during a BatchNorm exchange)
+        for unit in overlap_units(ops) if copy.stage.overlap else [[op] for op in ops]:
+            if len(unit) == 1:
+                await run_op(unit[0])
+                continue
+            async with trio.open_nursery() as both:
+                for op in unit:
+                    both.start_soon(run_op, op)
 
     # ---- single and dp parts ---------------------------------------------------------
     async def forward(self, step: int, copy: StageCopy, part: Part, m: int, lo: int, hi: int, losses) -> None:
