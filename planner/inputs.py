@@ -60,7 +60,33 @@ class PlanInputs:
         return simulate(plan, self.desc, self.mem, self.cluster)
 
     def finish(self, plan: Plan) -> Plan:
-        """Simulate the plan and record the prediction in it."""
+        """Simulate the plan and record the prediction in it; or the same plan with its gangs
+        overlapping, where that is better (with_overlap)."""
         timeline = self.simulate(plan)
         plan.predicted = timeline.summary()
-        return plan
+        return self.with_overlap(plan)
+
+    def with_overlap(self, plan: Plan) -> Plan:
+        """`plan`, or the same plan with its gangs overlapping each backward with the next
+        forward (Stage.overlap) where that is predicted faster and fits: it hides their
+        BatchNorm waits behind computation, for one more micro-batch of activations during
+        each backward."""
+        stages = [p for p in gangs(plan, self.desc) if not plan.stages[p].overlap]
+        if not stages or not plan.predicted:
+            return plan
+        trial = Plan.from_dict(plan.to_dict())
+        for p in stages:
+            trial.stages[p].overlap = True
+        timeline = self.simulate(trial)
+        if not timeline.fits or timeline.step_time >= plan.predicted["step_time_s"]:
+            return plan
+        trial.predicted = {**plan.predicted, **timeline.summary()}
+        return trial
+
+
+def gangs(plan: Plan, desc: ModelDesc) -> list[int]:
+    """The dp stages whose devices share micro-batches over BatchNorm layers: every device of
+    a group waits at each of them for the group's sums."""
+    return [p for p, s in enumerate(plan.stages)
+            if s.mode == "dp" and any(desc.layers[i].batch_normalize for i in s.layers)
+            and any(len(s.replica_devices(r)) > 1 for r in range(s.replica_count()))]

@@ -69,41 +69,16 @@ PLANNERS = {
 STRATEGIES = (*PLANNERS, "auto")
 
 
-def gangs(plan: Plan, desc) -> list[int]:
-    """The dp stages whose devices share micro-batches over BatchNorm layers: every device of
-    a group waits at each of them for the group's sums."""
-    return [p for p, s in enumerate(plan.stages)
-            if s.mode == "dp" and any(desc.layers[i].batch_normalize for i in s.layers)
-            and any(len(s.replica_devices(r)) > 1 for r in range(s.replica_count()))]
-
-
-def with_overlap(inputs: PlanInputs, plan: Plan) -> Plan:
-    """`plan`, or the same plan with its gangs overlapping each backward with the next forward
-    (Stage.overlap) where that is predicted faster and fits: it hides their BatchNorm waits
-    behind computation, for one more micro-batch of activations during each backward."""
-    stages = [p for p in gangs(plan, inputs.desc) if not plan.stages[p].overlap]
-    if not stages or not plan.predicted:
-        return plan
-    trial = Plan.from_dict(plan.to_dict())
-    for p in stages:
-        trial.stages[p].overlap = True
-    timeline = inputs.simulate(trial)
-    if not timeline.fits or timeline.step_time >= plan.predicted["step_time_s"]:
-        return plan
-    trial.predicted = {**plan.predicted, **timeline.summary()}
-    return trial
-
-
 def plan_auto(inputs: PlanInputs) -> Plan:
     candidates = []
     reasons = []
     for name, planner in PLANNERS.items():
         try:
-            candidates.append(with_overlap(inputs, planner(inputs)))
+            candidates.append(inputs.with_overlap(planner(inputs)))
         except NoPlan as exc:
             reasons.append(f"{name}: {exc}")
     tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
-    candidates += [with_overlap(inputs, p) for p in plan_hybrids(inputs, tiles_plan)]
+    candidates += plan_hybrids(inputs, tiles_plan)
     if not candidates:
         raise NoPlan("no planner found a plan: " + "; ".join(reasons))
     best = min(candidates, key=_fits_then_time)
@@ -120,7 +95,7 @@ def make_plan(strategy: str, inputs: PlanInputs) -> Plan:
         planner = PLANNERS[strategy]
     except KeyError:
         raise PlanError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}") from None
-    return with_overlap(inputs, planner(inputs))
+    return inputs.with_overlap(planner(inputs))
 
 
 @dataclass

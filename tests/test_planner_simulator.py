@@ -397,7 +397,6 @@ def test_a_gang_that_overlaps_hides_its_syncs_behind_the_other_op_and_holds_one_
 
 def test_planners_overlap_a_gang_only_where_the_extra_micro_batch_fits():
     from planner.inputs import PlanInputs
-    from planner.planners import with_overlap
 
     desc = describe_model("yolov2-16", 64, 5)
     mem = MemoryModel.estimated(desc)
@@ -407,7 +406,7 @@ def test_planners_overlap_a_gang_only_where_the_extra_micro_batch_fits():
 
     def planned(memory: float):
         inputs = PlanInputs(desc, mem, cluster_of({"a": table, "b": table}, latency=0.002, memory=memory), 8, 4)
-        return with_overlap(inputs, inputs.finish(inputs.plan([stage], "dp")))
+        return inputs.finish(inputs.plan([stage], "dp"))
 
     roomy = planned(2**40)
     assert roomy.stages[0].overlap and roomy.predicted["fits"]
