@@ -201,17 +201,27 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
                      sync if gang else 0.0, sync if gang else 0.0)
 
 
+# What a paired op's compute costs beside the other, against alone: two micro-batches' working
+# sets taking turns on one core's caches, and a hand-over of the compute lock at every
+# BatchNorm exchange. On the testbed (8 x 0.2 core, yolov2-16 at 416, two replicas of four
+# devices with one sample each, bench/versus.py --runs plan, two rounds) a device's CPU a step
+# rose from 2.77-2.80 s to 2.99-3.07 s with 6 of its 8 ops paired: 16% of their compute. The
+# waits it hid were mostly not idle time (a 0.2-core device was busy 92% of its step without
+# it), so the step took 7-8% longer.
+OVERLAP_CPU = 1.16
+
+
 def _overlap(fwd: list[dict], bwd: list[dict], act: list[dict], trans: list[dict], sync: float, warmup: int) -> None:
     """A gang that runs each backward beside the next forward (Stage.overlap), in place: in
     each pair, what one waits for its group's sums the other computes, so each keeps only the
-    part of its sync the other's compute does not cover; and the backward's transient memory
-    holds the forward's activations as they build up."""
+    part of its sync the other's compute does not cover, at OVERLAP_CPU times the compute;
+    and the backward's transient memory holds the forward's activations as they build up."""
     for unit in overlap_units(stage_schedule(len(fwd), warmup)):
         if len(unit) < 2:
             continue
         (_, j), (_, i) = unit  # B j beside F i
         for d in bwd[j]:
-            back, fore = bwd[j][d] - sync, fwd[i][d] - sync  # compute alone
+            back, fore = (bwd[j][d] - sync) * OVERLAP_CPU, (fwd[i][d] - sync) * OVERLAP_CPU
             bwd[j][d] = back + max(0.0, sync - fore)
             fwd[i][d] = fore + max(0.0, sync - back)
             trans[j][d] = trans[j].get(d, 0.0) + act[i].get(d, 0.0)

@@ -377,25 +377,30 @@ def test_groups_of_a_power_of_two_sum_in_fewer_steps(lenet):
 def test_a_gang_that_overlaps_hides_its_syncs_behind_the_other_op_and_holds_one_more_micro_batch():
     """dp over two equal devices at one sample each, four micro-batches: F0 [B0 F1] [B1 F2]
     [B2 F3] B3. In each of the three pairs the backward's BatchNorm syncs hide behind the
-    forward's compute and the forward's behind the backward's: 6 syncs of the 8 per device
-    fewer on the step; and during a paired backward the next forward's activations build up."""
+    forward's compute and the forward's behind the backward's, each computing at OVERLAP_CPU
+    times its cost alone; and during a paired backward the next forward's activations build
+    up."""
+    from planner.stage_work import OVERLAP_CPU
+
     desc = describe_model("yolov2-16", 64, 5)
     mem = MemoryModel.estimated(desc)
     n = len(desc.layers)
-    lat = 0.002
-    table = uniform_table(n, 0.01, 0.02)
-    cl = cluster_of({"a": table, "b": table}, latency=lat)
+    lat = 0.01
+    fwd, bwd = n * 0.01, n * 0.02  # a sample's forward and backward
+    cl = cluster_of({"a": uniform_table(n, 0.01, 0.02), "b": uniform_table(n, 0.01, 0.02)}, latency=lat)
     stage = Stage(0, n, "dp", ["a", "b"], allocation={"a": 1, "b": 1})
     plain = simulate(Plan("yolov2-16", 64, 8, 4, [stage], devices={"a": {}, "b": {}}), desc, mem, cl)
     over = simulate(Plan("yolov2-16", 64, 8, 4, [replace(stage, overlap=True)], devices={"a": {}, "b": {}}),
                     desc, mem, cl)
     sync = sum(1 for layer in desc.layers if layer.batch_normalize) * lat  # one round of one message a BN layer
-    assert sync < n * 0.01  # the compute covers it
-    assert over.step_time == pytest.approx(plain.step_time - 6 * sync)
+    assert sync < OVERLAP_CPU * fwd  # the other op's compute covers each sync
+    pair_plain, pair_over = fwd + bwd + 2 * sync, OVERLAP_CPU * (fwd + bwd)
+    assert over.step_time == pytest.approx(plain.step_time - 3 * (pair_plain - pair_over))
+    assert over.step_time < plain.step_time
     assert over.peak_memory["a"] == pytest.approx(plain.peak_memory["a"] + mem.activations(0, n, 1))
 
 
-def test_planners_overlap_a_gang_only_where_the_extra_micro_batch_fits():
+def test_planners_overlap_a_gang_only_where_it_hides_more_than_it_costs_and_fits():
     from planner.inputs import PlanInputs
 
     desc = describe_model("yolov2-16", 64, 5)
@@ -404,10 +409,11 @@ def test_planners_overlap_a_gang_only_where_the_extra_micro_batch_fits():
     table = uniform_table(n, 0.01, 0.02)
     stage = Stage(0, n, "dp", ["a", "b"], allocation={"a": 1, "b": 1})
 
-    def planned(memory: float):
-        inputs = PlanInputs(desc, mem, cluster_of({"a": table, "b": table}, latency=0.002, memory=memory), 8, 4)
+    def planned(memory: float, latency: float = 0.01):
+        inputs = PlanInputs(desc, mem, cluster_of({"a": table, "b": table}, latency=latency, memory=memory), 8, 4)
         return inputs.finish(inputs.plan([stage], "dp"))
 
+    assert not planned(2**40, latency=0.0005).stages[0].overlap  # little to hide: not worth its CPU
     roomy = planned(2**40)
     assert roomy.stages[0].overlap and roomy.predicted["fits"]
     plain = roomy.predicted["peak_memory"]["a"] - mem.activations(0, n, 1)  # what it needs without overlapping
