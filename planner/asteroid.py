@@ -290,7 +290,7 @@ def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None) -> Plan:
     _, plan, timeline = best
     plan.predicted = timeline.summary()
     plan.predicted["asteroid_estimate_s"] = min(p.estimate for p in pipelines)
-    return plan
+    return inputs.with_overlap(plan)
 
 
 def memory_shortfall(inputs: PlanInputs, dp: AsteroidDP) -> str:

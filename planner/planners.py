@@ -74,7 +74,7 @@ def plan_auto(inputs: PlanInputs) -> Plan:
     reasons = []
     for name, planner in PLANNERS.items():
         try:
-            candidates.append(inputs.with_overlap(planner(inputs)))
+            candidates.append(planner(inputs))
         except NoPlan as exc:
             reasons.append(f"{name}: {exc}")
     tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
@@ -95,7 +95,7 @@ def make_plan(strategy: str, inputs: PlanInputs) -> Plan:
         planner = PLANNERS[strategy]
     except KeyError:
         raise PlanError(f"unknown strategy '{strategy}'; choose one of {', '.join(STRATEGIES)}") from None
-    return inputs.with_overlap(planner(inputs))
+    return planner(inputs)
 
 
 @dataclass

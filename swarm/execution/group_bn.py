@@ -36,8 +36,8 @@ class _GroupBatchNorm(torch.autograd.Function):
     and backward's two per-channel sums by the eval-mode BatchNorm backward, which computes
     exactly them. Written out elementwise, the layer cost a yolov2-16 sample 55% more compute
     than native BatchNorm; var_mean for the statistics (a Welford reduction, not vectorised)
-    is five times slower than BatchNorm's kernel, as precise, and cost a sample at 416 about
-    a tenth of its compute."""
+    is five times slower than BatchNorm's kernel, as precise, and made a sample at 416 cost
+    1.20x native compute (bench/group_bn_cost.py; 1.02x now)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, exchange: Exchange):
