@@ -214,3 +214,34 @@ def test_swarm_plan_with_accelerators_on_and_off(tmp_path):
     assert steps["off"] >= 2 * steps["on"]
     r = run_swarm("plan", "--devices", EXAMPLE, "--accelerators", "maybe", cwd=tmp_path)
     assert r.returncode == 2 and "--accelerators" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_plan_file_keeps_where_a_device_computes_if_its_agent_offers_it(example, tmp_path):
+    """`swarm train --plan` with a plan `swarm plan --out` wrote for a Jetson: the Jetson's
+    layers stay on its GPU when its agent offers cuda; an agent that offers only its CPU is a
+    one-line error naming both, not a run on the wrong device."""
+    from types import SimpleNamespace
+
+    from swarm.errors import SwarmError
+    from swarm.execution.launch import SwarmOptions, SwarmRunner, describe_plan
+    from swarm.local.trainer import TrainConfig
+
+    with_gpu, _ = example
+    plan = make_plan("pp", with_gpu)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    runner = SwarmRunner(SwarmOptions(plan_path=str(path)), log=lambda *a: None, fallback=None)
+    trainer = SimpleNamespace(cfg=TrainConfig(model="yolov2-16", batch_size=plan.batch_size,
+                                              microbatches=plan.microbatches), desc=with_gpu.desc)
+
+    def devices(jetson_offers):
+        return {n: SimpleNamespace(cores=4, memory=2**32, address="10.0.0.9", port=4750,
+                                   accelerator=jetson_offers if n == "jetson-1" else "cpu")
+                for n in plan.used_devices()}
+
+    ran = runner._make_plan(trainer, sorted(plan.used_devices()), devices("cuda"))
+    assert ran.devices["jetson-1"]["accelerator"] == "cuda" and ran.devices["jetson-1"]["address"] == "10.0.0.9:4750"
+    assert all("accelerator" not in ran.devices[d] for d in ran.used_devices() if d != "jetson-1")
+    assert "jetson-1 (cuda)" in describe_plan(ran) and "pi-1 (" not in describe_plan(ran)
+    with pytest.raises(SwarmError, match="puts jetson-1's layers on cuda, but its agent offers cpu"):
+        runner._make_plan(trainer, sorted(plan.used_devices()), devices("cpu"))

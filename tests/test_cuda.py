@@ -103,3 +103,73 @@ def test_the_profilers_cuda_layer_times_are_positive_and_ordered_like_the_flops(
     assert accelerator.shared_memory == torch.cuda.get_device_properties(0).is_integrated
     assert ("memory" in entry) != accelerator.shared_memory  # a discrete GPU's own budget; a Jetson's is the device's
     assert all(v > 0 for v in profile.peak_bytes.values())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LIVE = ["--model", "yolov2-16", "--img-size", "64", "--batch-size", "8", "--microbatches", "2", "--steps", "3",
+        "--seed", "5", "--dtype", "float64", "--no-eval"]
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_agents_on_a_gpu_and_a_cpu_train_what_the_cpu_trains_alone(tmp_path):
+    """The whole path a user takes: two `swarm join` processes on loopback, "gpu" offering
+    cuda and "cpu0" its CPU; `swarm profile` on the GPU; `swarm train --plan` with a plan
+    that puts gpu's layers on cuda (a pipeline, then dp over both), and `--strategy auto`,
+    which profiles gpu on cuda. Each run's weights equal `--strategy local` on the CPU."""
+    import subprocess
+    import sys
+
+    from planner.plan import Plan, Stage
+    from tests.conftest import run_swarm
+
+    r = run_swarm("profile", "--accelerator", "cuda", "--model", "yolov2-16", "--img-size", "64",
+                  "--batch-sizes", "1,2", "--repeats", "1", "--state-dir", tmp_path / "p", "--out", tmp_path / "gpu.json",
+                  timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "cuda" in r.stdout and '"kind": "cuda"' in (tmp_path / "gpu.json").read_text()
+    token = tmp_path / "token"
+    token.write_text(run_swarm("token", "--new").stdout)
+    ports = {"gpu": _free_port(), "cpu0": _free_port()}
+    env = dict(__import__("os").environ)
+    env.setdefault("PYTHONPATH", str(ROOT))
+    agents = [subprocess.Popen([sys.executable, "-m", "swarm", "join", "--name", name, "--port", str(port),
+                                "--state-dir", str(tmp_path / name), "--token-file", str(token), "--no-mdns",
+                                "--accelerator", "cuda" if name == "gpu" else "cpu"],
+                               env=env, stderr=subprocess.DEVNULL)
+              for name, port in ports.items()]
+    try:
+        common = ["--token-file", token, "--state-dir", tmp_path / "c", "--devices", "2", "--wait", "60",
+                  "--peers", ",".join(f"127.0.0.1:{p}" for p in ports.values()), *LIVE]
+        r = run_swarm("train", "--strategy", "local", "--accelerator", "cpu", *LIVE, "--save", tmp_path / "local.pt",
+                      cwd=tmp_path, timeout=300)
+        assert r.returncode == 0, r.stderr
+        local = torch.load(tmp_path / "local.pt", weights_only=True)["model"]
+        plans = {"pipeline": [Stage(0, 8, "single", ["gpu"]), Stage(8, 17, "single", ["cpu0"])],
+                 "dp": [Stage(0, 17, "dp", ["gpu", "cpu0"], allocation={"gpu": 2, "cpu0": 2})]}
+        for name, stages in plans.items():
+            plan = Plan("yolov2-16", 64, 8, 2, stages, devices={"gpu": {"accelerator": "cuda"}, "cpu0": {}})
+            (tmp_path / f"{name}.json").write_text(plan.to_json())
+            r = run_swarm("train", "--plan", tmp_path / f"{name}.json", *common, "--save", tmp_path / f"{name}.pt",
+                          cwd=tmp_path, timeout=600)
+            assert r.returncode == 0, r.stderr
+            assert "gpu (cuda)" in r.stdout + r.stderr, r.stdout + r.stderr
+            ours = torch.load(tmp_path / f"{name}.pt", weights_only=True)["model"]
+            assert _worst(ours, local) < 1e-9, name
+        r = run_swarm("train", "--strategy", "auto", *common, "--save", tmp_path / "auto.pt", cwd=tmp_path,
+                      timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert "gpu (cuda)" in r.stdout + r.stderr, r.stdout + r.stderr
+        assert _worst(torch.load(tmp_path / "auto.pt", weights_only=True)["model"], local) < 1e-9
+    finally:
+        for a in agents:
+            a.terminate()
+        for a in agents:
+            a.wait(timeout=30)

@@ -27,7 +27,7 @@ STEPS = 2
 
 def _cfg(model: str, microbatches: int, dtype: str = "float64", img_size=64, **kw) -> TrainConfig:
     return TrainConfig(model=model, img_size=img_size, batch_size=8, microbatches=microbatches, seed=7, classes=5,
-                       dtype=dtype, **kw)
+                       dtype=dtype, **{"accelerator": "cpu", **kw})  # local on the CPU, as the plans' devices
 
 
 def _local(cfg: TrainConfig, steps: int = STEPS) -> dict:

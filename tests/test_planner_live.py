@@ -31,7 +31,7 @@ async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
             agents = []
             for i in range(2):
                 config = AgentConfig(name=f"dev{i}", node_id=f"node{i}", token=TOKEN, network=network, port=0,
-                                     advertise=False, memory=2**31)
+                                     advertise=False, memory=2**31, accelerator="cpu")  # the host's memory
                 agents.append(await nursery.start(Agent(config).run))
             peers = [("127.0.0.1", a.port) for a in agents]
             live = await gather_live(Credentials("coordinator", TOKEN), network, peers, spec, 0.5, discover=False)

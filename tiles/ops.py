@@ -105,9 +105,11 @@ def bn_scale_shift(bn: nn.BatchNorm2d, invstd: torch.Tensor) -> tuple[torch.Tens
 def backward_sums(du_own: torch.Tensor, zc_own: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
     """(2, C) float64 [sum g, sum g * xhat] over owned pixels (also d beta and d gamma), with
     xhat = zc * invstd and zc = z - mean: torch's BatchNorm backward reduction, in one pass
-    and without the input gradient (which needs the sums over all tiles)."""
+    and without the input gradient (which needs the sums over all tiles). The weight is ones:
+    the two sums do not depend on it, but CUDA's kernel shapes its outputs after it."""
     zero = invstd.new_zeros(invstd.shape)
-    _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(du_own, zc_own, None, None, None, zero, invstd, True,
+    ones = invstd.new_ones(invstd.shape)
+    _, s_gx, s_g = torch.ops.aten.native_batch_norm_backward(du_own, zc_own, ones, None, None, zero, invstd, True,
                                                               0.0, [False, True, True])
     return torch.stack([s_g.double(), s_gx.double()])
 

@@ -43,10 +43,10 @@ class _GroupBatchNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps: float, exchange: Exchange):
         # x: (b, C, H, W) or (b, C), this replica's samples
         channels = x.shape[1]
-        count = torch.tensor([x.numel() / channels], dtype=torch.float64)
+        count = torch.tensor([x.numel() / channels], dtype=torch.float64)  # on the host, for the wire
         if x.numel():
             mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)  # biased variance
-            mean, m2 = mean.double(), var.double() * count
+            mean, m2 = mean.double(), var.double() * (x.numel() / channels)
         else:  # a replica with no samples in this micro-batch still takes part
             mean = m2 = torch.zeros(channels, dtype=torch.float64)
         parts = exchange("fwd", [count, to_host(mean), to_host(m2)])  # over the wire: from the host
@@ -69,8 +69,10 @@ class _GroupBatchNorm(torch.autograd.Function):
     def backward(ctx, dy, _dmean, _dvar):
         x, weight, gmean, gvar = ctx.saved_tensors
         if x.numel():  # with the group's mean and variance as "running" statistics: (dy w invstd, sum dy xhat, sum dy)
+            # (also as the saved ones: CUDA's kernel reads those where its fused path does not apply)
             scaled, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy.contiguous(), x, weight, gmean, gvar, None, None, False, ctx.eps, [True, True, True])
+                dy.contiguous(), x, weight, gmean, gvar, gmean, torch.rsqrt(gvar + ctx.eps), False, ctx.eps,
+                [True, True, True])
         else:
             scaled = dy
             sum_dy_xhat = sum_dy = torch.zeros_like(weight)

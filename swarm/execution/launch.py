@@ -29,6 +29,7 @@ from swarm.execution.train_job import CHANNEL, WireEndpoint, job_spec_dict
 from swarm.execution.worker import JobSpec
 from swarm.host.state import find_token, process_id, state_dir_from
 from swarm.local.checkpoint import save_checkpoint
+from swarm.local.compute_device import HOST
 from swarm.local.trainer import SAVE_EVERY_S
 from swarm.net import ConnectionLost, Credentials, parse_endpoint, parse_peers, resolve_network
 from swarm.profiling.bandwidth import measure_bandwidth
@@ -240,7 +241,7 @@ class SwarmRunner:
             if (plan.batch_size, plan.microbatches) != (cfg.batch_size, cfg.microbatches):
                 raise SwarmError(f"the plan is for batch {plan.batch_size} in {plan.microbatches} micro-batches; "
                                  f"give --batch-size {plan.batch_size} --microbatches {plan.microbatches}")
-            plan.devices = {d: facts[d] for d in plan.used_devices()}
+            plan.devices = {d: dict(facts[d], **_accelerator_fact(plan, d, devices[d])) for d in plan.used_devices()}
         elif o.strategy == "auto":
             plan = self._auto_plan(trainer, names, facts, measured)
         else:
@@ -657,8 +658,24 @@ def describe_plan(plan: Plan) -> str:
             how += f", {s.replica_count()} replicas of {plan.microbatches // s.replica_count()} micro-batch(es) each"
         if s.overlap:
             how += ", each backward beside the next forward"
-        lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {', '.join(s.devices)}")
+        on = ", ".join(f"{d} ({plan.devices[d]['accelerator']})" if (plan.devices.get(d) or {}).get("accelerator")
+                       else d for d in s.devices)
+        lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {on}")
     return "\n".join(lines)
 
 
 __all__ = ["SwarmOptions", "SwarmRunner", "describe_plan", "PlanError"]
+
+
+def _accelerator_fact(plan: Plan, name: str, device) -> dict:
+    """A plan file's "accelerator" for `name` (as `swarm plan --out` writes it for a device
+    planned on its GPU), kept if the device's agent offers it: the worker computes there."""
+    wanted = (plan.devices.get(name) or {}).get("accelerator")
+    if not wanted or wanted == HOST.type:
+        return {}
+    offered = getattr(device, "accelerator", None) or HOST.type
+    if offered not in (wanted, "?"):  # "?": an agent that does not say; its worker will tell
+        raise SwarmError(f"the plan puts {name}'s layers on {wanted}, but its agent offers {offered} "
+                         f"(`swarm join --accelerator {wanted}` there, or plan it without)")
+    return {"accelerator": wanted}
+

@@ -73,12 +73,21 @@ class ComputeLock:
         self.release()
 
     def released(self):
+        """Let go while waiting on the network, and take it back after: for the thread that
+        holds it, or for a thread computing on its behalf while it waits (on CUDA, autograd
+        runs a backward, and so a group BatchNorm exchange, in a thread of its own, while the
+        compute thread that holds the lock waits for the backward to finish)."""
         lock = self
 
         class _Released:
             def __enter__(self_inner):
-                lock.release()
+                self_inner.owner = lock._owner
+                if self_inner.owner is not None:
+                    lock._owner = None
+                    lock._lock.release()
 
             def __exit__(self_inner, *exc):
-                lock.acquire()
+                if self_inner.owner is not None:
+                    lock.acquire()
+                    lock._owner = self_inner.owner
         return _Released()
