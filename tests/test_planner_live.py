@@ -111,3 +111,18 @@ async def test_an_advertised_accelerator_reaches_the_profile_and_the_plan(tmp_pa
     trained = runner._make_plan(trainer, sorted(found), found, live)
     assert "dev0" in trained.used_devices() and trained.devices["dev0"]["accelerator"] == "cuda"
     assert all(plan_device(trained.devices[n]).type == "cpu" for n in trained.used_devices() if n != "dev0")
+
+
+async def test_a_device_is_planned_in_what_its_runtime_leaves_of_its_cpu():
+    """The runtime's own CPU (RUNTIME_CORES) comes out of a device's quota, else its cores:
+    a fifth of a core loses a ninth of its speed, four cores hardly any; a GPU's table stays."""
+    from swarm.profiling.profiler import profile_model
+    from swarm.profiling.survey import RUNTIME_CORES, with_runtime
+
+    costs = profile_model("lenet5", None, batch_sizes=(1,), repeats=1, threads=1).costs
+    fifth = with_runtime(costs, {"cpu_quota": 0.2, "cores": 1})
+    four = with_runtime(costs, {"cpu_quota": None, "cores": 4})
+    assert fifth.fwd_range(0, 7, 1) == pytest.approx(costs.fwd_range(0, 7, 1) / (1 - RUNTIME_CORES / 0.2))
+    assert four.fwd_range(0, 7, 1) == pytest.approx(costs.fwd_range(0, 7, 1) / (1 - RUNTIME_CORES / 4))
+    assert 1.1 < fifth.fwd_range(0, 7, 1) / costs.fwd_range(0, 7, 1) < 1.15
+    assert with_runtime(costs, {"cpu_quota": 0.2, "cores": 1, "accelerator": {"kind": "cuda"}}) is costs
