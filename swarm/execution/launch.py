@@ -637,6 +637,19 @@ class RosterControl:
                     nursery.start_soon(release, node_id)
 
 
+def _accelerator_fact(plan: Plan, name: str, device) -> dict:
+    """A plan file's "accelerator" for `name` (as `swarm plan --out` writes it for a device
+    planned on its GPU), kept if the device's agent offers it: the worker computes there."""
+    wanted = (plan.devices.get(name) or {}).get("accelerator")
+    if not wanted or wanted == HOST.type:
+        return {}
+    offered = getattr(device, "accelerator", None) or HOST.type
+    if offered not in (wanted, "?"):  # "?": an agent that does not say; its worker will tell
+        raise SwarmError(f"the plan puts {name}'s layers on {wanted}, but its agent offers {offered} "
+                         f"(`swarm join --accelerator {wanted}` there, or plan it without)")
+    return {"accelerator": wanted}
+
+
 def describe_plan(plan: Plan) -> str:
     lines = [f"plan ({plan.planner}): {len(plan.stages)} stage(s), {len(plan.used_devices())} device(s), "
              f"batch {plan.batch_size} in {plan.microbatches} micro-batch(es)"]
@@ -665,17 +678,3 @@ def describe_plan(plan: Plan) -> str:
 
 
 __all__ = ["SwarmOptions", "SwarmRunner", "describe_plan", "PlanError"]
-
-
-def _accelerator_fact(plan: Plan, name: str, device) -> dict:
-    """A plan file's "accelerator" for `name` (as `swarm plan --out` writes it for a device
-    planned on its GPU), kept if the device's agent offers it: the worker computes there."""
-    wanted = (plan.devices.get(name) or {}).get("accelerator")
-    if not wanted or wanted == HOST.type:
-        return {}
-    offered = getattr(device, "accelerator", None) or HOST.type
-    if offered not in (wanted, "?"):  # "?": an agent that does not say; its worker will tell
-        raise SwarmError(f"the plan puts {name}'s layers on {wanted}, but its agent offers {offered} "
-                         f"(`swarm join --accelerator {wanted}` there, or plan it without)")
-    return {"accelerator": wanted}
-
