@@ -23,7 +23,7 @@ class GradReducer:
         self.key = key  # ("grads", step, stage)
         self.nursery = nursery
         self.timeout = timeout
-        self.token = token
+        self.token = token or trio.lowlevel.current_trio_token()
         self.parts = parts  # local tiles that must each finish a layer before it is final here
         self.params = {i: [q for q in net.layers[i].parameters()] for i in range(first, last)}
         self.params = {i: params for i, params in self.params.items() if params}
@@ -34,11 +34,23 @@ class GradReducer:
         self.final: dict[int, set[int]] = {}  # final layers, by bucket
         self.started: dict[int, trio.Event] = {}
         self.seconds = 0.0
+        self.error: BaseException | None = None  # raised by a callback from the compute thread
 
     # ---- from the compute thread ----------------------------------------------------------
+    # A backward never waits for the event loop: what it reports is queued for the loop
+    # (run_sync_soon, first in, first out, ahead of the thread's own return), so the layers
+    # below go on computing while the loop is busy sending the upper layers' sums.
+    def _soon(self, fn, layer: int) -> None:
+        def call():
+            try:
+                fn(layer)
+            except Exception as exc:  # (a callback the loop runs must not raise)
+                self.error = self.error or exc
+        self.token.run_sync_soon(call)
+
     def layer_done_from_thread(self, layer: int) -> None:
         """One local part finished `layer`'s gradients (a tile driver's callback)."""
-        trio.from_thread.run_sync(self._count, layer, trio_token=self.token)
+        self._soon(self._count, layer)
 
     def hooks(self) -> list:
         """Post-accumulate hooks for an autograd backward: a layer is final once each of its
@@ -51,7 +63,7 @@ class GradReducer:
                     got = seen.setdefault(layer, set())
                     got.add(id(p))
                     if len(got) == n:
-                        trio.from_thread.run_sync(self._layer_final, layer, trio_token=self.token)
+                        self._soon(self._layer_final, layer)
                 handles.append(param.register_post_accumulate_grad_hook(hook))
         return handles
 
@@ -90,6 +102,8 @@ class GradReducer:
 
     async def finish(self) -> None:
         """Start what has not started (layers no hook reported), then wait for every sum."""
+        if self.error is not None:
+            raise self.error
         for bucket in sorted(self.buckets, reverse=True):
             self.start(bucket)
         for event in self.started.values():
