@@ -172,6 +172,7 @@ class Agent:
                                     self._lines)
         # training runs this agent coordinates for users who went away (`swarm train --detach`)
         self.replicas: dict[str, Replica] = {}  # job id -> the newest coordinator replica of that job
+        self._replica_stored = trio.Event()  # set (and replaced) whenever one is stored
         self.terms: dict[str, int] = {}  # job id -> the newest coordinator term seen (failover.py fencing)
         self._asked: dict[int, tuple[trio.Event, list]] = {}  # seq of a ReplicaQuery -> (answered, [answer])
         self._seq = 0
@@ -296,7 +297,8 @@ class Agent:
 
     async def _dispatch(self, peer: Peer, message, nursery: trio.Nursery) -> None:
         if isinstance(message, Ping):
-            peer.reply(Pong(message.seq))
+            if message.seq:  # (0: a beat, nothing to answer)
+                peer.reply(Pong(message.seq))
         elif isinstance(message, InfoRequest):
             peer.reply(self.info())
         elif isinstance(message, Watch):
@@ -356,6 +358,8 @@ class Agent:
                 elif held is None or replica.version >= held.version:
                     self.replicas.pop(msg.job_id, None)
                     self.replicas[msg.job_id] = replica
+                    self._replica_stored.set()
+                    self._replica_stored = trio.Event()
                     while len(self.replicas) > REPLICAS:
                         del self.replicas[next(iter(self.replicas))]
                     return
@@ -369,10 +373,14 @@ class Agent:
         successor with the other holders, and if it is this agent, start it."""
         gone_since = None
         while True:
-            await trio.sleep(0.1)
             replica = self.replicas.get(job.job_id)
             if replica is None or replica.term == job.elected_in or self.detached is None:
                 gone_since = None
+                await self._replica_stored.wait()  # nothing to watch over until a replica comes
+                continue
+            await trio.sleep(0.1)
+            replica = self.replicas.get(job.job_id)
+            if replica is None or replica.term == job.elected_in:
                 continue
             now = trio.current_time()
             peer = self._coordinator(job)

@@ -87,7 +87,9 @@ class Goodbye:
 
 @message(10)
 class Ping:
-    """A probe: the receiver answers Pong with the same seq at once."""
+    """A probe: the receiver answers Pong with the same seq at once. Seq 0 is a beat (a
+    coordinator's sign of life to a quiet agent) and gets no answer: the agent's own
+    heartbeats say it is alive."""
     seq: int
 
 
