@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import sys
@@ -173,6 +174,7 @@ def main(argv=None) -> None:
     except SwarmError as exc:
         print(f"ddp.py: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    faulthandler.enable()  # should torch's C++ abort this rank, its stderr shows where in Python
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
@@ -180,6 +182,17 @@ def main(argv=None) -> None:
         dist.barrier()  # every rank done (rank 0's save included) before any tears its connections down
     finally:
         dist.destroy_process_group()
+    leave()
+
+
+def leave() -> None:
+    """End a rank that has written and closed everything, without the interpreter's teardown.
+    Tearing down with torch's C++ threads (gloo's, autograd's) still about has aborted a rank
+    after a complete run ('terminate called without an active exception', SIGABRT), and
+    torchrun then fails the whole run and restarts or stops the others."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
