@@ -39,6 +39,7 @@ import datetime
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -124,6 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=positive_float, default=1800, help="seconds one run may take (default: 1800)")
     p.add_argument("--plan", metavar="PLAN.json", help="the plan the run 'plan' trains (as `swarm plan --out` writes)")
     p.add_argument("--json", metavar="FILE", help="also write the raw results here")
+    p.add_argument("--logs", metavar="DIR", help="keep every device's agent log of each run here, as DIR/RUN-ROUND/devK.log "
+                   "(a testbed's logs go with it when the next run starts)")
     args = p.parse_args(argv)
     check_testbed_flags(p, args)
     if ("plan" in args.runs) != bool(args.plan):
@@ -208,6 +211,14 @@ def predicted(bench, args: argparse.Namespace, ran: list[str]) -> dict:
             "predicted_plan": lines, "same_plan": lines == ran}
 
 
+def keep_logs(into: Path) -> None:
+    """Copy each device's agent log (what it printed, an out-of-memory kill's last words included) into `into`."""
+    into.mkdir(parents=True, exist_ok=True)
+    for d in testbed.require().devices:
+        if Path(d.log).exists():
+            shutil.copyfile(d.log, into / f"{d.name}.log")
+
+
 def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -> dict:
     """One run on a fresh testbed: its rates, the devices it used, the devices' peak memory."""
     bench.restart_testbed()
@@ -221,6 +232,8 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
     result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory(),
                   resident_bytes=resident.peak or {},
                   major_faults={d: f.get("pgmajfault", 0) for d, f in memory_stat().items()})
+    if args.logs:
+        keep_logs(Path(args.logs) / label)
     if "error" in result:
         return result
     steps = result["steps"]

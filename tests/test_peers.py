@@ -128,3 +128,21 @@ def test_versus_bad_flags_are_one_line(bad):
     r = run_script(ROOT / "bench" / "versus.py", *bad)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("versus.py: error:"), r.stderr
+
+
+def test_versus_keeps_each_devices_log(tmp_path, monkeypatch):
+    """--logs: each device's agent log is copied out before the next run's testbed replaces it."""
+    import types
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import versus
+    logs = {}
+    for name in ("dev0", "dev1"):
+        logs[name] = tmp_path / f"{name}.log"
+        logs[name].write_text(f"{name}: listening\nkilled for memory\n")
+    devices = [types.SimpleNamespace(name=n, log=str(p)) for n, p in logs.items()]
+    devices.append(types.SimpleNamespace(name="dev2", log=str(tmp_path / "never-started.log")))
+    monkeypatch.setattr(versus.testbed, "require", lambda: types.SimpleNamespace(devices=devices))
+    versus.keep_logs(tmp_path / "kept" / "auto-1")
+    kept = sorted(p.name for p in (tmp_path / "kept" / "auto-1").iterdir())
+    assert kept == ["dev0.log", "dev1.log"]
+    assert (tmp_path / "kept" / "auto-1" / "dev1.log").read_text() == logs["dev1"].read_text()
