@@ -1,9 +1,12 @@
 """Agents and a coordinator in one trio loop on 127.0.0.1: probes, jobs, epochs, peers, strangers."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
+import time
+import weakref
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -202,6 +205,50 @@ async def test_older_epochs_are_refused_and_newer_ones_wait_for_their_assignment
             await stale.wait_for(1, 10)
             with pytest.raises(JobError, match="older than the job's epoch 2"):
                 await stale.job("j", epoch=1).assign(node, recorder.kind, {})
+
+
+class Cycle:
+    """What a run leaves behind in a reference cycle (as torch modules and autograd graphs do):
+    freed only by the garbage collector."""
+
+    def __init__(self, freed: list):
+        self.me = self
+        self.weight = np.ones(1 << 20)
+        weakref.finalize(self, freed.append, True)
+
+
+async def test_a_newer_epochs_run_starts_once_the_older_run_has_ended_and_its_memory_is_back():
+    """A re-plan cancels the running epoch, whose compute thread finishes what it is in:
+    the new epoch's run must not allocate its stages beside the old ones."""
+    kind = f"holder-{random.randrange(10**9)}"
+    events, freed = [], []
+
+    async def holder(ctx: JobContext) -> dict:
+        events.append(("start", ctx.epoch, bool(freed)))
+        if ctx.epoch == 1:
+            left = Cycle(freed)  # noqa: F841 (held until the run ends, then only by its cycle)
+            try:
+                await ctx.run_in_thread(time.sleep, 0.5)  # the micro-batch the thread is in
+            finally:
+                events.append(("end", ctx.epoch, bool(freed)))
+        return {}
+
+    register_job_kind(kind, holder)
+    gc.disable()  # only an explicit collection frees the cycle
+    try:
+        async with swarm_of(1) as (agents, cluster):
+            node = agents[0].node_id
+            old = cluster.job("j", epoch=1)
+            await old.assign(node, kind, {})
+            await old.start(node)
+            await trio.sleep(0.1)
+            new = cluster.job("j", epoch=2)  # the re-plan, while epoch 1's thread computes
+            await new.assign(node, kind, {})
+            await new.start(node)
+            await new.wait_done(node)
+    finally:
+        gc.enable()
+    assert events == [("start", 1, False), ("end", 1, False), ("start", 2, True)]
 
 
 async def test_job_is_released_when_its_coordinator_stays_away(recorder):

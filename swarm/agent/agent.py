@@ -18,7 +18,6 @@ not read by count (the peer is disconnected); log lines by kind and second.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
@@ -143,6 +142,7 @@ class AgentJob:
         self.links: list[PeerConnection] = []
         self.coordinator_changed = trio.Event()
         self.elected_in: int | None = None  # the replica term whose coordinator this agent replaced
+        self.run_ended: trio.Event | None = None  # set when the latest run has returned (threads and all)
 
     @property
     def epoch(self) -> int:
@@ -667,8 +667,19 @@ class Agent:
                 async with trio.open_nursery() as closing:
                     for link in job.links:
                         closing.start_soon(link.aclose, "job released")
-            gc.collect()  # the job's activations stayed in the heap for reuse until now
-            malloc.give_back()
+            malloc.release()  # the job's activations stayed in the heap for reuse until now
+
+    @staticmethod
+    async def _after(run_ended: trio.Event) -> None:
+        """Wait for the job's previous run (an older epoch, cancelled by a re-plan) to end, and
+        give its memory back before this run allocates its own. A cancelled run finishes the
+        micro-batch its compute thread is in (threads cannot be interrupted), and its modules,
+        optimizer state and autograd graphs sit in reference cycles until collected: started
+        beside it, the new epoch's stages would be allocated on top of the old ones, and a
+        device planned for one set of stages would hold two (a re-planned 1 GiB device was
+        killed for memory that way)."""
+        await run_ended.wait()
+        await trio.to_thread.run_sync(malloc.release)
 
     async def _job_heartbeats(self, job: AgentJob) -> None:
         seq = 0
@@ -701,14 +712,20 @@ class Agent:
     async def _run(self, job: AgentJob, ctx: JobContext, scope: trio.CancelScope) -> None:
         runner = job_runner(ctx.kind)
         state, detail, result = "done", "", None
+        before, job.run_ended = job.run_ended, trio.Event()
+        ended = job.run_ended
         try:
             with scope:
+                if before is not None:
+                    await self._after(before)
                 value = await runner(ctx)
                 result = value if isinstance(value, dict) or value is None else {"value": value}
         except Exception as exc:  # the job's own failure: reported, the agent goes on
             self._lines.log(logging.ERROR, "job failed", "job %s epoch %d (%s) failed", ctx.job_id, ctx.epoch, ctx.kind,
                             exc_info=True)
             state, detail = "failed", describe_failure(exc)
+        finally:
+            ended.set()
         if scope.cancelled_caught:
             state, detail = "stopped", job.detail
         if job.ctx is not ctx or self.job is not job:  # a newer epoch or a release took over

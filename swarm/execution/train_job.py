@@ -7,7 +7,6 @@ tensors that wrap the received buffers without a copy.
 """
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import fields
 
@@ -178,19 +177,13 @@ def resident_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def release_memory() -> None:
-    """Collect what ended runs left (autograd graphs, modules in reference cycles) and return
-    the heap's free pages to the system (swarm.host.malloc keeps them otherwise), so that a
-    device's memory follows its current stages, not the largest it ever had. Done shortly
-    after a run ends (not at once: a cancelled run's traceback holds it until the
-    cancellation has gone by)."""
-    gc.collect()
-    malloc.give_back()
-
-
 RELEASE_AFTER_S = 1.0
 
 
 async def release_memory_soon() -> None:
+    """Return the ended run's memory (swarm.host.malloc keeps freed pages for reuse) shortly
+    after it ends: not at once, since a cancelled run's traceback holds it until the
+    cancellation has gone by. (A newer epoch's run does not wait for this: the agent starts it
+    only once the older run has ended and its memory is back.)"""
     await trio.sleep(RELEASE_AFTER_S)
-    await trio.to_thread.run_sync(release_memory)
+    await trio.to_thread.run_sync(malloc.release)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import glob
 import os
 import sys
@@ -139,3 +140,11 @@ def give_back() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def release() -> None:
+    """Collect what ended work left in reference cycles (torch modules, autograd graphs) and
+    return the heap's free pages to the system: a process's memory then follows what it
+    holds now, not the largest it ever held."""
+    gc.collect()
+    give_back()

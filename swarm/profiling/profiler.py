@@ -13,7 +13,6 @@ swarm.profiling.bandwidth.measure_bandwidth; swarm/profiling/survey.py puts them
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -209,8 +208,7 @@ def settled_rss() -> int:
     freed blocks otherwise, and the idle size would include the last step's activations)."""
     import psutil
 
-    gc.collect()
-    malloc.give_back()
+    malloc.release()
     return psutil.Process().memory_info().rss
 
 
