@@ -125,7 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=positive_float, default=1800, help="seconds one run may take (default: 1800)")
     p.add_argument("--plan", metavar="PLAN.json", help="the plan the run 'plan' trains (as `swarm plan --out` writes)")
     p.add_argument("--json", metavar="FILE", help="also write the raw results here")
-    p.add_argument("--logs", metavar="DIR", help="keep every device's agent log of each run here, as DIR/RUN-ROUND/devK.log "
+    p.add_argument("--logs", metavar="DIR", help="keep every device's agent log of each run here, as "
+                   "DIR/RUN-ROUND/devK.log, and what swarm's coordinator printed as DIR/RUN-ROUND/coordinator.log "
                    "(a testbed's logs go with it when the next run starts)")
     args = p.parse_args(argv)
     check_testbed_flags(p, args)
@@ -186,7 +187,7 @@ def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dic
         return {"error": out_of_memory() or f"timed out after {args.timeout:g} s"}
     oom = out_of_memory()
     if oom or r.returncode:
-        return {"error": oom or last_error(r.stderr)}
+        return {"error": oom or last_error(r.stderr), "output": r.stdout + r.stderr}
     lines = [line.rstrip() for line in (r.stdout + r.stderr).splitlines()]
     plan, recost = [], []  # the first plan; what re-costing measured, chose (its plan's lines) and did
     for line in lines:
@@ -194,7 +195,8 @@ def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dic
             recost.append(line.strip())
         elif line.startswith("plan (") or line.strip().startswith("stage "):
             (recost if any("re-costed plan (" in r for r in recost) else plan).append(line.strip())
-    return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()], "plan": plan, "recost": recost}
+    return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()], "plan": plan, "recost": recost,
+            "output": r.stdout + r.stderr}
 
 
 def predicted(bench, args: argparse.Namespace, ran: list[str]) -> dict:
@@ -211,9 +213,12 @@ def predicted(bench, args: argparse.Namespace, ran: list[str]) -> dict:
             "predicted_plan": lines, "same_plan": lines == ran}
 
 
-def keep_logs(into: Path) -> None:
-    """Copy each device's agent log (what it printed, an out-of-memory kill's last words included) into `into`."""
+def keep_logs(into: Path, output: str | None = None) -> None:
+    """Copy each device's agent log (what it printed, an out-of-memory kill's last words included) into `into`,
+    and what the coordinator printed (its plans and re-plans) as coordinator.log."""
     into.mkdir(parents=True, exist_ok=True)
+    if output is not None:
+        (into / "coordinator.log").write_text(output)
     for d in testbed.require().devices:
         if Path(d.log).exists():
             shutil.copyfile(d.log, into / f"{d.name}.log")
@@ -233,7 +238,8 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
                   resident_bytes=resident.peak or {},
                   major_faults={d: f.get("pgmajfault", 0) for d, f in memory_stat().items()})
     if args.logs:
-        keep_logs(Path(args.logs) / label)
+        keep_logs(Path(args.logs) / label, result.pop("output", None))
+    result.pop("output", None)
     if "error" in result:
         return result
     steps = result["steps"]

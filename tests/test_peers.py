@@ -131,7 +131,8 @@ def test_versus_bad_flags_are_one_line(bad):
 
 
 def test_versus_keeps_each_devices_log(tmp_path, monkeypatch):
-    """--logs: each device's agent log is copied out before the next run's testbed replaces it."""
+    """--logs: each device's agent log, and the coordinator's output, are copied out before the next
+    run's testbed replaces them."""
     import types
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import versus
@@ -142,7 +143,8 @@ def test_versus_keeps_each_devices_log(tmp_path, monkeypatch):
     devices = [types.SimpleNamespace(name=n, log=str(p)) for n, p in logs.items()]
     devices.append(types.SimpleNamespace(name="dev2", log=str(tmp_path / "never-started.log")))
     monkeypatch.setattr(versus.testbed, "require", lambda: types.SimpleNamespace(devices=devices))
-    versus.keep_logs(tmp_path / "kept" / "auto-1")
+    versus.keep_logs(tmp_path / "kept" / "auto-1", "plan (dp)\nre-planned from epoch 0\n")
     kept = sorted(p.name for p in (tmp_path / "kept" / "auto-1").iterdir())
-    assert kept == ["dev0.log", "dev1.log"]
+    assert kept == ["coordinator.log", "dev0.log", "dev1.log"]
+    assert (tmp_path / "kept" / "auto-1" / "coordinator.log").read_text() == "plan (dp)\nre-planned from epoch 0\n"
     assert (tmp_path / "kept" / "auto-1" / "dev1.log").read_text() == logs["dev1"].read_text()
