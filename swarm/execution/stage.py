@@ -14,7 +14,7 @@ from planner.plan import Plan
 from swarm.execution.group_bn import GroupBatchNorm, replace_batchnorm
 from swarm.execution.threads import stop_if_cancelled
 from swarm.local.compute_device import HOST, to_host
-from swarm.local.trainer import TrainConfig, make_optimizer, set_lr, torch_dtype
+from swarm.local.trainer import TrainConfig, make_optimizer, optimizer_step, set_lr, torch_dtype
 from swarm.zoo import build_model
 from swarm.zoo.loss import make_loss
 
@@ -217,5 +217,5 @@ class StageCopy:
 
     def apply_step(self, step: int) -> None:
         set_lr(self.optimizer, self.cfg.lr_at(step))
-        self.optimizer.step()
+        optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)

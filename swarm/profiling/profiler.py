@@ -308,7 +308,7 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
 def _time_updates(net, desc, repeats: int, optimizer: str, watch: Stopwatch) -> list[float]:
     import torch
 
-    from swarm.local.trainer import TrainConfig, make_optimizer
+    from swarm.local.trainer import TrainConfig, make_optimizer, optimizer_step
 
     out = []
     for i in range(len(desc.layers)):
@@ -321,8 +321,8 @@ def _time_updates(net, desc, repeats: int, optimizer: str, watch: Stopwatch) -> 
             p.grad = torch.randn_like(p) * 1e-6
         with torch.no_grad():
             before = [p.detach().clone() for _, p in named]
-            opt.step()  # creates the momentum buffers
-            out.append(_median_time(opt.step, repeats, watch))
+            optimizer_step(opt)  # creates the momentum buffers
+            out.append(_median_time(lambda: optimizer_step(opt), repeats, watch))
             for (_, p), b in zip(named, before):
                 p.copy_(b)
         for _, p in named:
@@ -379,7 +379,7 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
     in_host = {}  # each size's peak in host memory, which the guard keeps within the host's
     saved: list[float] = []
     from swarm.data import class_targets
-    from swarm.local.trainer import TrainConfig, make_optimizer
+    from swarm.local.trainer import TrainConfig, make_optimizer, optimizer_step
 
     opt = make_optimizer(net.named_parameters(), TrainConfig(optimizer=optimizer))
     runtime = None
@@ -400,7 +400,7 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
         def step():
             out = net(x, list(range(b)))
             loss_fn(out, tgt, b).backward()
-            opt.step()
+            optimizer_step(opt)
             opt.zero_grad(set_to_none=True)
 
         try:
