@@ -126,3 +126,46 @@ async def test_a_device_is_planned_in_what_its_runtime_leaves_of_its_cpu():
     assert four.fwd_range(0, 7, 1) == pytest.approx(costs.fwd_range(0, 7, 1) / (1 - RUNTIME_CORES / 4))
     assert 1.1 < fifth.fwd_range(0, 7, 1) / costs.fwd_range(0, 7, 1) < 1.15
     assert with_runtime(costs, {"cpu_quota": 0.2, "cores": 1, "accelerator": {"kind": "cuda"}}) is costs
+
+
+async def test_a_device_lost_while_profiling_is_profiled_again_not_planned_by_flops(monkeypatch):
+    """A device on a small CPU share can miss a probe while it profiles; it is back at its
+    next heartbeat. The run measures again rather than falling back to a split by FLOPs (a
+    plan that knows nothing of the devices' memory); only a device that stays lost does that."""
+    from types import SimpleNamespace
+
+    from swarm.cluster import JobError
+    from swarm.execution import launch
+
+    calls = []
+
+    async def profile_devices(cluster, ids, spec, accelerators=None):
+        calls.append(list(ids))
+        if len(calls) <= failures:
+            raise JobError("dev0 was lost during job profile-1: no answer to a probe within 2 s")
+        return {i: f"profile of {i}" for i in ids}
+
+    async def measure_bandwidth(cluster, ids):
+        return {"links": len(ids)}
+
+    async def wait_for(count, timeout):
+        return []
+
+    monkeypatch.setattr(launch, "profile_devices", profile_devices)
+    monkeypatch.setattr(launch, "measure_bandwidth", measure_bandwidth)
+    monkeypatch.setattr(launch, "MEASURE_RETRY_WAIT_S", 0.0)
+    devices = [SimpleNamespace(node_id=f"n{i}", accelerator="cpu", as_dict=lambda i=i: {"name": f"dev{i}"})
+               for i in range(2)]
+    trainer = SimpleNamespace(cfg=SimpleNamespace(model="yolov2-16", classes=None),
+                              desc=SimpleNamespace(img_size=SimpleNamespace(to_json=lambda: 64)))
+    cluster = SimpleNamespace(wait_for=wait_for)
+    for failures, profiled in ((1, True), (launch.MEASURE_TRIES, False)):
+        calls.clear()
+        lines = []
+        measured = await launch.SwarmRunner(launch.SwarmOptions(), lines.append, None)._measure(cluster, trainer, devices)
+        if profiled:
+            assert measured["profiles"] == {"n0": "profile of n0", "n1": "profile of n1"}
+            assert len(calls) == 2 and any("trying again" in line for line in lines), lines
+        else:
+            assert measured is None and len(calls) == launch.MEASURE_TRIES
+            assert "splitting by FLOPs instead" in lines[-1], lines

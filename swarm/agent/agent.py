@@ -164,6 +164,7 @@ class Agent:
         self.port: int | None = None
         self.job: AgentJob | None = None
         self.refused_messages = 0   # job messages refused (older epoch, no room), for tests and logs
+        self.runs_ended = 0         # job runs that have returned on this agent
         self._peers: dict[str, list[Peer]] = {}
         self._nursery: trio.Nursery | None = None
         self._lines = LogLimiter(log, clock=trio.current_time)  # lines about what remote sides do
@@ -669,17 +670,21 @@ class Agent:
                         closing.start_soon(link.aclose, "job released")
             malloc.release()  # the job's activations stayed in the heap for reuse until now
 
-    @staticmethod
-    async def _after(run_ended: trio.Event) -> None:
-        """Wait for the job's previous run (an older epoch, cancelled by a re-plan) to end, and
-        give its memory back before this run allocates its own. A cancelled run finishes the
-        micro-batch its compute thread is in (threads cannot be interrupted), and its modules,
-        optimizer state and autograd graphs sit in reference cycles until collected: started
-        beside it, the new epoch's stages would be allocated on top of the old ones, and a
-        device planned for one set of stages would hold two (a re-planned 1 GiB device was
-        killed for memory that way)."""
-        await run_ended.wait()
-        await trio.to_thread.run_sync(malloc.release)
+    async def _after(self, run_ended: trio.Event | None) -> None:
+        """Before a run allocates anything: wait for the job's previous run (an older epoch,
+        cancelled by a re-plan) to end, and give back what earlier work left in the heap. A
+        cancelled run finishes the layer its compute thread is in (threads cannot be
+        interrupted), and its modules, optimizer state and autograd graphs sit in reference
+        cycles until collected: started beside it, the new epoch's stages were allocated on
+        top of the old ones, and a device planned for one set of stages held two (a
+        re-planned 1 GiB device was killed for memory that way). The first run of a job
+        follows other jobs (the profile a coordinator asks for first): a 2 GiB device
+        started training holding 895 MiB of its profile's heap. (An agent's first run has
+        nothing to give back and starts at once.)"""
+        if run_ended is not None:
+            await run_ended.wait()
+        if self.runs_ended:
+            await trio.to_thread.run_sync(malloc.release)
 
     async def _job_heartbeats(self, job: AgentJob) -> None:
         seq = 0
@@ -716,8 +721,7 @@ class Agent:
         ended = job.run_ended
         try:
             with scope:
-                if before is not None:
-                    await self._after(before)
+                await self._after(before)
                 value = await runner(ctx)
                 result = value if isinstance(value, dict) or value is None else {"value": value}
         except Exception as exc:  # the job's own failure: reported, the agent goes on
@@ -725,6 +729,7 @@ class Agent:
                             exc_info=True)
             state, detail = "failed", describe_failure(exc)
         finally:
+            self.runs_ended += 1
             ended.set()
         if scope.cancelled_caught:
             state, detail = "stopped", job.detail

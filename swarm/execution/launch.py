@@ -45,6 +45,11 @@ STOP_GRACE_S = 5.0
 RELEASE_S = 3.0  # how long the devices have to confirm they let go of the job at the end
 LINK_WATCH_S = 0.2  # how often the coordinator looks at its connections to the epoch's devices
 REPLICA_WAIT_S = 10.0  # how long a successor waits for the devices of the run it takes over
+# A device on a small CPU share can miss a probe while it profiles (a 0.1-core device did, and
+# a run planned by FLOPs alone was killed for memory); it is back at its next heartbeat, and
+# its profile is cached by then, so measuring again is cheap.
+MEASURE_TRIES = 3
+MEASURE_RETRY_WAIT_S = 10.0
 
 
 @dataclass
@@ -217,12 +222,20 @@ class SwarmRunner:
                 "cfg": None if cfg.model in BUILTIN else trainer.cfg_text, "threads": None}
         self.log(f"profiling {len(devices)} device(s) (cached on each after the first time) and measuring the links")
         ids = [d.node_id for d in devices]
-        try:
-            profiles = await profile_devices(cluster, ids, spec, accelerators=offered_accelerators(devices))
-            links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
-        except (SwarmError, trio.TooSlowError) as exc:
-            self.log(f"could not profile the devices ({exc}); splitting by FLOPs instead")
-            return None
+        for attempt in range(1, MEASURE_TRIES + 1):
+            try:
+                profiles = await profile_devices(cluster, ids, spec, accelerators=offered_accelerators(devices))
+                links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
+                break
+            except SwarmError as exc:
+                if attempt == MEASURE_TRIES:
+                    self.log(f"could not profile the devices ({exc}); splitting by FLOPs instead")
+                    return None
+                self.log(f"could not profile the devices ({exc}); trying again")
+                await cluster.wait_for(len(ids), timeout=MEASURE_RETRY_WAIT_S)
+            except trio.TooSlowError as exc:
+                self.log(f"could not profile the devices ({exc or 'no answer in time'}); splitting by FLOPs instead")
+                return None
         return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
 
     def _make_plan(self, trainer, names: list[str], devices: dict, measured: dict | None = None) -> Plan:
