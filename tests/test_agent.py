@@ -142,6 +142,35 @@ async def test_job_lifecycle_messages_tensors_and_progress(recorder):
         assert agents[0].job is None
 
 
+async def test_a_slow_device_holds_up_no_other_devices_start_and_a_refusal_is_its_own(recorder):
+    async with swarm_of(4) as (agents, cluster):
+        nodes = [a.node_id for a in agents]
+        others_running = trio.Event()
+        plain_assign = agents[0]._assign
+
+        async def slow_assign(peer, msg):  # the first device answers only once the others run
+            await others_running.wait()
+            await plain_assign(peer, msg)
+
+        agents[0]._assign = slow_assign
+        await cluster.job("elsewhere").assign(nodes[3], recorder.kind, {})  # busy: refuses
+        job = cluster.job("j", epoch=0)
+
+        async def watch():
+            while not all(cluster.device(n).job_state == "running" for n in nodes[1:3]):
+                await trio.sleep(0.01)
+            others_running.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            failed = await job.assign_and_start(recorder.kind, {n: {"n": n} for n in nodes})
+        assert list(failed) == [nodes[3]] and "busy with job elsewhere" in str(failed[nodes[3]])
+        assert all(agents[i].job.ctx.spec == {"n": nodes[i]} for i in range(3))
+        assert [job.states[n].state for n in nodes[:3]] == ["running"] * 3
+        with pytest.raises(JobError, match="busy with job elsewhere"):
+            await cluster.job("k").assign_and_start(recorder.kind, {n: {} for n in nodes[3:]}, all_or_raise=True)
+
+
 async def test_stop_cancels_the_run_and_a_failing_job_is_reported(recorder):
     async def failing(ctx):
         raise ValueError("boom")

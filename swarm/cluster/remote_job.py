@@ -4,6 +4,7 @@ its messages, and wait for results.
     job = roster.job("train-1", epoch=0)
     await job.assign(node, "bandwidth", spec)      # JobError if the agent refuses
     await job.start(node)
+    failed = await job.assign_and_start("bandwidth", {n: spec for n in nodes})  # or many at once
     await job.send(node, job.data("probe", {...}))
     sender, msg = await job.receive("probe-result")
     result = await job.wait_done(node)              # JobError if it failed or its device died
@@ -21,6 +22,7 @@ import trio
 
 from swarm.agent.jobs import Inbound
 from swarm.errors import SwarmError
+from swarm.net.peer import ConnectionLost
 from swarm.wire import JobAssign, JobData, JobRelease, JobStart, JobState, JobStop, channel_of
 
 log = logging.getLogger("swarm.cluster")
@@ -57,6 +59,28 @@ class CoordinatorJob:
 
     async def start(self, node_id: str, *, timeout: float = 10.0) -> JobState:
         return await self._checked(node_id, JobStart(self.job_id, self.epoch), timeout)
+
+    async def assign_and_start(self, kind: str, specs: dict[str, dict], *,
+                               all_or_raise: bool = False) -> dict[str, Exception]:
+        """Assign `kind` to every node of `specs` ({node id: its spec}) and start it there, all
+        at once: a slow device's answers hold up no other's start. {node id: the error} for
+        each node that refused, could not be reached or did not answer in time; with
+        `all_or_raise`, the first of those errors (in `specs`' order) is raised instead."""
+        failed: dict[str, Exception] = {}
+
+        async def one(node_id: str) -> None:
+            try:
+                await self.assign(node_id, kind, specs[node_id])
+                await self.start(node_id)
+            except (SwarmError, ConnectionLost, trio.TooSlowError) as exc:
+                failed[node_id] = exc
+
+        async with trio.open_nursery() as nursery:
+            for node_id in specs:
+                nursery.start_soon(one, node_id)
+        if failed and all_or_raise:
+            raise failed[next(n for n in specs if n in failed)]
+        return failed
 
     async def stop(self, node_id: str, reason: str = "stopped by the coordinator", *, timeout: float = 10.0):
         return await self._checked(node_id, JobStop(self.job_id, self.epoch, reason), timeout)

@@ -564,16 +564,15 @@ class RosterControl:
                 self._lose({far}, epoch)
 
         endpoint = WireEndpoint(COORDINATOR, node_of, send_to, routes={LINK: link_broke})
-        lost, why, conns = set(), {}, {}
-        for n in used:  # a device that refuses or cannot be reached counts as lost
-            try:
-                await handle.assign(node_of[n], "train", spec)
-                await handle.start(node_of[n])
-                conns[n] = getattr(self.cluster.device(node_of[n]), "conn", None)
-            except (SwarmError, trio.TooSlowError) as exc:
-                why[n] = str(exc) or "no answer in time"
-                self.log(f"{n} could not take its part: {why[n]}")
-                lost.add(n)
+        # the connections the parts are started on: one replaced or closed from here on may have lost messages
+        conns = {n: getattr(self.cluster.device(node_of[n]), "conn", None) for n in used}
+        # every device at once; one that refuses or cannot be reached counts as lost
+        failed = await handle.assign_and_start("train", {node_of[n]: spec for n in used})
+        why = {n: str(failed[node_of[n]]) or "no answer in time" for n in used if node_of[n] in failed}
+        lost = set(why)
+        for n in sorted(lost):
+            self.log(f"{n} could not take its part: {why[n]}")
+            del conns[n]
         fenced = [why[n] for n in sorted(lost) if why[n].startswith("fenced")]
         if fenced:
             raise SwarmError(f"another coordinator has taken this run over ({fenced[0]}); this one gives up")

@@ -143,10 +143,7 @@ async def measure_bandwidth(cluster, node_ids: list[str], *, nbytes: int = DEFAU
     job = cluster.job(f"bandwidth-{secrets.token_hex(4)}", 0)
     results: dict[tuple[str, str], dict] = {}
     try:
-        for node in node_ids:
-            await job.assign(node, KIND, {})
-        for node in node_ids:
-            await job.start(node)
+        await job.assign_and_start(KIND, {node: {} for node in node_ids}, all_or_raise=True)
         for src in node_ids:
             for dst in node_ids:
                 if src == dst:

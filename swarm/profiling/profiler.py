@@ -717,10 +717,9 @@ async def profile_devices(cluster, node_ids: list[str], spec: dict, timeout: flo
     job = cluster.job(f"profile-{secrets.token_hex(4)}", 0)
     profiles = {}
     try:
-        for node in node_ids:
-            await job.assign(node, PROFILE_JOB, dict(spec, accelerator=(accelerators or {}).get(node, "cpu")))
-        for node in node_ids:
-            await job.start(node)
+        await job.assign_and_start(PROFILE_JOB, {
+            node: dict(spec, accelerator=(accelerators or {}).get(node, "cpu")) for node in node_ids},
+            all_or_raise=True)
         with trio.fail_after(timeout):
             for node in node_ids:
                 result = await job.wait_done(node)
