@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import random
@@ -16,7 +17,7 @@ import trio
 from swarm.agent import Agent, AgentConfig, JobContext, register_job_kind
 from swarm.cluster import JobError, open_roster
 from swarm.net import Credentials, connect_peer, resolve_network
-from swarm.profiling.bandwidth import measure_bandwidth
+from swarm.profiling.bandwidth import measure_bandwidth, probe_rounds
 from swarm.wire import PROTOCOL_VERSION, JobData, Ping, Pong
 from swarm.wire.frames import LENGTH
 
@@ -78,14 +79,23 @@ async def test_an_agent_offers_the_accelerator_it_is_told_to():
 
 
 async def test_bandwidth_job_measures_both_directions_peer_to_peer():
-    async with swarm_of(2) as (agents, cluster):
+    async with swarm_of(3) as (agents, cluster):  # three: each round of probes leaves one device out
         ids = [a.node_id for a in agents]
         results = await measure_bandwidth(cluster, ids, nbytes=1 << 20)
-        assert set(results) == {(ids[0], ids[1]), (ids[1], ids[0])}
+        assert set(results) == set(itertools.permutations(ids, 2))
         for r in results.values():
             assert r["nbytes"] == 1 << 20 and r["seconds"] > 0 and r["latency"] > 0 and r["bytes_per_second"] > 0
         await trio.sleep(0.05)
         assert all(a.job is None for a in agents)  # released
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+async def test_probe_rounds_take_every_ordered_pair_once_and_no_device_twice_at_a_time(n):
+    nodes = [f"n{i}" for i in range(n)]
+    rounds = probe_rounds(nodes)
+    assert sorted(p for pairs in rounds for p in pairs) == sorted(itertools.permutations(nodes, 2))
+    assert all(len({d for p in pairs for d in p}) == 2 * len(pairs) for pairs in rounds)
+    assert len(rounds) == (2 * (n - 1) if n % 2 == 0 else 2 * n if n > 1 else 0)
 
 
 class Recorder:

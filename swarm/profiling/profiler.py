@@ -14,6 +14,7 @@ swarm.profiling.bandwidth.measure_bandwidth; swarm/profiling/survey.py puts them
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -35,6 +36,8 @@ from swarm.host.resources import cpu_quota, usable_cores, usable_memory
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_REPEATS = 5
+TIMING_BUDGET_S = 3.0  # a timing repeats (up to `repeats` times) until it has run this long: on a slow
+                       # device one multi-second step is as exact as five, and five cost minutes
 OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats per parameter
 PROFILE_METHOD = 5  # 4: layers timed in CPU time under a quota, fitted to whole steps; the tiles executor's
                     # overhead; 5: saved bytes of in-place activations and byte-coded max-pools
@@ -193,14 +196,24 @@ class Stopwatch:
 
 
 def _median_time(fn, repeats: int, watch: Stopwatch) -> float:
-    """Median seconds of `repeats` calls."""
+    """Median seconds of up to `repeats` calls: as many as run within TIMING_BUDGET_S (at least one)."""
     marks = []
-    for _ in range(repeats):
+    for _ in _within_budget(repeats):
         t0 = watch.mark()
         fn()
         marks.append((t0, watch.mark()))
     watch.settle()
     return statistics.median(watch.seconds(a, b) for a, b in marks)
+
+
+def _within_budget(repeats: int):
+    """0, 1, ... up to `repeats` - 1, stopping once TIMING_BUDGET_S of wall time has passed since
+    the first (which always runs)."""
+    start = time.perf_counter()
+    for r in range(repeats):
+        if r and time.perf_counter() - start >= TIMING_BUDGET_S:
+            return
+        yield r
 
 
 def settled_rss() -> int:
@@ -244,7 +257,7 @@ def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, watch: S
     L = len(desc.layers)
     keys = list(range(len(images)))
     runs = []
-    for r in range(repeats + 1):  # the first run warms up
+    for _ in itertools.chain(["warm-up"], _within_budget(repeats)):  # the first run warms up
         outs = {-1: images}
         t = [watch.mark()]
         for i in range(len(desc.layers)):
