@@ -22,6 +22,7 @@ from typing import Awaitable, Callable, NamedTuple
 
 import trio
 
+from swarm.host import torch_libs
 from swarm.wire import JobData, channel_of
 
 JobRunner = Callable[["JobContext"], Awaitable[dict | None]]
@@ -32,6 +33,10 @@ JOB_KINDS: dict[str, JobRunner | str] = {
     "train": "swarm.execution.train_job:run_train_job",
     "profile": "swarm.profiling.profiler:run_profile_job",
 }
+
+
+# kinds whose code imports torch: its native library is loaded first without the interpreter lock
+NEEDS_TORCH = frozenset({"train", "profile"})
 
 
 def register_job_kind(kind: str, runner: JobRunner | str) -> None:
@@ -49,8 +54,11 @@ def job_kind(kind: str):
 
 
 def job_runner(kind: str) -> JobRunner | None:
-    """The runner of `kind`, importing it if registered by path; None if unknown."""
+    """The runner of `kind`, importing it if registered by path; None if unknown. Importing
+    may take seconds (torch): call it from a worker thread."""
     runner = JOB_KINDS.get(kind)
+    if kind in NEEDS_TORCH:
+        torch_libs.preload()
     if isinstance(runner, str):
         module, _, name = runner.partition(":")
         runner = getattr(importlib.import_module(module), name)
