@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from swarm.cluster.remote_job import CoordinatorJob
 from swarm.execution.links import RunLinks
 from swarm.net import ConnectionLost, PeerUnavailable
 
@@ -125,6 +126,8 @@ class _Handle:
 
     async def start(self, node_id):
         pass
+
+    assign_and_start = CoordinatorJob.assign_and_start  # the real one, over the fake assign and start
 
     def data(self, channel, body):
         return body
