@@ -51,7 +51,6 @@ from peers.run_ddp import last_error, out_of_memory, run_ddp  # bench/peers, bes
 from planner.plan import Plan
 from swarm.commands.flags import positive_float, positive_int
 from swarm.commands.testbed_cmd import bandwidth_rate, each, memory_size
-from swarm.execution.launch import describe_plan
 from swarm.host.peaks import Peaks
 from swarm.testbed import testbed
 
@@ -208,7 +207,7 @@ def predicted(bench, args: argparse.Namespace, ran: list[str]) -> dict:
         plan = Plan.from_json(r.stdout)
     except ValueError:
         return {"predicted_error": last_error(r.stderr)}
-    lines = [line.strip() for line in describe_plan(plan).splitlines()]
+    lines = [line.strip() for line in plan.describe().splitlines()]
     return {"predicted_step_s": plan.predicted["step_time_s"], "predicted_samples_per_s": plan.predicted["throughput"],
             "predicted_plan": lines, "same_plan": lines == ran}
 

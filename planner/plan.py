@@ -241,6 +241,32 @@ class Plan:
         return list(seen)
 
     # ---- checking ------------------------------------------------------------------
+    def describe(self) -> str:
+        """The plan as `swarm train` prints it: one line for the whole, one for each stage."""
+        lines = [f"plan ({self.planner}): {len(self.stages)} stage(s), {len(self.used_devices())} device(s), "
+                 f"batch {self.batch_size} in {self.microbatches} micro-batch(es)"]
+        for i, s in enumerate(self.stages):
+            how = s.mode
+            if s.mode == "tiles":
+                how += f" {s.grid[0]}x{s.grid[1]}"
+                if s.block() > 1:
+                    how += f", {s.block()} micro-batches at a time"
+            elif s.mode == "dp":
+                how += " " + " | ".join(",".join(f"{d}:{s.allocation[d]}" for d in s.replica_devices(r))
+                                        for r in range(s.replica_count()))
+            if s.shares:
+                taking = (",".join(str(k) for k in s.shares) if s.mode == "dp"
+                          else ",".join(f"{d}:{k}" for d, k in zip(s.devices, s.shares)))
+                how += f", {s.replica_count()} replicas taking {taking} micro-batches"
+            elif s.replica_count() > 1:
+                how += f", {s.replica_count()} replicas of {self.microbatches // s.replica_count()} micro-batch(es) each"
+            if s.overlap:
+                how += ", each backward beside the next forward"
+            on = ", ".join(f"{d} ({self.devices[d]['accelerator']})" if (self.devices.get(d) or {}).get("accelerator")
+                           else d for d in s.devices)
+            lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {on}")
+        return "\n".join(lines)
+
     def validate(self, desc: ModelDesc | None = None) -> None:
         """Raise PlanError unless the plan can run (against the model when given)."""
         if self.version != PLAN_VERSION:

@@ -223,7 +223,7 @@ def test_a_plan_file_keeps_where_a_device_computes_if_its_agent_offers_it(exampl
     from types import SimpleNamespace
 
     from swarm.errors import SwarmError
-    from swarm.execution.launch import SwarmOptions, SwarmRunner, describe_plan
+    from swarm.execution.launch import SwarmOptions, SwarmRunner
     from swarm.local.trainer import TrainConfig
 
     with_gpu, _ = example
@@ -242,6 +242,6 @@ def test_a_plan_file_keeps_where_a_device_computes_if_its_agent_offers_it(exampl
     ran = runner._make_plan(trainer, sorted(plan.used_devices()), devices("cuda"))
     assert ran.devices["jetson-1"]["accelerator"] == "cuda" and ran.devices["jetson-1"]["address"] == "10.0.0.9:4750"
     assert all("accelerator" not in ran.devices[d] for d in ran.used_devices() if d != "jetson-1")
-    assert "jetson-1 (cuda)" in describe_plan(ran) and "pi-1 (" not in describe_plan(ran)
+    assert "jetson-1 (cuda)" in ran.describe() and "pi-1 (" not in ran.describe()
     with pytest.raises(SwarmError, match="puts jetson-1's layers on cuda, but its agent offers cpu"):
         runner._make_plan(trainer, sorted(plan.used_devices()), devices("cpu"))

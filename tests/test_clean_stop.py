@@ -97,7 +97,7 @@ def test_surviving_agent_of_a_killed_dp_step_stops_within_5_s(tmp_path):
     assert "saying goodbye" in log and log.rstrip().endswith("stopped"), log
 
 
-# The full form stops the surviving agent 20 times; CI's form 5, to keep the suite short.
+# The full form (SWARM_SOAK=full) stops the surviving agent 20 times; the suite's form twice.
 REPEATS = 20 if os.environ.get("SWARM_SOAK") == "full" else 2
 
 

@@ -340,14 +340,12 @@ def test_gradient_buckets_gather_small_layers_from_the_top():
 
 
 def test_a_runs_plan_line_names_each_replicas_share():
-    from swarm.execution.launch import describe_plan
-
     def one_stage(stage):
         return Plan("lenet5", 32, 4, 4, [stage], devices={"a": {}, "b": {}})
 
-    uneven = describe_plan(one_stage(Stage(0, 7, "single", ["a", "b"], replicas=2, shares=[3, 1])))
+    uneven = one_stage(Stage(0, 7, "single", ["a", "b"], replicas=2, shares=[3, 1])).describe()
     assert "2 replicas taking a:3,b:1 micro-batches on a, b" in uneven
-    even = describe_plan(one_stage(Stage(0, 7, "single", ["a", "b"], replicas=2)))
+    even = one_stage(Stage(0, 7, "single", ["a", "b"], replicas=2)).describe()
     assert "2 replicas of 2 micro-batch(es) each" in even
 
 

@@ -85,9 +85,9 @@ def test_a_reset_link_between_workers_is_a_lost_device_and_the_run_equals_local(
 # ---- the soak ------------------------------------------------------------------------------
 
 FULL = os.environ.get("SWARM_SOAK") == "full"
-SOAK_STEPS = 200 if FULL else 24
+SOAK_STEPS = 200 if FULL else 14
 CUT_S, PERIOD_S, CUTS = (15.0, 45.0, 1000) if FULL else (6.0, 12.0, 2)  # full: cuts until near the end
-LAST_CUT_BEFORE = 40 if FULL else 6  # no cut starts this close to the end: the last device back is taken in
+LAST_CUT_BEFORE = 40 if FULL else 5  # no cut starts this close to the end: the last device back is taken in
 SOAK_FLAGS = ["--model", "yolov2-16", "--img-size", "128", "--batch-size", "8", "--microbatches", "4",
               "--steps", str(SOAK_STEPS), "--seed", "9", "--dtype", "float64", "--no-eval"]
 RECOVERED = re.compile(r"rolling back to step|joined: re-planned")

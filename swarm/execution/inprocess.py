@@ -16,7 +16,6 @@ from swarm.errors import run_trio
 from swarm.execution.channels import COORDINATOR
 from swarm.execution.coordinator import TrainingCoordinator
 from swarm.execution.endpoint import LocalNetwork
-from swarm.execution.launch import describe_plan
 from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import DeviceWorker, JobSpec
 from swarm.local.trainer import LocalTrainer
@@ -135,7 +134,7 @@ class InProcessRunner:
         names = [f"dev{i}" for i in range(self.devices)]
         plan = simple_plan(self.strategy, trainer.desc, names, cfg.batch_size, cfg.microbatches, grid=self.grid,
                            sync=self.sync, stages=self.stages)
-        self.log(describe_plan(plan) + "\n  (all devices in this process)")
+        self.log(plan.describe() + "\n  (all devices in this process)")
 
         def on_step(r):
             report(r.step, r.loss, cfg.batch_size, r.seconds)

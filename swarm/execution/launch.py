@@ -177,7 +177,7 @@ class SwarmRunner:
                 else None
             plan = self._make_plan(trainer, list(names), names, measured)
             self.plan = plan
-            self.log(describe_plan(plan))
+            self.log(plan.describe())
             await self._run_job(cluster, names, plan, trainer, train_set, total, report)
         return False
 
@@ -317,7 +317,7 @@ class SwarmRunner:
             result = recost(plan, inputs, measured, [d for d in alive if d in facts])
             if result is not None and result.plan is not None:
                 self._with_facts(result.plan, inputs.cluster, facts)
-                self.log("re-costed " + describe_plan(result.plan))
+                self.log("re-costed " + result.plan.describe())
             return result
         return run
 
@@ -662,31 +662,4 @@ def _accelerator_fact(plan: Plan, name: str, device) -> dict:
     return {"accelerator": wanted}
 
 
-def describe_plan(plan: Plan) -> str:
-    lines = [f"plan ({plan.planner}): {len(plan.stages)} stage(s), {len(plan.used_devices())} device(s), "
-             f"batch {plan.batch_size} in {plan.microbatches} micro-batch(es)"]
-    for i, s in enumerate(plan.stages):
-        how = s.mode
-        if s.mode == "tiles":
-            how += f" {s.grid[0]}x{s.grid[1]}"
-            if s.block() > 1:
-                how += f", {s.block()} micro-batches at a time"
-        elif s.mode == "dp":
-            how += " " + " | ".join(",".join(f"{d}:{s.allocation[d]}" for d in s.replica_devices(r))
-                                    for r in range(s.replica_count()))
-        if s.shares and s.mode == "dp":
-            how += f", {s.replica_count()} replicas taking " + ",".join(str(k) for k in s.shares) + " micro-batches"
-        elif s.shares:
-            how += f", {s.replica_count()} replicas taking " + ",".join(f"{d}:{k}" for d, k in zip(s.devices, s.shares)) \
-                   + " micro-batches"
-        elif s.replica_count() > 1:
-            how += f", {s.replica_count()} replicas of {plan.microbatches // s.replica_count()} micro-batch(es) each"
-        if s.overlap:
-            how += ", each backward beside the next forward"
-        on = ", ".join(f"{d} ({plan.devices[d]['accelerator']})" if (plan.devices.get(d) or {}).get("accelerator")
-                       else d for d in s.devices)
-        lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {on}")
-    return "\n".join(lines)
-
-
-__all__ = ["SwarmOptions", "SwarmRunner", "describe_plan", "PlanError"]
+__all__ = ["SwarmOptions", "SwarmRunner", "PlanError"]
