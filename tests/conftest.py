@@ -31,6 +31,43 @@ def run_swarm(*args, cwd=None, env=None, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+class LocalRun:
+    """`swarm train --strategy local FLAGS --save PATH`, started now in a thread of its own
+    (one such run at a time), for a test to compare its own run with: started first, the
+    reference trains beside that run (a testbed run leaves this machine's cores partly idle,
+    a one-thread run leaves a core), and .weights() or .checkpoint() waits for it."""
+
+    _pool = None
+
+    def __init__(self, path, *flags, timeout=900):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if LocalRun._pool is None:
+            LocalRun._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-run")
+        self.path = path
+        self._done = LocalRun._pool.submit(run_swarm, "train", "--strategy", "local", *flags, "--save", path,
+                                           timeout=timeout)
+        self._saved = None
+
+    def process(self):
+        """The finished run (waits for it): a CompletedProcess, checked to have succeeded."""
+        r = self._done.result()
+        assert r.returncode == 0, r.stderr
+        return r
+
+    def checkpoint(self) -> dict:
+        """The run's checkpoint (waits for it)."""
+        import torch
+
+        if self._saved is None:
+            self.process()
+            self._saved = torch.load(self.path, weights_only=True)
+        return self._saved
+
+    def weights(self) -> dict:
+        return self.checkpoint()["model"]
+
+
 def bed_in_use() -> bool:
     """Whether a testbed record is on this machine (one this swarm reads or not)."""
     from swarm.errors import SwarmError

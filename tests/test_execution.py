@@ -173,13 +173,18 @@ def test_yolov2_16_plans_equal_local_on_a_rectangular_input(name):
 
 
 @pytest.mark.slow
+@lru_cache(maxsize=None)
+def _local_yolov2() -> dict:
+    """The full yolov2's local run (2 micro-batches of 4), shared by the tests below."""
+    return _local(_cfg("yolov2", 2))
+
+
 def test_full_yolov2_dp_equals_local():
     """yolov2's passthrough (layer 16 read by layer 25) inside a dp group (pipelines that
     cut it run on the testbed: tests/test_swarm_training.py)."""
-    cfg = _cfg("yolov2", 4)
-    group = Stage(0, N2, "dp", ["d0", "d1"], allocation={"d0": 1, "d1": 1})
-    result = _planned(cfg, _plan("yolov2", [group], 4))
-    assert _worst(result.net.state_dict(), _local(cfg))[0] < 1e-9
+    group = Stage(0, N2, "dp", ["d0", "d1"], allocation={"d0": 2, "d1": 2})
+    result = _planned(_cfg("yolov2", 2), _plan("yolov2", [group], 2))
+    assert _worst(result.net.state_dict(), _local_yolov2())[0] < 1e-9
 
 
 def test_pure_pipeline_is_bit_exact_in_float32():
@@ -263,7 +268,7 @@ def test_full_yolov2_tiles_front_then_pipeline():
     plan = _plan("yolov2", [Stage(0, 17, "tiles", ["d0", "d1", "d2", "d3"], grid=(2, 2),
                                   tile_devices=["d0", "d1", "d2", "d3"]),
                             Stage(17, 25, "single", ["d1"]), Stage(25, N2, "single", ["d2"])], 2)
-    assert _worst(_planned(cfg, plan).net.state_dict(), _local(cfg))[0] < 1e-9
+    assert _worst(_planned(cfg, plan).net.state_dict(), _local_yolov2())[0] < 1e-9
 
 
 def test_strategy_mistakes_are_plan_errors():

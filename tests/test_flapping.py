@@ -23,15 +23,9 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, namespace_testbed, run_swarm
+from tests.conftest import ROOT, LocalRun, namespace_testbed, run_swarm
 from tests.test_clean_stop import FLAGS, loopback_testbed, train_in
 from tests.test_swarm_replay import worst
-
-
-def local_weights(path, flags) -> dict:
-    r = run_swarm("train", "--strategy", "local", *flags, "--save", path, timeout=900)
-    assert r.returncode == 0, r.stderr
-    return torch.load(path, weights_only=True)["model"]
 
 
 def reset_connections(pid: int, port: int) -> int:
@@ -54,7 +48,7 @@ def reset_connections(pid: int, port: int) -> int:
 def test_a_reset_link_between_workers_is_a_lost_device_and_the_run_equals_local(tmp_path):
     """A pipeline over dev0-dev2: after step 3 every connection between dev1 and dev2 is reset."""
     flags = [*FLAGS, "--steps", 8]
-    expected = local_weights(tmp_path / "local.pt", flags)
+    expected = LocalRun(tmp_path / "local.pt", *flags)  # runs beside the testbed
     env, pids = loopback_testbed(tmp_path, 3)
     record = json.loads((tmp_path / "testbed" / "testbed.json").read_text())
     ports = {d["name"]: d["port"] for d in record["devices"]}
@@ -79,7 +73,7 @@ def test_a_reset_link_between_workers_is_a_lost_device_and_the_run_equals_local(
     assert proc.returncode == 0, log
     assert "lost its link to" in log and "rolling back to step" in log, log
     assert "error:" not in log and "Traceback" not in log, log
-    assert worst(torch.load(out, weights_only=True)["model"], expected) < 1e-9
+    assert worst(torch.load(out, weights_only=True)["model"], expected.weights()) < 1e-9
 
 
 # ---- the soak ------------------------------------------------------------------------------
@@ -142,7 +136,7 @@ class Faults(threading.Thread):
 @pytest.mark.testbed
 @pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")
 def test_soak_flapping_links_and_a_killed_device(tmp_path):
-    expected = local_weights(tmp_path / "local.pt", SOAK_FLAGS)
+    expected = LocalRun(tmp_path / "local.pt", *SOAK_FLAGS)  # runs beside the testbed
     bed_gen = namespace_testbed(5, "--cpu", "0.3", "--mem", "2G")
     bed = next(bed_gen)
     pids = {d.name: d.pid for d in bed.devices}
@@ -182,7 +176,7 @@ def test_soak_flapping_links_and_a_killed_device(tmp_path):
             pass
     wall = time.monotonic() - started
     log = "".join(lines)
-    diff = worst(torch.load(out, weights_only=True)["model"], expected) if out.exists() else float("nan")
+    diff = worst(torch.load(out, weights_only=True)["model"], expected.weights()) if out.exists() else float("nan")
     recoveries = len(RECOVERED.findall(log))
     cuts = sum(1 for _, action, _ in faults.events if action == "cut")
     killed = [d for _, action, d in faults.events if action == "kill"]

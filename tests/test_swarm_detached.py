@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, namespace_testbed, run_swarm
+from tests.conftest import ROOT, LocalRun, namespace_testbed, run_swarm
 from tests.test_swarm_replay import worst
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow,
@@ -27,10 +27,8 @@ FLAGS = ["--model", "yolov2-16", "--img-size", "32", "--batch-size", "4", "--mic
 
 @pytest.fixture(scope="module")
 def local_weights(tmp_path_factory):
-    path = tmp_path_factory.mktemp("local") / "local.pt"
-    r = run_swarm("train", "--strategy", "local", *FLAGS, "--save", path, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return torch.load(path, weights_only=True)["model"]
+    """The failure-free run on one machine, started before the first testbed comes up."""
+    return LocalRun(tmp_path_factory.mktemp("local") / "local.pt", *FLAGS)
 
 
 def swarm_on(device: str, *args, timeout=120):
@@ -120,7 +118,7 @@ def test_a_detached_run_outlives_its_command_its_coordinator_and_a_worker(bed4, 
     job, log, now = failover_run([("step 2/", "kill", "dev1"), ("next step", "kill", "worker")])
     assert "taking over run" in log and "rolling back to step" in log, log
     assert now != "dev1" and log.count("lost dev") >= 2, log  # dev1 (by the successor), then the worker
-    check_final_weights(job, log, now, local_weights, tmp_path)
+    check_final_weights(job, log, now, local_weights.weights(), tmp_path)
     again = swarm_on("dev2", "logs", job)  # the newest coordinator's log, to its end
     assert again.returncode == 0 and again.stdout.rstrip().endswith("checkpoint.pt"), again.stdout + again.stderr
     unknown = swarm_on("dev0", "logs", "0badid", "--wait", "1")
@@ -131,6 +129,6 @@ def test_a_detached_run_outlives_its_command_its_coordinator_and_a_worker(bed4, 
 def test_a_cut_off_coordinator_is_replaced_and_gives_up(bed4, local_weights, tmp_path):
     job, log, now = failover_run([("step 2/", "cut", "dev1"), ("next step", "heal", "dev1")])
     assert now != "dev1", log
-    check_final_weights(job, log, now, local_weights, tmp_path)
+    check_final_weights(job, log, now, local_weights.weights(), tmp_path)
     old = next(run for run in records("dev1", job) if run["node"] == "dev1")
     assert (old["term"], old["state"]) == (0, "failed") and "this one gives up" in old["detail"], old

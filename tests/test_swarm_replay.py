@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import ROOT, namespace_testbed, run_swarm
+from tests.conftest import ROOT, LocalRun, namespace_testbed, run_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")]
@@ -26,10 +26,8 @@ FLAGS = ["--model", "yolov2-16", "--img-size", "64", "--batch-size", "8", "--mic
 
 @pytest.fixture(scope="module")
 def local_weights(tmp_path_factory):
-    path = tmp_path_factory.mktemp("local") / "local.pt"
-    r = run_swarm("train", "--strategy", "local", *FLAGS, "--save", path, timeout=600)
-    assert r.returncode == 0, r.stderr
-    return torch.load(path, weights_only=True)["model"]
+    """The failure-free run on one machine, started before the first testbed comes up."""
+    return LocalRun(tmp_path_factory.mktemp("local") / "local.pt", *FLAGS)
 
 
 @pytest.fixture
@@ -105,7 +103,7 @@ def test_training_survives_and_equals_the_failure_free_run(bed, local_weights, t
     for device in lost:  # alone or with others lost at the same moment: "lost dev0, dev3 during step 7"
         assert re.search(rf"lost (\w+, )*{device}\b", log), log
     assert "rolling back to step" in log
-    assert worst(torch.load(out, weights_only=True)["model"], local_weights) < 1e-9
+    assert worst(torch.load(out, weights_only=True)["model"], local_weights.weights()) < 1e-9
 
 
 def test_lost_coordinator_resumes_from_its_last_checkpoint(bed, local_weights, tmp_path):
@@ -134,4 +132,4 @@ def test_lost_coordinator_resumes_from_its_last_checkpoint(bed, local_weights, t
     assert r.returncode == 0, r.stderr
     done = torch.load(out, weights_only=True)
     assert done["step"] == STEPS
-    assert worst(done["model"], local_weights) < 1e-9
+    assert worst(done["model"], local_weights.weights()) < 1e-9

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, namespace_testbed, run_swarm
+from tests.conftest import ROOT, LocalRun, namespace_testbed, run_swarm
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="the namespace testbed needs root")]
@@ -54,15 +54,14 @@ def worst(a: dict, b: dict) -> tuple[float, str]:
 
 @pytest.fixture(scope="module")
 def local_runs(tmp_path_factory):
+    """The local run of (flags, dtype), started on first asking (before the testbed run it is
+    compared with, which it overlaps) and shared by the tests that compare with it."""
     cache = {}
 
-    def get(flags: tuple, dtype: str):
+    def get(flags: tuple, dtype: str) -> LocalRun:
         key = (flags, dtype)
         if key not in cache:
-            path = tmp_path_factory.mktemp("local") / "local.pt"
-            r = run_swarm("train", "--strategy", "local", *flags, "--dtype", dtype, "--save", path, timeout=900)
-            assert r.returncode == 0, r.stderr
-            cache[key] = weights(path)
+            cache[key] = LocalRun(tmp_path_factory.mktemp("local") / "local.pt", *flags, "--dtype", dtype)
         return cache[key]
     return get
 
@@ -87,19 +86,19 @@ CASES = [
 
 @pytest.mark.parametrize("name,flags,strategy", CASES, ids=[c[0] for c in CASES])
 def test_plan_on_the_testbed_equals_local(bed, local_runs, tmp_path, name, flags, strategy):
-    out = tmp_path / "swarm.pt"
+    out, local = tmp_path / "swarm.pt", local_runs(tuple(flags), "float64")
     r = swarm_in("dev0", "train", *flags, *strategy, "--devices", "4", "--dtype", "float64", "--save", out)
     assert r.returncode == 0, r.stderr
     assert "plan (" in r.stderr and "stage 0" in r.stderr
-    diff = worst(weights(out), local_runs(tuple(flags), "float64"))
+    diff = worst(weights(out), local.weights())
     assert diff[0] < 1e-9, diff
 
 
 def test_pipeline_is_bit_exact_in_float32(bed, local_runs, tmp_path):
-    out = tmp_path / "pp.pt"
+    out, local = tmp_path / "pp.pt", local_runs(tuple(YOLO16), "float32")
     r = swarm_in("dev0", "train", *YOLO16, "--strategy", "pp", "--devices", "4", "--save", out)
     assert r.returncode == 0, r.stderr
-    assert worst(weights(out), local_runs(tuple(YOLO16), "float32"))[0] == 0.0
+    assert worst(weights(out), local.weights())[0] == 0.0
     assert "util " in r.stderr  # per-device utilisation on the progress line
 
 
@@ -117,5 +116,5 @@ def test_replicas_of_dp_groups_on_the_testbed_equal_local(bed, local_runs, tmp_p
     r = swarm_in("dev0", "train", *YOLO16, "--plan", path, "--devices", "4", "--dtype", "float64", "--save", out)
     assert r.returncode == 0, r.stderr
     assert "2 replicas taking 3,1 micro-batches" in r.stderr
-    diff = worst(weights(out), local_runs(tuple(YOLO16), "float64"))
+    diff = worst(weights(out), local_runs(tuple(YOLO16), "float64").weights())
     assert diff[0] < 1e-9, diff

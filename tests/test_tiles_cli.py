@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from swarm.cli import main
-from tests.conftest import run_swarm
+from tests.conftest import LocalRun, run_swarm
 from tests.tiles_reference import rel_diff
 
 COMMON = ["--img-size", "128", "--steps", "3", "--seed", "1", "--no-eval", "--threads", "1"]
@@ -27,11 +27,10 @@ def test_done_when_command_in_float64_equals_local(tmp_path):
     """The issue's command, with --dtype float64: tiles and local checkpoints agree to 1e-5
     (measured ~2e-12)."""
     f64 = [*COMMON, "--dtype", "float64"]
+    local = LocalRun(tmp_path / "l.pt", *f64)  # one thread each: the two runs take a core each
     t = run_swarm("train", "--strategy", "tiles", "--grid", "2x2", "--in-process", *f64, "--save", "t.pt", cwd=tmp_path)
     assert t.returncode == 0, t.stderr
-    local = run_swarm("train", "--strategy", "local", *f64, "--save", "l.pt", cwd=tmp_path)
-    assert local.returncode == 0, local.stderr
-    ct, cl = (torch.load(tmp_path / f, weights_only=True) for f in ("t.pt", "l.pt"))
+    ct, cl = torch.load(tmp_path / "t.pt", weights_only=True), local.checkpoint()
     diffs = _diffs(ct["model"], cl["model"])
     assert max(diffs.values()) <= 1e-5, max(diffs.items(), key=lambda kv: kv[1])
     assert ct["step"] == cl["step"] == 3 and ct["config"] == cl["config"]
@@ -49,12 +48,11 @@ def test_tiles_in_process_checkpoint_matches_local(tmp_path):
     equal pixels of the synthetic images' flat regions follow last-bit rounding. So this
     test checks the checkpoint format and a float32-sized agreement; the 1e-5 equality is the
     float64 test above, and tests/test_tiles_exact.py (agreement ~1e-13)."""
+    local = LocalRun(tmp_path / "l.pt", *COMMON)  # one thread each: the two runs take a core each
     t = run_swarm("train", "--strategy", "tiles", "--grid", "2x2", "--in-process", *COMMON, "--save", "t.pt", cwd=tmp_path)
     assert t.returncode == 0, t.stderr
     assert "tiles: layers 0-16 on a 2x2 grid" in t.stderr
-    local = run_swarm("train", "--strategy", "local", *COMMON, "--save", "l.pt", cwd=tmp_path)
-    assert local.returncode == 0, local.stderr
-    ct, cl = (torch.load(tmp_path / f, weights_only=True) for f in ("t.pt", "l.pt"))
+    ct, cl = torch.load(tmp_path / "t.pt", weights_only=True), local.checkpoint()
     assert {k: v for k, v in ct.items() if k not in ("model", "optimizer")} == \
         {k: v for k, v in cl.items() if k not in ("model", "optimizer")}
     assert {k: (v.shape, v.dtype) for k, v in ct["model"].items()} == {k: (v.shape, v.dtype) for k, v in cl["model"].items()}
@@ -62,7 +60,7 @@ def test_tiles_in_process_checkpoint_matches_local(tmp_path):
     weights = [k for k in diffs if k.endswith("conv.weight")]
     print(f"tiles vs local (float32): worst {max(diffs.values()):.1e}, conv weights {max(diffs[k] for k in weights):.1e}")
     assert max(diffs[k] for k in weights) < 2e-3 and max(diffs.values()) < 0.2
-    assert t.stdout.split("(loss")[1].split(")")[0] == local.stdout.split("(loss")[1].split(")")[0]
+    assert t.stdout.split("(loss")[1].split(")")[0] == local.process().stdout.split("(loss")[1].split(")")[0]
 
 
 @pytest.mark.parametrize("args,message", [
