@@ -502,3 +502,31 @@ async def test_authenticated_nonsense_never_stops_the_agent():
         assert await probe.receive() == Pong(1)
         await probe.aclose()
         assert cluster.device(agent.node_id).health == "alive"
+
+
+async def test_a_cancelled_jobs_thread_is_told_to_stop_and_the_job_sees_the_cancellation():
+    """run_in_thread(..., stop=E): cancelling the job sets E, a long computation that looks at
+    it between its pieces of work gives up, and the caller sees the cancellation (not the
+    computation's own way of giving up); uncancelled, its value and its errors come back."""
+    import threading
+
+    ctx = JobContext(None, "job", 0, "test", {}, "coordinator")
+
+    def work(stop, seconds):
+        for _ in range(int(seconds / 0.02)):
+            if stop.is_set():
+                raise RuntimeError("gave up")
+            time.sleep(0.02)
+        return "done"
+
+    stop = threading.Event()
+    start = time.monotonic()
+    with trio.move_on_after(0.2) as scope:
+        await ctx.run_in_thread(work, stop, 20.0, stop=stop)
+    assert scope.cancelled_caught and stop.is_set()
+    assert time.monotonic() - start < 5  # not the 20 s the whole computation takes
+    assert await ctx.run_in_thread(work, threading.Event(), 0.1, stop=threading.Event()) == "done"
+    with pytest.raises(RuntimeError, match="gave up"):
+        given = threading.Event()
+        given.set()
+        await ctx.run_in_thread(work, given, 0.1, stop=threading.Event())

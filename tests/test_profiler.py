@@ -67,6 +67,32 @@ def test_profile_round_trips_and_is_cached(tmp_path):
     assert not cached3 and p3.costs.batch_sizes == (1,)
 
 
+def test_a_profile_called_off_stops_at_its_next_timing():
+    """A profile whose job was released gives up at the next timing it would start, rather
+    than measuring on for minutes on a small device: here it is called off while it times
+    batch 2 and says nothing of batch 4."""
+    import threading
+
+    from swarm.profiling.profiler import ProfileStopped
+
+    stop, said = threading.Event(), []
+
+    def log(line):
+        said.append(line)
+        if line.startswith("batch 2:"):
+            stop.set()
+
+    with pytest.raises(ProfileStopped):
+        profile_model("lenet5", None, batch_sizes=(1, 2, 4), repeats=2, threads=1, log=log, stop=stop)
+    assert any(line.startswith("batch 1:") for line in said)
+    assert not any(line.startswith("batch 4:") for line in said), said
+    # not called off: the same profile measures every size
+    said.clear()
+    done = profile_model("lenet5", None, batch_sizes=(1, 2, 4), repeats=2, threads=1, log=said.append,
+                         stop=threading.Event())
+    assert done.costs.batch_sizes == (1, 2, 4)
+
+
 def test_batch_sizes_that_would_outgrow_the_memory_are_not_run(monkeypatch):
     """On a device whose memory a large batch would exceed, the profile stops at the sizes
     that fit (the cost table extends past them); when not even the smallest fits, a clear
@@ -182,9 +208,9 @@ def test_copies_are_timed_there_and_back_through_the_host_path():
     on the host (there a copy in is a clone, and bringing it back is free)."""
     import torch
 
-    from swarm.profiling.profiler import _copy_gbps
+    from swarm.profiling.profiler import Budget, _copy_gbps
 
-    rate = _copy_gbps([torch.ones(4, 16, 32, 32), torch.ones(4, 32, 16, 16)], torch.device("cpu"), 3)
+    rate = _copy_gbps([torch.ones(4, 16, 32, 32), torch.ones(4, 32, 16, 16)], torch.device("cpu"), Budget(3))
     assert 0 < rate < float("inf")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import threading
 from typing import Awaitable, Callable, NamedTuple
 
 import trio
@@ -64,6 +65,13 @@ def job_runner(kind: str) -> JobRunner | None:
         runner = getattr(importlib.import_module(module), name)
         JOB_KINDS[kind] = runner
     return runner
+
+
+async def _set_when_cancelled(stop: threading.Event) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        stop.set()
 
 
 class Inbound(NamedTuple):
@@ -132,10 +140,25 @@ class JobContext:
 
     # -- compute ----------------------------------------------------------------------
 
-    async def run_in_thread(self, fn, *args):
+    async def run_in_thread(self, fn, *args, stop: threading.Event | None = None):
         """fn(*args) in a worker thread while the event loop keeps moving messages and
-        heartbeats. A cancelled job waits for fn to return (threads cannot be interrupted)."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.compute_limiter)
+        heartbeats. A cancelled job waits for fn to return (threads cannot be interrupted);
+        with `stop`, cancelling sets it, for a long fn to look at between its pieces of work
+        and give up early (whatever fn then returns or raises, the caller sees the cancellation)."""
+        if stop is None:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.compute_limiter)
+        value, error = None, None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_set_when_cancelled, stop)
+            try:  # fn's failure is raised outside the nursery, as itself rather than in a group
+                value = await trio.to_thread.run_sync(fn, *args, limiter=self.compute_limiter)
+            except Exception as exc:
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            await trio.lowlevel.checkpoint_if_cancelled()  # called off: the caller sees that instead
+            raise error
+        return value
 
     def _queue(self, channel: str):
         if channel not in self._queues:

@@ -23,6 +23,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -195,10 +196,21 @@ class Stopwatch:
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
 
-def _median_time(fn, repeats: int, watch: Stopwatch) -> float:
-    """Median seconds of up to `repeats` calls: as many as run within TIMING_BUDGET_S (at least one)."""
+class ProfileStopped(SwarmError):
+    """The profile was called off (its job released) before it was done."""
+
+
+class Budget(NamedTuple):
+    """How far each timing goes: up to `repeats` runs, as many as fit in TIMING_BUDGET_S, and
+    none once `stop` is set (a profile job released while it measures)."""
+    repeats: int
+    stop: threading.Event | None = None
+
+
+def _median_time(fn, budget: Budget, watch: Stopwatch) -> float:
+    """Median seconds of up to `budget.repeats` calls: as many as run within TIMING_BUDGET_S (at least one)."""
     marks = []
-    for _ in _within_budget(repeats):
+    for _ in _within_budget(budget):
         t0 = watch.mark()
         fn()
         marks.append((t0, watch.mark()))
@@ -206,11 +218,13 @@ def _median_time(fn, repeats: int, watch: Stopwatch) -> float:
     return statistics.median(watch.seconds(a, b) for a, b in marks)
 
 
-def _within_budget(repeats: int):
-    """0, 1, ... up to `repeats` - 1, stopping once TIMING_BUDGET_S of wall time has passed since
-    the first (which always runs)."""
+def _within_budget(budget: Budget):
+    """0, 1, ... up to `budget.repeats` - 1, stopping once TIMING_BUDGET_S of wall time has passed
+    since the first (which always runs); ProfileStopped before any run once `budget.stop` is set."""
     start = time.perf_counter()
-    for r in range(repeats):
+    for r in range(budget.repeats):
+        if budget.stop is not None and budget.stop.is_set():
+            raise ProfileStopped("the profile was called off")
         if r and time.perf_counter() - start >= TIMING_BUDGET_S:
             return
         yield r
@@ -247,7 +261,7 @@ def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
     return outs
 
 
-def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, watch: Stopwatch):
+def _time_in_context(net, desc, loss_fn, images, targets, budget: Budget, watch: Stopwatch):
     """Per-layer forward and backward seconds measured inside whole training passes (so each
     layer meets its data as a real step does: produced by the layer before, not cached
     from a previous run of itself), and the loss head's. Forward: the clock between layer
@@ -257,7 +271,7 @@ def _time_in_context(net, desc, loss_fn, images, targets, repeats: int, watch: S
     L = len(desc.layers)
     keys = list(range(len(images)))
     runs = []
-    for _ in itertools.chain(["warm-up"], _within_budget(repeats)):  # the first run warms up
+    for _ in itertools.chain(["warm-up"], _within_budget(budget)):  # the first run warms up
         outs = {-1: images}
         t = [watch.mark()]
         for i in range(len(desc.layers)):
@@ -318,7 +332,7 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
     return saved
 
 
-def _time_updates(net, desc, repeats: int, optimizer: str, watch: Stopwatch) -> list[float]:
+def _time_updates(net, desc, budget: Budget, optimizer: str, watch: Stopwatch) -> list[float]:
     import torch
 
     from swarm.local.trainer import TrainConfig, make_optimizer, optimizer_step
@@ -335,7 +349,7 @@ def _time_updates(net, desc, repeats: int, optimizer: str, watch: Stopwatch) -> 
         with torch.no_grad():
             before = [p.detach().clone() for _, p in named]
             optimizer_step(opt)  # creates the momentum buffers
-            out.append(_median_time(lambda: optimizer_step(opt), repeats, watch))
+            out.append(_median_time(lambda: optimizer_step(opt), budget, watch))
             for (_, p), b in zip(named, before):
                 p.copy_(b)
         for _, p in named:
@@ -346,7 +360,7 @@ def _time_updates(net, desc, repeats: int, optimizer: str, watch: Stopwatch) -> 
 def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = None, classes: int | None = None,
                   batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS, threads: int | None = None,
                   cfg_text: str | None = None, optimizer: str = "sgd", log=None, clock: str = "wall",
-                  device=None) -> DeviceProfile:
+                  device=None, stop: threading.Event | None = None) -> DeviceProfile:
     """Measure this device running `model` on `device` (a torch.device; None: the host CPU),
     with the built-in synthetic data for inputs. clock "cpu" counts this thread's CPU time
     instead of the wall clock (one thread only, on the CPU); on CUDA, CUDA events time the
@@ -363,6 +377,7 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
         raise SwarmError(f"batch sizes to profile must be positive, got {batch_sizes}")
     if repeats < 1:
         raise SwarmError(f"--repeats must be at least 1, got {repeats}")
+    budget = Budget(repeats, stop)
     threads = threads or usable_cores()
     if clock not in CLOCKS:
         raise SwarmError(f"unknown clock '{clock}'; use {' or '.join(CLOCKS)}")
@@ -440,9 +455,9 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
             break
         peak[b] = memory.step_peak(float(rss.peak - runtime))
         in_host[b] = peak[b] if memory.shared or device == HOST else float(rss.peak - runtime)
-        step_time[b] = _median_time(step, repeats, step_watch)
+        step_time[b] = _median_time(step, budget, step_watch)
         say(f"batch {b}: layers")
-        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, repeats, layer_watch)
+        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, budget, layer_watch)
         fwd.append(f)
         bwd.append(bk)
         loss_f.append(lf)
@@ -451,19 +466,19 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
         saved = _saved_bytes(net, desc, outs, b)
         del outs
     say("optimizer updates")
-    update = _time_updates(net, desc, repeats, optimizer, layer_watch)
+    update = _time_updates(net, desc, budget, optimizer, layer_watch)
     batch_sizes = tuple(measured)
     fit = _fit_to_steps(fwd, bwd, loss_f, loss_b, sum(update), [step_time[b] for b in batch_sizes])
     say("the tiles executor")
     middle = batch_sizes[len(batch_sizes) // 2]
-    tiles_overhead = _time_tiles_overhead(net, desc, middle, repeats, layer_watch)
+    tiles_overhead = _time_tiles_overhead(net, desc, middle, budget, layer_watch)
     facts = device_facts(threads, accelerator)
     where = f"{facts['name']}'s {accelerator['note']} ({accelerator['kind']}" if accelerator else \
         f"{facts['name']} ({threads} thread{'s' if threads > 1 else ''}"
     if accelerator:
         say("copies between host and accelerator")
         outs = _layer_inputs(net, desc, x)  # the last batch size's
-        facts["accelerator"].update(copy_gbps=_copy_gbps([outs[i] for i in range(len(desc.layers))], device, repeats),
+        facts["accelerator"].update(copy_gbps=_copy_gbps([outs[i] for i in range(len(desc.layers))], device, budget),
                                     **memory.budget())
         del outs
     costs = CostTable(batch_sizes, np.array(fwd).T, np.array(bwd).T, update, loss_f, loss_b,
@@ -515,11 +530,11 @@ class AcceleratorMemory:
         return {"shared_memory": True} if self.shared else {"shared_memory": False, "memory": int(self.free)}
 
 
-def _copy_gbps(tensors, device, repeats: int) -> float:
+def _copy_gbps(tensors, device, budget: Budget) -> float:
     """GB/s of the copies that take a stage's messages between host memory and `device`:
     each of `tensors` (the layers' outputs: what a stage takes in and gives out) taken to the
     device as an incoming message is, and brought back as an outgoing one is (`to_host`),
-    median of `repeats` passes over all of them, by the wall clock (copies run on streams of
+    median of `budget.repeats` passes over all of them, by the wall clock (copies run on streams of
     their own)."""
     from swarm.local.compute_device import HOST, to_host
 
@@ -531,7 +546,7 @@ def _copy_gbps(tensors, device, repeats: int) -> float:
             to_host(t.to(device, non_blocking=True, copy=True))
 
     there_and_back()  # warm up (pinned buffers, the copy stream)
-    seconds = _median_time(there_and_back, repeats, Stopwatch(HOST))
+    seconds = _median_time(there_and_back, budget, Stopwatch(HOST))
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else float("inf")
 
 
@@ -574,7 +589,7 @@ class MemoryGuard:
                 "--devices CLUSTER.json")
 
 
-def _time_tiles_overhead(net, desc, batch: int, repeats: int, watch: Stopwatch) -> float:
+def _time_tiles_overhead(net, desc, batch: int, budget: Budget, watch: Stopwatch) -> float:
     """The tiles executor's time over autograd's for the same forward and backward of the
     model's tileable front on `batch` samples, both on this thread, as one 1x1 tile (its own
     kernels and bookkeeping; no halos, which the tiles cost model counts itself). 1.0 when
@@ -607,8 +622,8 @@ def _time_tiles_overhead(net, desc, batch: int, repeats: int, watch: Stopwatch) 
         net.zero_grad(set_to_none=True)
 
     untiled(), tiled()  # warm up
-    base = _median_time(untiled, repeats, watch)
-    return _median_time(tiled, repeats, watch) / base if base > 0 else 1.0
+    base = _median_time(untiled, budget, watch)
+    return _median_time(tiled, budget, watch) / base if base > 0 else 1.0
 
 
 def _fit_to_steps(fwd, bwd, loss_f, loss_b, update: float, steps: list[float]) -> list[float]:
@@ -658,9 +673,11 @@ def write_profile(profile: DeviceProfile, path: Path) -> None:
 def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None = None, classes: int | None = None,
                     state_dir: Path | None = None, batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS,
                     threads: int | None = None, cfg_text: str | None = None, refresh: bool = False,
-                    log=None, clock: str = "wall", accelerator: str = "cpu") -> tuple[DeviceProfile, bool, Path]:
+                    log=None, clock: str = "wall", accelerator: str = "cpu",
+                    stop: threading.Event | None = None) -> tuple[DeviceProfile, bool, Path]:
     """The cached profile of this device for the model on `accelerator` ("cpu" or "cuda",
-    as swarm.local.compute_device takes it), or a fresh one (then cached).
+    as swarm.local.compute_device takes it), or a fresh one (then cached); a fresh one raises
+    ProfileStopped once `stop` is set.
     Returns (profile, came from the cache, its path)."""
     from swarm.local.compute_device import compute_device
     from swarm.zoo import describe_model, model_source
@@ -683,7 +700,7 @@ def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None =
         except SwarmError:
             pass  # a stale or broken cache entry: measure again
     profile = profile_model(model, desc.img_size, classes, batch_sizes, repeats, threads, cfg_text, log=log,
-                            clock=clock, device=device)
+                            clock=clock, device=device, stop=stop)
     write_profile(profile, path)
     return profile, False, path
 
@@ -701,11 +718,13 @@ async def run_profile_job(ctx) -> dict:
     import functools
 
     spec = ctx.spec
+    stop = threading.Event()  # released while it measures: the thread gives up at its next timing
     call = functools.partial(load_or_profile, spec["model"], spec.get("img_size"), spec.get("classes"), None,
                              tuple(spec.get("batch_sizes") or DEFAULT_BATCH_SIZES),
                              int(spec.get("repeats") or DEFAULT_REPEATS), spec.get("threads"), spec.get("cfg"),
-                             bool(spec.get("refresh")), accelerator=usable_accelerator(spec.get("accelerator")))
-    profile, cached, _ = await ctx.run_in_thread(call)
+                             bool(spec.get("refresh")), accelerator=usable_accelerator(spec.get("accelerator")),
+                             stop=stop)
+    profile, cached, _ = await ctx.run_in_thread(call, stop=stop)
     return {"profile": profile.to_dict(), "cached": cached}
 
 
