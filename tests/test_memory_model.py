@@ -137,7 +137,9 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
     desc = describe_model("yolov2-16", size, 5)
     model, n = MemoryModel.for_devices(desc, allocator=allocator), len(desc.layers)
     for b in (2, 4):
-        measured = share_peak(b, size, env)
+        # the peak is sampled, and a sample can only miss the top: the larger of two runs (one
+        # run of 4 samples read 502 MiB where runs read 620-640)
+        measured = max((share_peak(b, size, env) for _ in range(2)), key=lambda m: m["peak"])
         assert measured["allocator"] == allocator
         predicted = model.stage(0, n, b, 1) - model.weights(0, n) + STAGE_SCRATCH_BYTES
         assert measured["peak"] <= predicted, f"{b} samples: measured {measured['peak'] / 2**20:.0f} MiB, " \
