@@ -19,7 +19,7 @@ from swarm.net.interfaces import default_route_interface
 
 def make_advert(node_id="abc123def456", name="pi-1", port=4750) -> Advert:
     return Advert(node_id=node_id, name=name, address="127.0.0.1", port=port, cores=4, memory=2**30,
-                  accelerator="cpu", version="0.1.0", protocol=1)
+                  accelerator="cpu", version="0.1.0", protocol=1, cluster="0123abcd")
 
 
 @pytest.mark.trio
@@ -66,10 +66,38 @@ def test_malformed_adverts_are_ignored():
     good = Advert.from_service_info(Info())
     assert good is not None and good.cores == 2 and good.memory == 1024 and good.name == "?"
     assert good.accelerator_memory == -1  # an advert without it: not known
+    assert good.cluster == ""  # nor its cluster: a roster tries its handshake, as before tags
     Info.properties[b"accmem"] = b"0"
     assert Advert.from_service_info(Info()).accelerator_memory == 0
     Info.port = 0
     assert Advert.from_service_info(Info()) is None
+
+
+@pytest.mark.trio
+async def test_a_roster_passes_by_another_swarms_devices_on_the_same_lan(caplog):
+    from swarm.agent import Agent, AgentConfig
+    from swarm.cluster import open_roster
+    from swarm.net import Credentials
+
+    ours, theirs = "our-token-" + "x" * 22, "their-token-" + "y" * 22
+    assert Credentials("a", ours).cluster_tag != Credentials("a", theirs).cluster_tag
+    assert Credentials("a", ours).cluster_tag == Credentials("b", ours).cluster_tag  # the token's, not the node's
+    network = resolve_network("lo")
+    run = f"{os.getpid()}-{time.monotonic_ns() % 10**6}"  # other swarm processes may be advertising here too
+    caplog.set_level("INFO", logger="swarm.cluster")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for name, token in (("ours", ours), ("theirs", theirs)):
+                config = AgentConfig(name=name, node_id=f"{name}-{run}", token=token, network=network, port=0)
+                await nursery.start(Agent(config).run)
+            async with open_roster(Credentials("coordinator", ours), network) as roster:
+                while not any("theirs (127.0.0.1:" in r.getMessage() and "another swarm" in r.getMessage()
+                              for r in caplog.records):
+                    await trio.sleep(0.05)
+                await roster.wait_for(1, timeout=10)
+                mine = [d for d in roster.devices() if run in d.node_id]
+                assert [(d.name, d.health) for d in mine] == [("ours", "alive")]  # not theirs, not "refused"
+            nursery.cancel_scope.cancel()
 
 
 def test_interface_choice(monkeypatch):

@@ -212,7 +212,8 @@ class Agent:
     def advert(self) -> Advert:
         return Advert(node_id=self.node_id, name=self.config.name, address=self.address, port=self.port,
                       cores=self.cores, memory=self.memory, accelerator=self.accelerator,
-                      accelerator_memory=self.accelerator_memory, version=__version__, protocol=PROTOCOL_VERSION)
+                      accelerator_memory=self.accelerator_memory, version=__version__, protocol=PROTOCOL_VERSION,
+                      cluster=self.credentials.cluster_tag)
 
     def info(self) -> Info:
         job = self.job

@@ -32,6 +32,7 @@ log = logging.getLogger("swarm.cluster")
 
 DEFAULT_AGENT_PORT = 4750
 RETRY_MIN, RETRY_MAX, RETRY_REFUSED = 0.1, 2.0, 10.0
+MAX_STRANGERS = 256  # other swarms' devices remembered (to log each once), whatever a LAN advertises
 
 
 class Roster:
@@ -51,6 +52,7 @@ class Roster:
         self._devices: dict[str, Member] = {}             # node id (or "host:port" before a handshake) -> Member
         self._endpoints: dict[tuple[str, int], tuple[trio.CancelScope, str | None]] = {}  # -> (loop, node id)
         self._jobs: dict[str, CoordinatorJob] = {}
+        self._strangers: set[str] = set()  # node ids whose adverts name another cluster
         self._pongs: dict[int, trio.Event] = {}
         self._answers: dict[int, tuple[str, trio.Event, list]] = {}  # request's seq -> (node id, done, [answer])
         self._seq = itertools.count(1)
@@ -141,6 +143,12 @@ class Roster:
         async for event in found:
             if isinstance(event, DeviceSeen):
                 advert = event.advert
+                if advert.cluster and advert.cluster != self.credentials.cluster_tag:
+                    if advert.node_id not in self._strangers and len(self._strangers) < MAX_STRANGERS:
+                        self._strangers.add(advert.node_id)
+                        log.info("%s (%s:%d) belongs to another swarm (its advert names cluster %s); leaving it be",
+                                 advert.name, advert.address, advert.port, advert.cluster)
+                    continue
                 device = self._devices.get(advert.node_id)
                 if device is None:
                     device = self._devices[advert.node_id] = Member(advert.node_id, advert.address, advert.port)

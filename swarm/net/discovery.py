@@ -42,6 +42,7 @@ class Advert:
     version: str         # swarm release
     protocol: int        # wire protocol version
     accelerator_memory: int = -1  # bytes of its own (swarm.wire.Info says how)
+    cluster: str = ""    # Credentials.cluster_tag of its token; "" in adverts from before there was one
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -53,7 +54,8 @@ class Advert:
 
     def properties(self) -> dict[str, str]:
         return {"id": self.node_id, "name": self.name, "cores": str(self.cores), "mem": str(self.memory),
-                "accel": self.accelerator, "accmem": str(self.accelerator_memory), "ver": self.version, "proto": str(self.protocol), "port": str(self.port)}
+                "accel": self.accelerator, "accmem": str(self.accelerator_memory), "ver": self.version, "proto": str(self.protocol), "port": str(self.port),
+                "cluster": self.cluster}
 
     @classmethod
     def from_service_info(cls, info) -> Advert | None:
@@ -67,7 +69,8 @@ class Advert:
             advert = cls(node_id=props["id"], name=props.get("name", "?"), address=addresses[0], port=port,
                          cores=int(props.get("cores", 0)), memory=int(props.get("mem", 0)),
                          accelerator=props.get("accel", "?"), version=props.get("ver", "?"),
-                         protocol=int(props.get("proto", 0)), accelerator_memory=int(props.get("accmem", -1)))
+                         protocol=int(props.get("proto", 0)), accelerator_memory=int(props.get("accmem", -1)),
+                         cluster=props.get("cluster", ""))
         except (KeyError, IndexError, ValueError, UnicodeDecodeError, TypeError, AttributeError):
             return None
         if not advert.node_id or not 0 < port < 65536:

@@ -16,6 +16,8 @@ the reader some twenty times, each a trip through the event loop.
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import logging
 import os
 import socket
@@ -48,6 +50,15 @@ class Credentials:
     node_id: str
     token: str = field(repr=False)
     limits: Limits = Limits()
+
+    @property
+    def cluster_tag(self) -> str:
+        """The cluster's name in mDNS adverts: 8 hex digits of an HMAC of the token, so that
+        swarms sharing a LAN pass each other by without trying handshakes that must fail.
+        It identifies, it does not authenticate (anyone can copy it; the handshake proves the
+        token), and a token has at least 128 bits (swarm.host.state), so it gives no guess
+        of the token away."""
+        return hmac.new(self.token.encode(), b"swarm-cluster-tag", hashlib.sha256).hexdigest()[:8]
 
 
 class PeerUnavailable(SwarmError):
