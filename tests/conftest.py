@@ -14,6 +14,43 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ["SWARM_INTERFACE"] = "lo"
 os.environ["SWARM_CONFIG"] = os.devnull  # never the machine's own /etc/swarm/swarm.toml
 
+# On two workers (below) tests compute beside each other, and an OpenMP team that spins while
+# it waits, as libgomp's does by default, takes the core from the test beside it: two
+# two-thread trainings side by side each took 11x as long as one alone, and 1.7x with a
+# short spin (set before torch is imported; the subprocesses a test starts inherit it).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+
+
+# The suite runs on two processes (pytest -n 2, the README's command). The modules below
+# share something machine-wide, so they run one after another on one of them: the namespace
+# testbed (one per machine), agents advertising on loopback's mDNS, and checks of how long
+# something took or how much memory it reached. Meanwhile the other process runs the rest.
+MACHINE_WIDE = {
+    "test_agent", "test_agent_bounds", "test_auth", "test_clean_stop", "test_cuda", "test_deploy_notify",
+    "test_detached", "test_discovery", "test_failover", "test_flapping", "test_memory_model",
+    "test_planner_live", "test_service_install", "test_status", "test_swarm_detached", "test_swarm_replay",
+    "test_swarm_training", "test_testbed", "test_torch_libs", "test_wire_sockets",
+}
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rpartition("/")[2].removesuffix(".py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's load scheduling, with every MACHINE_WIDE test in one unit of work."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MachineWideTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "machine-wide" if _module_of(nodeid) in MACHINE_WIDE else nodeid
+
+    return MachineWideTogether(config, log)
+
 
 @pytest.fixture(autouse=True)
 def _pin_interface(monkeypatch):
