@@ -97,7 +97,37 @@ async def test_a_roster_passes_by_another_swarms_devices_on_the_same_lan(caplog)
                 await roster.wait_for(1, timeout=10)
                 mine = [d for d in roster.devices() if run in d.node_id]
                 assert [(d.name, d.health) for d in mine] == [("ours", "alive")]  # not theirs, not "refused"
+                # a command given the wrong token would see no device of its own: it is told why
+                assert "belong" in roster.strangers() and "another cluster token" in roster.strangers()
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_swarm_status_with_another_token_says_the_devices_it_sees_belong_to_another_swarm(tmp_path):
+    import subprocess
+    import sys
+
+    from swarm.agent import Agent, AgentConfig
+
+    theirs = "their-token-" + "y" * 22
+    config = AgentConfig(name="theirs", node_id=f"theirs-{os.getpid()}", token=theirs, network=resolve_network("lo"),
+                         port=0)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from swarm.host.state import new_token
+
+    env = {**os.environ, "SWARM_TOKEN": new_token(), "PYTHONPATH": root}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(Agent(config).run)
+            status = await trio.run_process([sys.executable, "-m", "swarm", "status", "--wait", "3", "--state-dir",
+                                             str(tmp_path)], env=env, capture_stdout=True, capture_stderr=True,
+                                            check=False)
+            nursery.cancel_scope.cancel()
+    out, err = status.stdout.decode(), status.stderr.decode()
+    assert status.returncode == 0, err
+    assert "theirs" not in out and "refused" not in out
+    assert "belongs to another swarm (another cluster token)" in err and "swarm token" in err, err
+    assert "Traceback" not in err
 
 
 def test_interface_choice(monkeypatch):

@@ -77,6 +77,16 @@ class Roster:
                 await self._changed.wait()
         return self.alive()
 
+    def strangers(self) -> str:
+        """A sentence on the devices found on mDNS whose adverts name another cluster ("" if
+        none): a device given the wrong token sees its own swarm's devices only as these."""
+        n = len(self._strangers)
+        if not n:
+            return ""
+        return (f"{n} device{'s' if n > 1 else ''} on this LAN belong{'' if n > 1 else 's'} to another swarm "
+                f"(another cluster token); if {'they are' if n > 1 else 'it is'} meant to be in this one, give "
+                f"this command the token that `swarm token` prints there")
+
     def subscribe(self) -> trio.MemoryReceiveChannel:
         """A channel of every MembershipEvent from now on."""
         return self.membership.subscribe()

@@ -205,7 +205,8 @@ class SwarmRunner:
             devices = await cluster.wait_for(o.devices, timeout=o.wait_s)
             if len(devices) < o.devices:
                 raise SwarmError(f"only {len(devices)} of {o.devices} devices answered within {o.wait_s:g} s: "
-                                 f"{', '.join(d.name for d in devices) or 'none'}")
+                                 f"{', '.join(d.name for d in devices) or 'none'}"
+                                 + (f" ({cluster.strangers()})" if cluster.strangers() else ""))
             devices = sorted(devices, key=lambda d: (d.name, d.node_id))[:o.devices]
         else:
             await trio.sleep(o.wait_s)
