@@ -73,8 +73,8 @@ async def _status(args, credentials, network, peers) -> int:
             where = f"interface {network.interface}" + ("" if args.no_mdns else " (mDNS)")
             print(f"swarm status: no devices found on {where} within {args.wait:g} s; is `swarm join` running "
                   f"on them? Where multicast is blocked, name them with --peers.", file=sys.stderr)
-        if cluster.strangers():
-            print(f"swarm status: {cluster.strangers()}", file=sys.stderr)
+        if strangers := cluster.strangers():
+            print(f"swarm status: {strangers}", file=sys.stderr)
         if args.watch:
             async for event in cluster.subscribe():  # changes after the listing above
                 device = cluster.device(event.node_id)

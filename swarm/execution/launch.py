@@ -204,9 +204,10 @@ class SwarmRunner:
         if o.devices:
             devices = await cluster.wait_for(o.devices, timeout=o.wait_s)
             if len(devices) < o.devices:
+                strangers = cluster.strangers()
                 raise SwarmError(f"only {len(devices)} of {o.devices} devices answered within {o.wait_s:g} s: "
                                  f"{', '.join(d.name for d in devices) or 'none'}"
-                                 + (f" ({cluster.strangers()})" if cluster.strangers() else ""))
+                                 + (f" ({strangers})" if strangers else ""))
             devices = sorted(devices, key=lambda d: (d.name, d.node_id))[:o.devices]
         else:
             await trio.sleep(o.wait_s)
