@@ -7,7 +7,8 @@ For each N it brings up a namespace testbed of N devices (their agents stay idle
 in every device's namespace and CPU cgroup, a bare ring all-reduce of --mbytes of float32
 (yolov2-16's 3.44 M parameters by default): a reduce-scatter then an all-gather, blocking
 sockets, numpy adds, a thread per send, and nothing else — no framing, no event loop, no
-tensors. It prints, as medians over the devices of each one's median over --repeats, the
+tensors. With --gloo it also sums yolov2-16's five gradient buckets through gloo
+(torch.distributed, what DDP under torchrun uses), in the same namespaces and cgroups. It prints, as medians over the devices of each one's median over --repeats, the
 process CPU seconds and the wall seconds of one all-reduce.
 
 That is the floor under what summing the gradients costs a tiles or dp device on this
@@ -82,12 +83,37 @@ def ring_child(me: int, addresses: list[str], nbytes: int, repeats: int) -> None
     print(json.dumps({"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall)}))
 
 
+def gloo_child(me: int, addresses: list[str], repeats: int) -> None:
+    """One device's side through gloo, as DDP sums: yolov2-16's five gradient buckets
+    (ring_swarm.BUCKETS), each an asynchronous all_reduce, the top one first, all under way at once."""
+    import torch
+    import torch.distributed as dist
+
+    from ring_swarm import BUCKETS  # bench/, beside this file
+    from swarm.testbed.names import DEVICE_INTERFACE
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR=addresses[0], MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=DEVICE_INTERFACE)
+    dist.init_process_group("gloo", rank=me, world_size=len(addresses))
+    buckets = [torch.ones(size // 4) for size in BUCKETS]
+    cpu, wall = [], []
+    for _ in range(repeats + 1):  # the first is left out: gloo's pairs connect on first use
+        c0, t0 = time.process_time(), time.monotonic()
+        for work in [dist.all_reduce(b, async_op=True) for b in buckets]:
+            work.wait()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.monotonic() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps({"cpu_s": statistics.median(cpu[1:]), "wall_s": statistics.median(wall[1:])}))
+
+
 def swarm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def measure(n: int, args) -> dict:
+def measure(n: int, impl: str, args) -> dict:
     from swarm.testbed import cgroups, testbed
 
     swarm("testbed", "down")
@@ -97,9 +123,10 @@ def measure(n: int, args) -> dict:
         addresses = [d.address for d in record.devices]
         children = []
         for k, device in enumerate(record.devices):
-            cmd = ["ip", "netns", "exec", device.namespace, sys.executable, __file__, "--child", str(k),
+            cmd = ["ip", "netns", "exec", device.namespace, sys.executable, __file__, f"--{impl}", str(k),
                    ",".join(addresses), str(int(args.mbytes * 1e6)), str(args.repeats)]
-            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
             cgroups.add_process([Path(c) for c in device.cgroups], child.pid)  # the device's CPU share
             children.append(child)
         results = [json.loads(child.communicate(timeout=600)[0]) for child in children]
@@ -111,9 +138,12 @@ def measure(n: int, args) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+    if len(sys.argv) > 1 and sys.argv[1] in ("--bare", "--gloo"):
         me, addresses, nbytes, repeats = sys.argv[2:6]
-        ring_child(int(me), addresses.split(","), int(nbytes), int(repeats))
+        if sys.argv[1] == "--bare":
+            ring_child(int(me), addresses.split(","), int(nbytes), int(repeats))
+        else:
+            gloo_child(int(me), addresses.split(","), int(repeats))
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", default="4,8")
@@ -121,16 +151,19 @@ def main() -> None:
     p.add_argument("--bandwidth", default="100mbit")
     p.add_argument("--mbytes", type=float, default=13.75)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--gloo", action="store_true", help="also sum yolov2-16's five buckets with gloo (torch.distributed), "
+                   "as DDP does, on the same testbed")
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("the namespace testbed needs root")
     print(f"ring all-reduce of {args.mbytes:g} MB over testbed devices ({args.cpu} core, {args.bandwidth} each)")
-    print(f"{'devices':>8} {'CPU s':>7} {'(range)':>13} {'wall s':>7} {'MB out/in':>10}")
+    print(f"{'devices':>8} {'sum':>5} {'CPU s':>7} {'(range)':>13} {'wall s':>7} {'MB out/in':>10}")
     for n in (int(x) for x in args.devices.split(",")):
-        r = measure(n, args)
-        moved = 2 * (n - 1) / n * args.mbytes
-        print(f"{n:>8} {r['cpu_s']:7.3f} {r['cpu_s_range'][0]:6.3f}-{r['cpu_s_range'][1]:.3f} {r['wall_s']:7.2f} "
-              f"{moved:10.1f}", flush=True)
+        for impl in ("bare", "gloo") if args.gloo else ("bare",):
+            r = measure(n, impl, args)
+            moved = 2 * (n - 1) / n * args.mbytes
+            print(f"{n:>8} {impl:>5} {r['cpu_s']:7.3f} {r['cpu_s_range'][0]:6.3f}-{r['cpu_s_range'][1]:.3f} "
+                  f"{r['wall_s']:7.2f} {moved:10.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
 
 (`fixed` is auto with `--recost off`: its first plan kept, never re-costed on the devices'
 measured speeds; its re-costing, when auto does it, is printed under the run and kept in
---json) and ddp is bench/peers/ddp.py under torchrun, one node inside each device's namespace and
-cgroups (bench/peers/run_ddp.py). Each round runs every run once, in the order of --runs,
+--json), ddp is bench/peers/ddp.py under torchrun, one node inside each device's namespace and
+cgroups (bench/peers/run_ddp.py), and pipe is bench/peers/pipe.py the same way: torch's own
+pipeline (torch.distributed.pipelining, Schedule1F1B), one stage per device. Each round runs every run once, in the order of --runs,
 reversed every other round (so neither gains from the machine's drift).
 
 The table: samples/s is the median over rounds of each run's median over its steps after the
@@ -47,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peers.run_ddp import last_error, out_of_memory, run_ddp  # bench/peers, beside this file
+from peers.run_ddp import PIPE, last_error, out_of_memory, run_ddp, run_peer  # bench/peers, beside this file
 from planner.plan import Plan
 from swarm.commands.flags import positive_float, positive_int
 from swarm.commands.testbed_cmd import bandwidth_rate, each, memory_size
@@ -57,7 +58,7 @@ from swarm.testbed import testbed
 HERE = Path(__file__).resolve().parent
 SWARM_RUNS = ("auto", "dp", "pp", "tiles", "hybrid")
 # plan: the plan file --plan names (`swarm plan --out`); fixed: auto's first plan, never re-costed (--recost off)
-RUNS = (*SWARM_RUNS, "fixed", "plan", "ddp")
+RUNS = (*SWARM_RUNS, "fixed", "plan", "ddp", "pipe")
 
 
 class Parser(argparse.ArgumentParser):
@@ -231,6 +232,8 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
     with Peaks(resident_memory, 0.2) as resident:
         if run == "ddp":
             result = run_ddp(args.devices, train_args(args), metrics, work / label, args.timeout)
+        elif run == "pipe":
+            result = run_peer(PIPE, args.devices, train_args(args), metrics, work / label, args.timeout)
         else:
             result = swarm_train(bench, run, args, metrics)
     result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory(),

@@ -1,8 +1,10 @@
-"""The DDP peer (bench/peers/ddp.py) trains what swarm's local trainer trains, and bench/versus.py's flags.
+"""The peers (bench/peers/ddp.py, pipe.py) train what swarm's local trainer trains, and bench/versus.py's flags.
 
-No testbed and no root: ddp.py runs under torchrun with two local ranks on loopback. lenet5
-has no BatchNorm (which plain DDP keeps per rank), so its weights after two SGD steps over
-ranks must equal LocalTrainer's on the same global batches, up to float rounding.
+No testbed and no root: the peers run under torchrun with two local ranks on loopback. lenet5
+has no BatchNorm (which plain DDP keeps per rank), so DDP's weights after two SGD steps over
+ranks must equal LocalTrainer's on the same global batches, up to float rounding. torch's
+pipeline keeps BatchNorm per micro-batch, as swarm does, so pipe.py's two stages of yolov2-16
+must end with LocalTrainer's weights and statistics bit for bit.
 """
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ def flags(settings: dict) -> list[str]:
     return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def torchrun_ddp(settings: dict, *extra) -> None:
-    """ddp.py under torchrun on 2 local ranks."""
+def torchrun_ddp(settings: dict, *extra, script: str = "ddp.py") -> None:
+    """A peer (ddp.py unless `script` says) under torchrun on 2 local ranks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                        "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "bench" / "peers" / "ddp.py"),
+                        "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "bench" / "peers" / script),
                         *flags(settings), *map(str, extra)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -93,6 +95,97 @@ def test_ddp_equals_local_training_without_batchnorm(ddp_run):
     for k, v in local.items():
         assert (v - start[k]).abs().max() > 1e-4, f"{k} hardly moved: the comparison would prove nothing"
         torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6)
+
+
+# batch 4 in 2 micro-batches of 2, two stages of yolov2-16 (15 BatchNorm layers) at 64
+PIPE_TINY = {"model": "yolov2-16", "img_size": 64, "batch_size": 4, "microbatches": 2, "steps": 2, "seed": 1,
+             "lr": 0.1, "warmup": 0}
+
+
+@pytest.fixture(scope="module")
+def pipe_run(tmp_path_factory):
+    """pipe.py on 2 local ranks (two stages) for PIPE_TINY: (metrics lines, trained weights)."""
+    out = tmp_path_factory.mktemp("pipe")
+    torchrun_ddp(PIPE_TINY, "--metrics", out / "m.jsonl", "--save", out / "w.pt", script="pipe.py")
+    lines = [json.loads(line) for line in (out / "m.jsonl").read_text().splitlines()]
+    return lines, torch.load(out / "w.pt", weights_only=True)
+
+
+def test_pipe_equals_local_training_bit_for_bit(pipe_run):
+    """Weights, BatchNorm statistics and losses after two steps, as LocalTrainer has them (torch
+    infers the shapes between stages by running a stage once, which would move the first
+    stage's statistics a step further: pipe.py gives the shapes instead)."""
+    from swarm.data import make_batch, step_indices
+    from swarm.local.trainer import LocalTrainer, TrainConfig, prepare
+
+    lines, weights = pipe_run
+    torch.set_num_threads(1)
+    cfg, train_set, _ = prepare(TrainConfig(**PIPE_TINY))
+    trainer = LocalTrainer(cfg)
+    start = {k: v.clone() for k, v in trainer.net.state_dict().items()}
+    losses = [trainer.step(*make_batch(train_set, step_indices(len(train_set), cfg.batch_size, s, cfg.seed)))
+              for s in range(cfg.steps)]
+    assert [m["loss"] for m in lines] == losses
+    assert lines[0]["stage_firsts"][0] == 0 and len(lines[0]["stage_firsts"]) == 2
+    local = trainer.net.state_dict()
+    assert local.keys() == weights.keys()
+    for k, v in local.items():
+        assert not torch.equal(v, start[k]), f"{k} did not change: the comparison would prove nothing"
+        assert torch.equal(weights[k], v), k
+
+
+def test_pipe_writes_one_metrics_line_per_step(pipe_run):
+    lines, _ = pipe_run
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        assert m["samples"] == PIPE_TINY["batch_size"] and m["ranks"] == 2
+        assert m["samples_per_s"] == pytest.approx(m["samples"] / m["seconds"])
+        assert all(0 < main <= cpu + 1e-3 for main, cpu in zip(m["rank_main_cpu_s"], m["rank_cpu_s"]))
+
+
+def load_pipe():
+    import importlib.util
+    sys.path.insert(0, str(ROOT / "bench" / "peers"))
+    try:
+        spec = importlib.util.spec_from_file_location("pipe_peer", ROOT / "bench" / "peers" / "pipe.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "bench" / "peers"))
+
+
+def test_pipe_splits_the_layers_into_stages_of_least_largest_flops():
+    import itertools
+    import random
+
+    even_split = load_pipe().even_split
+    assert even_split([1, 1, 1, 1], 2) == [0, 2]
+    assert even_split([4, 1, 1, 1, 1], 2) == [0, 1]
+    assert even_split([1, 1, 1], 3) == [0, 1, 2]
+    rng = random.Random(1)
+    for _ in range(200):
+        flops = [rng.randint(1, 20) for _ in range(rng.randint(1, 8))]
+        stages = rng.randint(1, len(flops))
+        firsts = even_split(flops, stages)
+        assert firsts[0] == 0 and len(firsts) == stages and firsts == sorted(set(firsts))
+
+        def largest(cuts):
+            bounds = [*cuts, len(flops)]
+            return max(sum(flops[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+        best = min(largest([0, *rest]) for rest in itertools.combinations(range(1, len(flops)), stages - 1))
+        assert largest(firsts) == best, (flops, stages, firsts)
+
+
+@pytest.mark.parametrize("bad, says", [(["--split", "3,x"], "--split"),
+                                       (["--batch-size", "6", "--microbatches", "4"], "equal micro-batches"),
+                                       (["--model", "lenet5", "--img-size", "64", "--split", "3,5"], "one rank runs"),
+                                       (["--model", "alexnet"], "dropout")])
+def test_pipe_bad_flags_are_one_line(bad, says):
+    r = run_script(ROOT / "bench" / "peers" / "pipe.py", *bad)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
 
 
 def run_script(*args) -> subprocess.CompletedProcess:

@@ -1,7 +1,8 @@
-"""Start bench/peers/ddp.py across the namespace testbed: one torchrun node per device, in its namespace and cgroups.
+"""Start a peer (bench/peers/ddp.py, pipe.py) across the namespace testbed: one torchrun node per device, in its namespace and cgroups.
 
     result = run_ddp(6, ["--model", "yolov2-16", "--batch-size", "32", "--steps", "4"], Path("ddp.jsonl"),
                      Path("logs"), timeout=1800)
+    result = run_peer(PIPE, 8, [...], Path("pipe.jsonl"), Path("logs"), timeout=1800)
 
 Device k runs, all devices at once (root, a testbed up):
 
@@ -28,6 +29,7 @@ from swarm.testbed.names import DEVICE_INTERFACE, device_address, device_name
 
 ROOT = Path(__file__).resolve().parents[2]
 DDP = Path(__file__).with_name("ddp.py")
+PIPE = Path(__file__).with_name("pipe.py")
 MASTER_PORT = 29500
 FAILURE_GRACE_S = 30.0  # after one node fails, how long the others get to notice before they are stopped
 STOP_GRACE_S = 15.0  # after SIGTERM, how long torchrun gets to stop its worker before SIGKILL
@@ -35,24 +37,24 @@ ERROR_LINE = re.compile(r"^((\w+\.)*\w*(Error|Exception): |swarm \w+: error: )")
 KILLED = re.compile(r"Killed process \d+ \((.*?)\).*?anon-rss:(\d+)kB")
 
 
-def node_command(k: int, n: int, ddp_args: list) -> list[str]:
+def node_command(k: int, n: int, ddp_args: list, script: Path = DDP) -> list[str]:
     """The command that starts node k of n on device k."""
     return [sys.executable, "-m", "swarm", "testbed", "exec", "--in-cgroup", device_name(k), "--",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--node-rank", str(k),
             "--nproc-per-node", "1", "--master-addr", device_address(0), "--master-port", str(MASTER_PORT),
-            str(DDP), *map(str, ddp_args)]
+            str(script), *map(str, ddp_args)]
 
 
 def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": DEVICE_INTERFACE, "OMP_NUM_THREADS": "1"}
 
 
-def start_nodes(n: int, ddp_args: list, logs: Path) -> list[subprocess.Popen]:
+def start_nodes(n: int, ddp_args: list, logs: Path, script: Path = DDP) -> list[subprocess.Popen]:
     logs.mkdir(parents=True, exist_ok=True)
     nodes = []
     for k in range(n):
-        with open(logs / f"ddp-{device_name(k)}.log", "w") as log:
-            nodes.append(subprocess.Popen(node_command(k, n, ddp_args), stdout=log, stderr=subprocess.STDOUT,
+        with open(logs / f"{script.stem}-{device_name(k)}.log", "w") as log:
+            nodes.append(subprocess.Popen(node_command(k, n, ddp_args, script), stdout=log, stderr=subprocess.STDOUT,
                                           env=environment(), start_new_session=True))
     return nodes
 
@@ -132,7 +134,12 @@ def last_error(output: str) -> str:
 
 def run_ddp(n: int, ddp_args: list, metrics: Path, logs: Path, timeout: float) -> dict:
     """Train with ddp.py over devices dev0..dev(n-1); rank 0's metrics, or the error."""
-    nodes = start_nodes(n, [*ddp_args, "--metrics", metrics], logs)
+    return run_peer(DDP, n, ddp_args, metrics, logs, timeout)
+
+
+def run_peer(script: Path, n: int, ddp_args: list, metrics: Path, logs: Path, timeout: float) -> dict:
+    """Train with a peer script over devices dev0..dev(n-1); rank 0's metrics, or the error."""
+    nodes = start_nodes(n, [*ddp_args, "--metrics", metrics], logs, script)
     failed, timed_out = wait_nodes(nodes, timeout)
     oom = out_of_memory()
     if oom:
@@ -140,6 +147,6 @@ def run_ddp(n: int, ddp_args: list, metrics: Path, logs: Path, timeout: float) -
     if timed_out:
         return {"error": f"timed out after {timeout:g} s"}
     if failed is not None:
-        log = logs / f"ddp-{device_name(failed)}.log"
+        log = logs / f"{script.stem}-{device_name(failed)}.log"
         return {"error": f"{device_name(failed)}: {last_error(log.read_text(errors='replace'))}"}
     return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()]}
