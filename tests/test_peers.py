@@ -78,19 +78,24 @@ def test_ddp_writes_one_metrics_line_per_step(ddp_run):
         assert all(0 < main <= cpu + 1e-3 for main, cpu in zip(m["rank_main_cpu_s"], m["rank_cpu_s"]))
 
 
-def test_ddp_equals_local_training_without_batchnorm(ddp_run):
+def train_locally(settings: dict) -> tuple[dict, list[float], dict]:
+    """LocalTrainer's run of `settings`: (its first weights, each step's loss, its last weights)."""
     from swarm.data import make_batch, step_indices
     from swarm.local.trainer import LocalTrainer, TrainConfig, prepare
 
-    lines, weights = ddp_run
     torch.set_num_threads(1)
-    cfg, train_set, _ = prepare(TrainConfig(**TINY))
+    cfg, train_set, _ = prepare(TrainConfig(**settings))
     trainer = LocalTrainer(cfg)
     start = {k: v.clone() for k, v in trainer.net.state_dict().items()}
     losses = [trainer.step(*make_batch(train_set, step_indices(len(train_set), cfg.batch_size, s, cfg.seed)))
               for s in range(cfg.steps)]
+    return start, losses, trainer.net.state_dict()
+
+
+def test_ddp_equals_local_training_without_batchnorm(ddp_run):
+    lines, weights = ddp_run
+    start, losses, local = train_locally(TINY)
     assert [m["loss"] for m in lines] == pytest.approx(losses, rel=1e-5)
-    local = trainer.net.state_dict()
     assert local.keys() == weights.keys()
     for k, v in local.items():
         assert (v - start[k]).abs().max() > 1e-4, f"{k} hardly moved: the comparison would prove nothing"
@@ -115,19 +120,10 @@ def test_pipe_equals_local_training_bit_for_bit(pipe_run):
     """Weights, BatchNorm statistics and losses after two steps, as LocalTrainer has them (torch
     infers the shapes between stages by running a stage once, which would move the first
     stage's statistics a step further: pipe.py gives the shapes instead)."""
-    from swarm.data import make_batch, step_indices
-    from swarm.local.trainer import LocalTrainer, TrainConfig, prepare
-
     lines, weights = pipe_run
-    torch.set_num_threads(1)
-    cfg, train_set, _ = prepare(TrainConfig(**PIPE_TINY))
-    trainer = LocalTrainer(cfg)
-    start = {k: v.clone() for k, v in trainer.net.state_dict().items()}
-    losses = [trainer.step(*make_batch(train_set, step_indices(len(train_set), cfg.batch_size, s, cfg.seed)))
-              for s in range(cfg.steps)]
+    start, losses, local = train_locally(PIPE_TINY)
     assert [m["loss"] for m in lines] == losses
     assert lines[0]["stage_firsts"][0] == 0 and len(lines[0]["stage_firsts"]) == 2
-    local = trainer.net.state_dict()
     assert local.keys() == weights.keys()
     for k, v in local.items():
         assert not torch.equal(v, start[k]), f"{k} did not change: the comparison would prove nothing"

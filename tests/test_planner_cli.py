@@ -99,3 +99,34 @@ def test_profile_on_cuda_without_a_gpu_is_one_line(tmp_path):
     r = run_swarm("profile", "--model", "lenet5", "--accelerator", "cuda", env={"SWARM_STATE_DIR": str(tmp_path)})
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "torch sees no CUDA device" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_plan_on_the_live_swarm_plans_on_estimates_when_no_device_can_profile_the_model(tmp_path, monkeypatch):
+    """Devices that cannot hold the whole model to measure it: `swarm plan` says so and plans
+    on estimates from what the devices report (cores, memory), within their memory."""
+    import argparse
+
+    import swarm.profiling.survey as survey
+    from swarm.commands import plan_cmd
+    from swarm.zoo import describe_model
+
+    from swarm.host.state import new_token
+
+    (tmp_path / "token").write_text(new_token() + "\n")
+    found = [{"name": f"dev{i}", "node_id": f"n{i}", "cores": 1, "memory": 2**30} for i in range(8)]
+
+    async def gather_live(*args, **kwargs):
+        return {"devices": found, "profiles": None, "links": {},
+                "why": "job profile-1 on dev0 failed: this device cannot profile the model: ..."}
+
+    monkeypatch.setattr(survey, "gather_live", gather_live)
+    said = []
+    monkeypatch.setattr(plan_cmd, "say", said.append)
+    args = argparse.Namespace(state_dir=str(tmp_path), token_file=str(tmp_path / "token"), interface="lo", peers=None,
+                              model="yolov2", threads=None, wait=0.0, accelerators="on")
+    desc = describe_model("yolov2", 416)
+    cluster, measured, why = plan_cmd.live_cluster(args, desc, None)
+    assert measured is None and why is None
+    assert [d.name for d in cluster.devices] == [d["name"] for d in found]
+    assert all(0 < d.memory < 2**30 for d in cluster.devices)
+    assert any("planning on estimates" in line for line in said), said

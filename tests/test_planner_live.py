@@ -168,4 +168,43 @@ async def test_a_device_lost_while_profiling_is_profiled_again_not_planned_by_fl
             assert len(calls) == 2 and any("trying again" in line for line in lines), lines
         else:
             assert measured is None and len(calls) == launch.MEASURE_TRIES
-            assert "splitting by FLOPs instead" in lines[-1], lines
+            assert "planning on estimates instead" in lines[-1], lines
+
+
+async def test_a_model_no_device_can_profile_whole_is_planned_on_estimates_within_memory(monkeypatch):
+    """A device that cannot hold the whole model to measure it says so, once: the run does not
+    profile again, and plans on estimates (compute by cores, nominal links) within each
+    device's memory. For the full yolov2 at 416 on eight 1 GiB devices that is tiles over the
+    front and a pipeline behind, which fits; the split by FLOPs it used to fall back on needs
+    more than a device has."""
+    from types import SimpleNamespace
+
+    from planner.baselines import simple_plan
+    from planner.memory_fit import memory_overflows
+    from swarm.cluster import JobError
+    from swarm.execution import launch
+
+    calls = []
+
+    async def profile_devices(cluster, ids, spec, accelerators=None):
+        calls.append(list(ids))
+        raise JobError("dev3 failed job profile-1: this device cannot profile the model: a step on 1 sample "
+                       "would need about 1190 MiB of this device's 1024 MiB")
+
+    monkeypatch.setattr(launch, "profile_devices", profile_devices)
+    desc = describe_model("yolov2", 416)
+    names = [f"dev{i}" for i in range(8)]
+    devices = [SimpleNamespace(node_id=f"n{i}", accelerator="cpu", as_dict=dict) for i in range(8)]
+    trainer = SimpleNamespace(cfg=SimpleNamespace(model="yolov2", classes=None, optimizer="sgd", batch_size=8,
+                                                  microbatches=8), desc=desc)
+    lines = []
+    runner = launch.SwarmRunner(launch.SwarmOptions(), lines.append, None)
+    assert await runner._measure(SimpleNamespace(), trainer, devices) is None
+    assert len(calls) == 1 and "planning on estimates instead" in lines[-1], lines
+
+    facts = {n: {"cores": 1, "memory": 2**30, "address": f"10.0.0.{i}:4750"} for i, n in enumerate(names)}
+    plan = runner._auto_plan(trainer, names, facts, None)
+    memory = {n: 2**30 for n in names}
+    assert memory_overflows(plan, desc, memory, "sgd") == []
+    assert sorted(plan.used_devices()) == names and plan.stages[0].mode == "tiles" and len(plan.stages) > 1
+    assert memory_overflows(simple_plan("tiles", desc, names, 8, 8, facts=facts), desc, memory, "sgd")

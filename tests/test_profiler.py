@@ -116,6 +116,26 @@ def test_batch_sizes_that_would_outgrow_the_memory_are_not_run(monkeypatch):
         profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1)
 
 
+def test_the_first_step_counts_the_gradients_and_optimizer_state_it_allocates():
+    """Before anything is measured the guard adds what the first step allocates beyond the
+    model: gradients and momentum, two floats a parameter under SGD. The full yolov2 at 416
+    (50.6 M parameters) on a 1 GiB device: an agent holding the model is refused, with the
+    message the coordinator recognises, where without them it would have run and been killed
+    for memory. Once a step is measured its peak includes them."""
+    import swarm.profiling.profiler as profiler
+
+    desc = describe_model("yolov2", 416)
+    guard = profiler.MemoryGuard(desc, "sgd", limit=2**30)
+    params = sum(d.param_bytes for d in desc.layers)
+    assert guard.state == 2 * params > 400e6
+    guard.base = 270 * 2**20 + params  # an agent at rest, and the model it built
+    assert guard.need(1, {}) == pytest.approx(guard.base + guard.state + guard.MARGIN * 1.4 * guard.estimate)
+    assert not guard(1, {})
+    assert guard.need(1, {}) - guard.state <= guard.SHARE * guard.limit  # what the guard used to find
+    assert profiler.CANNOT_PROFILE in guard.too_small(1)
+    assert guard.need(2, {1: 300e6}) == pytest.approx(guard.base + guard.MARGIN * 2 * 300e6)
+
+
 def test_broken_cache_entry_is_measured_again(tmp_path):
     _, _, path = load_or_profile("lenet5", None, None, tmp_path, batch_sizes=(1,), repeats=1, threads=1)
     path.write_text("{not json")

@@ -45,18 +45,23 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="ddp.py", description=__doc__.splitlines()[0])
+def training_flags(p: argparse.ArgumentParser, microbatches: str) -> None:
+    """The flags a peer shares with `swarm train` (the model, data and optimizer), and --metrics and --save."""
     p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
     p.add_argument("--img-size", type=positive_int, help="input size (default: as swarm train)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="global samples per step (default: 16)")
-    p.add_argument("--microbatches", type=positive_int, default=1, help="micro-batches per rank's share (default: 1)")
+    p.add_argument("--microbatches", type=positive_int, default=1, help=f"{microbatches} (default: 1)")
     p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help=f"steps (default: {DEFAULT_STEPS})")
     p.add_argument("--seed", type=non_negative_int, default=0, help="initial weights and sample order (default: 0)")
     p.add_argument("--lr", type=positive_float, help="learning rate (default: 0.001)")
     p.add_argument("--warmup", type=non_negative_int, default=20, help="steps of lr warm-up (default: 20)")
     p.add_argument("--metrics", metavar="FILE", help="rank 0 appends one JSON object per step to FILE")
     p.add_argument("--save", metavar="PATH", help="rank 0 saves the trained weights (a state dict) here")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = Parser(prog="ddp.py", description=__doc__.splitlines()[0])
+    training_flags(p, "micro-batches per rank's share")
     p.add_argument("--checkpoint", metavar="PATH", help="resume from PATH when it exists; rank 0 writes it "
                    "(weights, optimizer, step; atomically) every --save-every steps: what a worker restarted by "
                    "torchrun's elastic agent (--max-restarts) carries on from")

@@ -1,5 +1,6 @@
-"""Plain PyTorch pipeline parallelism of a swarm zoo model: torch.distributed.pipelining's 1F1B
-schedule over gloo, started with torchrun, one stage per rank.
+"""torch's own pipeline (torch.distributed.pipelining, 1F1B, gloo) of a swarm zoo model under torchrun.
+
+One stage per rank (two here):
 
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/peers/pipe.py --model yolov2-16 --img-size 416 \\
         --batch-size 8 --microbatches 8 --steps 4 --seed 1 --metrics pipe.jsonl
@@ -11,7 +12,9 @@ step's micro-batches. The same network, data, loss and optimizer as `swarm train
 bench/peers/ddp.py; BatchNorm over each micro-batch, as swarm has it, so the run trains what
 swarm's local trainer trains. Rank 0 appends one JSON line per step to --metrics, with the
 fields ddp.py writes (seconds, samples, samples_per_s, loss, rank_cpu_s, rank_main_cpu_s,
-ranks) and the stages' first layers.
+ranks) and the stages' first layers. The shapes that cross between stages are given to torch
+rather than inferred: its inference runs each stage once, which would move BatchNorm's
+running statistics a step ahead of what local training has.
 """
 from __future__ import annotations
 
@@ -27,29 +30,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from ddp import Parser, configure, gather_step, leave, targets_for_loss  # bench/peers, beside this file
-from swarm.commands.flags import non_negative_int, positive_float, positive_int
+from ddp import Parser, configure, gather_step, leave, targets_for_loss, training_flags  # bench/peers, beside this file
 from swarm.data import make_batch, step_indices
 from swarm.errors import SwarmError
-from swarm.local.trainer import DEFAULT_STEPS, make_optimizer, set_lr
+from swarm.local.trainer import make_optimizer, set_lr
 from swarm.zoo import build_model, describe_model
 from swarm.zoo.loss import make_loss
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="pipe.py", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
-    p.add_argument("--img-size", type=positive_int, help="input size (default: as swarm train)")
-    p.add_argument("--batch-size", type=positive_int, default=16, help="samples per step (default: 16)")
-    p.add_argument("--microbatches", type=positive_int, default=1, help="micro-batches per step (default: 1)")
-    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, help=f"steps (default: {DEFAULT_STEPS})")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="initial weights and sample order (default: 0)")
-    p.add_argument("--lr", type=positive_float, help="learning rate (default: 0.001)")
-    p.add_argument("--warmup", type=non_negative_int, default=20, help="steps of lr warm-up (default: 20)")
+    training_flags(p, "micro-batches per step, all of equal size")
     p.add_argument("--split", metavar="L1,L2,...", help="the first layer of each stage after the first "
                    "(default: stages of about equal forward FLOPs)")
-    p.add_argument("--metrics", metavar="FILE", help="rank 0 appends one JSON object per step to FILE")
-    p.add_argument("--save", metavar="PATH", help="rank 0 saves the trained weights (a state dict) here")
     args = p.parse_args(argv)
     if args.batch_size % args.microbatches:
         p.error(f"--batch-size {args.batch_size} does not split into {args.microbatches} equal micro-batches, "

@@ -172,7 +172,7 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
     from swarm.errors import run_trio
     from swarm.host.state import NoToken, find_token, process_id, state_dir_from
     from swarm.net import Credentials, parse_peers, resolve_network
-    from swarm.profiling.survey import cluster_from_live, gather_live
+    from swarm.profiling.survey import cluster_from_live, estimated_cluster, gather_live
 
     state_dir = state_dir_from(args.state_dir)
     try:
@@ -190,6 +190,9 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
     live = run_trio(gather_live, credentials, network, peers, spec, args.wait, say, True, args.accelerators == "on")
     if live is None:
         return None, None, f"no device of the swarm answered within {args.wait:g} s"
+    if live["profiles"] is None:
+        say(f"could not profile the devices ({live['why']}); planning on estimates: compute by cores, nominal links")
+        return estimated_cluster({d["name"]: d for d in live["devices"]}, desc), None, None
     return cluster_from_live(live, desc), next(iter(live["profiles"].values())), None
 
 

@@ -33,7 +33,7 @@ from swarm.local.compute_device import HOST
 from swarm.local.trainer import SAVE_EVERY_S
 from swarm.net import ConnectionLost, Credentials, parse_endpoint, parse_peers, resolve_network
 from swarm.profiling.bandwidth import measure_bandwidth
-from swarm.profiling.profiler import profile_devices
+from swarm.profiling.profiler import CANNOT_PROFILE, profile_devices
 from swarm.profiling.survey import offered_accelerators
 from swarm.wire import JobReplica
 from swarm.zoo import BUILTIN
@@ -230,13 +230,16 @@ class SwarmRunner:
                 links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
                 break
             except SwarmError as exc:
+                if CANNOT_PROFILE in str(exc):  # the model is bigger than a device can measure whole
+                    self.log(f"could not profile the devices ({exc}); planning on estimates instead")
+                    return None
                 if attempt == MEASURE_TRIES:
-                    self.log(f"could not profile the devices ({exc}); splitting by FLOPs instead")
+                    self.log(f"could not profile the devices ({exc}); planning on estimates instead")
                     return None
                 self.log(f"could not profile the devices ({exc}); trying again")
                 await cluster.wait_for(len(ids), timeout=MEASURE_RETRY_WAIT_S)
             except trio.TooSlowError as exc:
-                self.log(f"could not profile the devices ({exc or 'no answer in time'}); splitting by FLOPs instead")
+                self.log(f"could not profile the devices ({exc or 'no answer in time'}); planning on estimates instead")
                 return None
         return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
 
@@ -275,28 +278,35 @@ class SwarmRunner:
         return plan
 
     def _auto_plan(self, trainer, names: list[str], facts: dict, measured: dict | None) -> Plan:
-        """The best predicted of the planners on the measured devices; without measurements,
-        tiles when the network starts with tileable layers, else a pipeline."""
-        cfg, desc = trainer.cfg, trainer.desc
-        if measured is not None:
-            from planner.inputs import PlanInputs
-            from planner.memory import MemoryModel, plan_allocator
-            from planner.planners import make_plan
-            from swarm.profiling.survey import cluster_from_live
+        """The best predicted of the planners on the measured devices. Without measurements
+        (a device could not profile the model, or profiling failed), the best on estimates
+        (swarm.profiling.survey.estimated_cluster: compute by cores, nominal links), which
+        still plans within each device's memory; failing that, tiles when the network starts
+        with tileable layers, else a pipeline."""
+        from planner.inputs import PlanInputs
+        from planner.memory import MemoryModel, plan_allocator
+        from planner.planners import make_plan
+        from swarm.profiling.survey import cluster_from_live, estimated_cluster
 
-            try:
+        cfg, desc = trainer.cfg, trainer.desc
+        try:
+            if measured is not None:
                 cluster = cluster_from_live(measured, desc)
                 profile = next(iter(measured["profiles"].values()))
                 mem = MemoryModel.for_devices(desc, cfg.optimizer, profile.act_bytes,
                                               plan_allocator(d.facts.get("allocator") for d in cluster.devices))
-                inputs = PlanInputs(desc, mem, cluster, cfg.batch_size, cfg.microbatches)
-                plan = self._with_facts(make_plan("auto", inputs), cluster, facts)
+            else:
+                cluster = estimated_cluster({n: facts[n] for n in names}, desc)
+                mem = MemoryModel.estimated(desc, cfg.optimizer)
+            inputs = PlanInputs(desc, mem, cluster, cfg.batch_size, cfg.microbatches)
+            plan = self._with_facts(make_plan("auto", inputs), cluster, facts)
+            if measured is not None:  # (re-costing compares measured compute with a profile's)
                 self.recost_inputs = (inputs, facts)
-                if plan.predicted and not plan.predicted.get("fits", True):
-                    self.log("warning: the planner predicts this plan does not fit in the devices' memory")
-                return plan
-            except (PlanError, SwarmError, ValueError) as exc:
-                self.log(f"the planner could not plan these devices ({exc}); splitting by FLOPs instead")
+            if plan.predicted and not plan.predicted.get("fits", True):
+                self.log("warning: the planner predicts this plan does not fit in the devices' memory")
+            return plan
+        except (PlanError, SwarmError, ValueError) as exc:
+            self.log(f"the planner could not plan these devices ({exc}); splitting by FLOPs instead")
         strategy = "tiles" if tileable_prefix(desc) > 0 else "pp"
         return simple_plan(strategy, desc, names, cfg.batch_size, cfg.microbatches, facts=facts)
 

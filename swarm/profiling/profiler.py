@@ -43,6 +43,7 @@ OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats
 PROFILE_METHOD = 5  # 4: layers timed in CPU time under a quota, fitted to whole steps; the tiles executor's
                     # overhead; 5: saved bytes of in-place activations and byte-coded max-pools
                     # (profiles measured otherwise are measured again)
+CANNOT_PROFILE = "cannot profile the model"  # the model is too big to measure whole on this device
 FIT_LIMITS = (0.5, 2.0)  # a fit beyond these says the measurements disagree: keep the layers' own sum
 
 
@@ -556,7 +557,10 @@ class MemoryGuard:
     run when the resident size now, plus its predicted peak above that, stays within a share
     of the usable memory. The peak is predicted per sample from the largest measured so far,
     or before any measurement from the memory model's estimate, with a margin for what
-    neither sees (the allocator's slack, the temporaries of a backward)."""
+    neither sees (the allocator's slack, the temporaries of a backward); before the first
+    step, also the gradients and optimizer state that step allocates (a model of 50 M
+    parameters holds 400 MB of them under SGD, which a 1 GiB device does not have beside the
+    model, its activations and the agent)."""
 
     SHARE = 0.85  # of usable memory; the rest is the agent's own and the kernel's
     MARGIN = 1.3  # measured peaks run 1.3-1.4x the estimate; measured per-sample peaks vary by ~1.2x
@@ -567,6 +571,7 @@ class MemoryGuard:
         n = len(desc.layers)
         model = MemoryModel.estimated(desc, optimizer)
         self.estimate = model.activations(0, n, 1) + model.transient(0, n, 1)  # bytes per sample
+        self.state = OPTIMIZER_COPIES[optimizer] * sum(d.param_bytes for d in desc.layers)  # gradients, slots
         self.limit = limit if limit is not None else usable_memory()
         self.base = settled_rss()
 
@@ -574,7 +579,8 @@ class MemoryGuard:
         return max((v / b for b, v in peak.items()), default=1.4 * self.estimate)
 
     def need(self, batch: int, peak: dict[int, float]) -> float:
-        return self.base + self.MARGIN * batch * self.per_sample(peak)
+        first = 0.0 if peak else self.state  # a measured peak includes them
+        return self.base + first + self.MARGIN * batch * self.per_sample(peak)
 
     def __call__(self, batch: int, peak: dict[int, float]) -> bool:
         return self.need(batch, peak) <= self.SHARE * self.limit
@@ -584,7 +590,7 @@ class MemoryGuard:
                 f"{self.limit / 2**20:.0f} MiB")
 
     def too_small(self, batch: int) -> str:
-        return (f"this device cannot profile the model: a step on {batch} sample{'s' if batch > 1 else ''} "
+        return (f"this device {CANNOT_PROFILE}: a step on {batch} sample{'s' if batch > 1 else ''} "
                 f"{self.reason(batch, {})}; profile a smaller --img-size or describe the device with "
                 "--devices CLUSTER.json")
 

@@ -3,6 +3,7 @@ agent, cached there), measure every link, and turn what was found into a planner
 
     live = await gather_live(credentials, network, peers, spec, wait=2.0)
     cluster = cluster_from_live(live, desc)       # planner.cluster.Cluster, plain data
+    cluster = estimated_cluster(facts, desc)      # without profiles: estimates from each device's facts
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, say=
                       discover: bool = True, accelerators: bool = True):
     """Discover the swarm, profile every alive device (on the accelerator it offers; with
     `accelerators` off, on its CPU), measure every pair (None: nobody there); `say` hears
-    what is going on."""
+    what is going on. When a device cannot hold the whole model to profile it, "profiles"
+    is None and "why" says so: plan on estimates (estimated_cluster)."""
     import trio
 
     from swarm.cluster import open_roster
     from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
     from swarm.profiling.bandwidth import measure_bandwidth
-    from swarm.profiling.profiler import profile_devices
+    from swarm.profiling.profiler import CANNOT_PROFILE, profile_devices
 
     # profiling keeps each device busy: as tolerant of a late heartbeat as training is
     async with open_roster(credentials, network, peers=peers, discover=discover, suspect_after=BUSY_SUSPECT_AFTER,
@@ -31,7 +33,13 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, say=
         say(f"found {len(devices)} device(s): {', '.join(d.name for d in devices)}; profiling each (cached there "
             "after the first time) and measuring the links")
         ids = [d.node_id for d in devices]
-        profiles = await profile_devices(cluster, ids, spec, accelerators=offered_accelerators(devices, accelerators))
+        try:
+            profiles = await profile_devices(cluster, ids, spec,
+                                             accelerators=offered_accelerators(devices, accelerators))
+        except SwarmError as exc:
+            if CANNOT_PROFILE not in str(exc):
+                raise
+            return {"devices": [d.as_dict() for d in devices], "profiles": None, "links": {}, "why": str(exc)}
         links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
         return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
 
@@ -118,3 +126,34 @@ def cluster_from_live(live: dict, desc):
     bw = bandwidth_matrix(order, rates) if len(order) > 1 else [[float("inf")]]
     latency = statistics.median(r["latency"] for r in live["links"].values()) / 2 if live["links"] else 0.0
     return Cluster(devices, bw, latency, None, "swarm")
+
+
+# Without profiles (a device that cannot hold the whole model to measure it, or profiling that
+# failed): each core is taken to compute this many GFLOP/s and each link to carry this many
+# bytes a second. Only the devices' relative speeds and the share of time that moving data
+# takes shape a plan; what they must not miss is memory, which is planned as always.
+ESTIMATED_GFLOPS_PER_CORE = 2.0
+ESTIMATED_LINK_BYTES_S = 100e6 / 8
+ESTIMATED_LATENCY_S = 1e-3
+
+
+def estimated_cluster(facts: dict[str, dict], desc):
+    """A planner Cluster from the devices' own facts ({name: {"cores", "memory"}}, as agents
+    report them) alone: compute from FLOPs at ESTIMATED_GFLOPS_PER_CORE a core, each device's
+    memory less the runtime's, and nominal links."""
+    import numpy as np
+
+    from planner.cluster import Cluster, Device
+    from planner.costs import CostTable
+    from planner.memory import JOB_BYTES
+    from planner.memory_fit import RUNTIME_FLOOR
+
+    devices = []
+    for name, f in facts.items():
+        costs = CostTable.from_flops(desc, ESTIMATED_GFLOPS_PER_CORE * max(1, int(f.get("cores") or 1)))
+        budget = max(0.0, float(f.get("memory") or 0) - RUNTIME_FLOOR - JOB_BYTES)
+        devices.append(Device(name, costs, budget, facts={"cores": f.get("cores")}))
+    n = len(devices)
+    bandwidth = np.full((n, n), ESTIMATED_LINK_BYTES_S)
+    np.fill_diagonal(bandwidth, np.inf)
+    return Cluster(devices, bandwidth, ESTIMATED_LATENCY_S, None, "estimates")
