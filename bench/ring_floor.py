@@ -8,8 +8,9 @@ in every device's namespace and CPU cgroup, a bare ring all-reduce of --mbytes o
 (yolov2-16's 3.44 M parameters by default): a reduce-scatter then an all-gather, blocking
 sockets, numpy adds, a thread per send, and nothing else — no framing, no event loop, no
 tensors. With --gloo it also sums yolov2-16's five gradient buckets through gloo
-(torch.distributed, what DDP under torchrun uses), in the same namespaces and cgroups. It prints, as medians over the devices of each one's median over --repeats, the
-process CPU seconds and the wall seconds of one all-reduce.
+(torch.distributed, what DDP under torchrun uses), in the same namespaces and cgroups. It
+prints, as medians over the devices of each one's median over --repeats, the process CPU
+seconds and the wall seconds of one all-reduce.
 
 That is the floor under what summing the gradients costs a tiles or dp device on this
 testbed, whatever the runtime does: the bytes through the kernel (both ends of a link,

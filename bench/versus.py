@@ -19,8 +19,9 @@ would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
 measured speeds; its re-costing, when auto does it, is printed under the run and kept in
 --json), ddp is bench/peers/ddp.py under torchrun, one node inside each device's namespace and
 cgroups (bench/peers/run_ddp.py), and pipe is bench/peers/pipe.py the same way: torch's own
-pipeline (torch.distributed.pipelining, Schedule1F1B), one stage per device. Each round runs every run once, in the order of --runs,
-reversed every other round (so neither gains from the machine's drift).
+pipeline (torch.distributed.pipelining, Schedule1F1B), one stage per device. Each round runs
+every run once, in the order of --runs, reversed every other round (so neither gains from the
+machine's drift).
 
 The table: samples/s is the median over rounds of each run's median over its steps after the
 first (the first includes starting up); peak memory the largest over rounds and devices of a

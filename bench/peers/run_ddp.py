@@ -1,4 +1,4 @@
-"""Start a peer (bench/peers/ddp.py, pipe.py) across the namespace testbed: one torchrun node per device, in its namespace and cgroups.
+"""Start a peer (bench/peers/ddp.py or pipe.py) on the namespace testbed: a torchrun node in each device's namespace and cgroups.
 
     result = run_ddp(6, ["--model", "yolov2-16", "--batch-size", "32", "--steps", "4"], Path("ddp.jsonl"),
                      Path("logs"), timeout=1800)

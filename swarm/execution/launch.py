@@ -230,10 +230,8 @@ class SwarmRunner:
                 links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
                 break
             except SwarmError as exc:
-                if CANNOT_PROFILE in str(exc):  # the model is bigger than a device can measure whole
-                    self.log(f"could not profile the devices ({exc}); planning on estimates instead")
-                    return None
-                if attempt == MEASURE_TRIES:
+                # a device that cannot hold the model to measure it will not manage the next time either
+                if CANNOT_PROFILE in str(exc) or attempt == MEASURE_TRIES:
                     self.log(f"could not profile the devices ({exc}); planning on estimates instead")
                     return None
                 self.log(f"could not profile the devices ({exc}); trying again")
