@@ -171,12 +171,12 @@ async def test_a_device_lost_while_profiling_is_profiled_again_not_planned_by_fl
             assert "planning on estimates instead" in lines[-1], lines
 
 
-async def test_a_model_no_device_can_profile_whole_is_planned_on_estimates_within_memory(monkeypatch):
-    """A device that cannot hold the whole model to measure it says so, once: the run does not
-    profile again, and plans on estimates (compute by cores, nominal links) within each
-    device's memory. For the full yolov2 at 416 on eight 1 GiB devices that is tiles over the
-    front and a pipeline behind, which fits; the split by FLOPs it used to fall back on needs
-    more than a device has."""
+async def test_a_model_no_device_can_profile_is_planned_on_estimates_within_memory(monkeypatch):
+    """A device that cannot measure the model even in pieces (one of its layers alone is too
+    big for it) says so, once: the run does not profile again, and plans on estimates
+    (compute by cores, nominal links) within each device's memory. For the full yolov2 at
+    416 on eight 1 GiB devices that is tiles over the front and a pipeline behind, which
+    fits; the split by FLOPs it used to fall back on needs more than a device has."""
     from types import SimpleNamespace
 
     from planner.baselines import simple_plan
@@ -188,8 +188,8 @@ async def test_a_model_no_device_can_profile_whole_is_planned_on_estimates_withi
 
     async def profile_devices(cluster, ids, spec, accelerators=None):
         calls.append(list(ids))
-        raise JobError("dev3 failed job profile-1: this device cannot profile the model: a step on 1 sample "
-                       "would need about 1190 MiB of this device's 1024 MiB")
+        raise JobError("dev3 failed job profile-1: this device cannot profile the model: layer 23 alone on 1 "
+                       "sample would need about 1190 MiB of this device's 1024 MiB")
 
     monkeypatch.setattr(launch, "profile_devices", profile_devices)
     desc = describe_model("yolov2", 416)

@@ -112,7 +112,7 @@ def test_batch_sizes_that_would_outgrow_the_memory_are_not_run(monkeypatch):
     assert profile.costs.fwd_range(0, 7, 8) == pytest.approx(8 * profile.costs.fwd_range(0, 7, 1))
 
     monkeypatch.setattr(profiler, "usable_memory", lambda: rss)
-    with pytest.raises(SwarmError, match="cannot profile the model: a step on 1 sample would need about"):
+    with pytest.raises(SwarmError, match="cannot profile the model: layer 0 alone on 1 sample would need about"):
         profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1)
 
 
@@ -134,6 +134,63 @@ def test_the_first_step_counts_the_gradients_and_optimizer_state_it_allocates():
     assert guard.need(1, {}) - guard.state <= guard.SHARE * guard.limit  # what the guard used to find
     assert profiler.CANNOT_PROFILE in guard.too_small(1)
     assert guard.need(2, {1: 300e6}) == pytest.approx(guard.base + guard.MARGIN * 2 * 300e6)
+
+
+
+def test_a_model_too_big_to_step_whole_is_measured_in_pieces(monkeypatch):
+    """Where the model, its gradients and optimizer state and a sample's activations do not
+    fit together (the full yolov2 on a 1 GiB Pi), each layer is measured in a pass over a
+    piece of the model that fits, not left to estimates: every layer's times, the same saved
+    bytes as measuring the model whole (they are autograd's, whatever runs around them), and
+    times of the same order."""
+    import swarm.profiling.profiler as profiler
+
+    whole = profile_model("yolov2", 64, batch_sizes=(1, 2), repeats=1, threads=1, clock="cpu")
+    desc = describe_model("yolov2", 64, whole.classes)
+    state = profiler.MemoryGuard(desc, "sgd", limit=1).state
+    # the model's gradients and momentum alone would take the process past the share it has
+    monkeypatch.setattr(profiler, "usable_memory",
+                        lambda: int((profiler.settled_rss() + state / 2) / profiler.MemoryGuard.SHARE))
+    said = []
+    pieces = profile_model("yolov2", 64, batch_sizes=(1, 2), repeats=1, threads=1, clock="cpu", log=said.append)
+    cuts = [m for m in said if "pieces" in m]
+    assert len(cuts) == 2 and all("the model being too big to step whole here" in m for m in cuts), said
+    assert "layers measured in" in pieces.costs.source and "pieces" in pieces.costs.source
+    costs = pieces.costs
+    assert costs.batch_sizes == (1, 2) and costs.num_layers == len(desc.layers)
+    assert (costs.fwd > 0).all() and (costs.bwd[[i for i, d in enumerate(desc.layers) if d.params]] > 0).all()
+    assert (costs.update[[i for i, d in enumerate(desc.layers) if d.params]] > 0).all()
+    assert costs.loss_fwd[0] > 0 and costs.loss_bwd[0] > 0
+    assert pieces.act_bytes == whole.act_bytes
+    assert pieces.step_time == {} and pieces.peak_bytes == {} and pieces.runtime_bytes > 0
+    for b in (1, 2):
+        ratio = costs.range_time(0, len(desc.layers), b) / whole.costs.range_time(0, len(desc.layers), b)
+        assert 1 / 3 < ratio < 3
+    pieces.check_matches(desc)
+
+
+def test_pieces_are_the_longest_that_fit_and_cover_the_model():
+    """The full yolov2 at 416 on a 1 GiB device, the model built (an agent at rest and its
+    weights): contiguous pieces from the first layer, each within the share of memory and
+    each as long as fits; a layer that does not fit alone is named."""
+    import swarm.profiling.profiler as profiler
+
+    desc = describe_model("yolov2", 416)
+    guard = profiler.MemoryGuard(desc, "sgd", limit=2**30)
+    guard.base = 270 * 2**20 + sum(d.param_bytes for d in desc.layers)
+    room = guard.SHARE * guard.limit
+    assert not guard(1, {})
+    cuts = guard.pieces(1)
+    assert cuts[0][0] == 0 and cuts[-1][1] == len(desc.layers) and len(cuts) > 1
+    assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    assert all(guard.piece_need(1, a, e) <= room for a, e in cuts)
+    assert all(guard.piece_need(1, a, e + 1) > room for a, e in cuts[:-1])
+    guard.measured_piece(1, *cuts[0], guard.piece_need(1, *cuts[0]) + 64 * 2**20)  # it held more than its estimate
+    assert guard.piece_extra > 0 and guard.pieces(1) != cuts
+    guard.base = room - 2**20
+    assert guard.pieces(1) is None
+    layer = guard.first_too_big(1)
+    assert f"{profiler.CANNOT_PROFILE}: layer {layer} alone on 1 sample would need about" in guard.too_small(1, layer)
 
 
 def test_broken_cache_entry_is_measured_again(tmp_path):

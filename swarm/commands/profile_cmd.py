@@ -96,9 +96,12 @@ def profile_table(profile) -> str:
     for b in sizes:
         model_sum = costs.range_time(0, costs.num_layers, b, with_loss=True) + float(costs.update.sum())
         steps.append([str(b), format_seconds(profile.step_time.get(b, float("nan"))), format_seconds(model_sum),
-                      format_bytes(profile.peak_bytes.get(b, 0))])
+                      format_bytes(profile.peak_bytes[b]) if b in profile.peak_bytes else "-"])
     lines.append(table(steps, ["batch", "whole step (measured)", "sum of layers", "peak memory above runtime"
                                + (" (on the GPU)" if accelerator and not accelerator["shared_memory"] else "")]))
     lines.append(f"\nruntime (torch initialised, no model): {format_bytes(profile.runtime_bytes)}"
                  + (f", on {profile.device['allocator']}" if profile.device.get("allocator") else ""))
+    if not profile.step_time:
+        lines.append("the model is too big to step whole on this device: its layers were measured in pieces "
+                     "of it, so there are no whole steps or their peaks")
     return "\n".join(lines)

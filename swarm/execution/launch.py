@@ -230,7 +230,7 @@ class SwarmRunner:
                 links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
                 break
             except SwarmError as exc:
-                # a device that cannot hold the model to measure it will not manage the next time either
+                # a device that cannot measure the model even in pieces will not manage the next time either
                 if CANNOT_PROFILE in str(exc) or attempt == MEASURE_TRIES:
                     self.log(f"could not profile the devices ({exc}); planning on estimates instead")
                     return None

@@ -262,47 +262,156 @@ def _layer_inputs(net, desc, images: torch.Tensor) -> dict[int, torch.Tensor]:
     return outs
 
 
-def _time_in_context(net, desc, loss_fn, images, targets, budget: Budget, watch: Stopwatch):
-    """Per-layer forward and backward seconds measured inside whole training passes (so each
-    layer meets its data as a real step does: produced by the layer before, not cached
-    from a previous run of itself), and the loss head's. Forward: the clock between layer
-    calls. Backward: gradient hooks on every layer's output stamp the moment its gradient
-    is complete; a layer's backward is the time from its output's stamp to its input's.
-    Returns (forward per layer, backward per layer, loss forward, loss backward), medians."""
+def _time_in_context(net, desc, loss_fn, live, targets, budget: Budget, watch: Stopwatch,
+                     first: int = 0, last: int | None = None):
+    """Per-layer forward and backward seconds of layers [first, last) (default: all),
+    measured inside whole training passes over them (so each layer meets its data as a real
+    step does: produced by the layer before, not cached from a previous run of itself), and
+    the loss head's when the range ends the model. `live`: what the range reads from before
+    `first` (the images, -1, for the whole model); maps given to a later piece take a
+    gradient, as a stage's input does. A range that stops short of the loss runs its
+    backward from a fixed random gradient of what leaves it. Forward: the clock between layer
+    calls. Backward: gradient hooks on every layer's output stamp the moment its gradient is
+    complete; a layer's backward is the time from its output's stamp to its input's.
+    Returns (forward per layer, backward per layer, loss forward, loss backward), medians
+    (the loss's 0.0 for a range that does not end the model)."""
+    import torch
+
     L = len(desc.layers)
-    keys = list(range(len(images)))
-    runs = []
+    last = L if last is None else last
+    n = last - first
+    keys = list(range(len(next(iter(live.values())))))
+    leaving = _leaving(desc, first, last)
+    gen = torch.Generator().manual_seed(0)
+    runs, grads = [], None
     for _ in itertools.chain(["warm-up"], _within_budget(budget)):  # the first run warms up
-        outs = {-1: images}
+        outs = {s: t if s < 0 else t.detach().requires_grad_(True) for s, t in live.items()}
         t = [watch.mark()]
-        for i in range(len(desc.layers)):
+        for i in range(first, last):
             outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in desc.live_after(i)}, keys))
             t.append(watch.mark())
-        loss = loss_fn(outs[L - 1], targets, len(images))
+        ends, grads = _ends(outs, loss_fn, targets, leaving, last == L, grads, gen)
         t_loss = watch.mark()
         stamps = {}
-        for i in range(L):
+        for i in range(first, last):
             outs[i].register_hook(lambda g, i=i: stamps.__setitem__(i, watch.mark()))
         t0 = watch.mark()
-        loss.backward()
+        torch.autograd.backward(ends, grads)
         t_end = watch.mark()
         watch.settle()
         net.zero_grad(set_to_none=True)
-        fwd = [watch.seconds(t[i], t[i + 1]) for i in range(L)]
-        ready = [stamps.get(i, t0) for i in range(L)]  # dL/d(output of i) complete
-        bwd = [max(0.0, watch.seconds(ready[i], ready[i - 1] if i > 0 else t_end)) for i in range(L)]
-        runs.append((fwd, bwd, watch.seconds(t[L], t_loss), watch.seconds(t0, ready[L - 1])))
-        del outs, loss
+        fwd = [watch.seconds(t[k], t[k + 1]) for k in range(n)]
+        ready = [stamps.get(i, t0) for i in range(first, last)]  # dL/d(output of i) complete
+        bwd = [max(0.0, watch.seconds(ready[k], ready[k - 1] if k > 0 else t_end)) for k in range(n)]
+        loss = (watch.seconds(t[n], t_loss), watch.seconds(t0, ready[n - 1])) if last == L else (0.0, 0.0)
+        runs.append((fwd, bwd) + loss)
+        del outs, ends
     runs = runs[1:]
-    fwd = [statistics.median(r[0][i] for r in runs) for i in range(L)]
-    bwd = [statistics.median(r[1][i] for r in runs) for i in range(L)]
+    fwd = [statistics.median(r[0][k] for r in runs) for k in range(n)]
+    bwd = [statistics.median(r[1][k] for r in runs) for k in range(n)]
     return fwd, bwd, statistics.median(r[2] for r in runs), statistics.median(r[3] for r in runs)
 
 
-def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
-    """Bytes each layer keeps for the backward, per sample (saved tensors, each storage once,
-    charged to the first layer that keeps it; parameters excluded, and a layer's input when
-    the layer that made it keeps it already as its activation's result)."""
+def _leaving(desc, first: int, last: int) -> list[int]:
+    """The maps layers [first, last) make that are read after them (the model's output at its end)."""
+    L = len(desc.layers)
+    return [s for s in (desc.live_after(last) if last < L else (L - 1,)) if s >= first]
+
+
+def _ends(outs, loss_fn, targets, leaving, at_loss: bool, grads, gen):
+    """(what a backward over a pass starts from, their gradients): the loss at the model's end,
+    else the maps that leave the range with fixed random gradients (made on the first call)."""
+    import torch
+
+    if at_loss:
+        return [loss_fn(outs[leaving[0]], targets, len(targets))], None
+    ends = [outs[s] for s in leaving]
+    return ends, grads or [torch.randn(e.shape, generator=gen).to(e) for e in ends]
+
+
+def _time_pass(net, desc, loss_fn, live, targets, first: int, last: int, budget: Budget, watch: Stopwatch) -> float:
+    """A whole training pass over layers [first, last) (forward, backward, no clock in between),
+    timed as a whole step is: what the range's per-layer times are fitted to."""
+    import torch
+
+    L = len(desc.layers)
+    keys = list(range(len(next(iter(live.values())))))
+    leaving, gen, grads = _leaving(desc, first, last), torch.Generator().manual_seed(0), None
+
+    def one_pass():
+        nonlocal grads
+        outs = {s: t if s < 0 else t.detach().requires_grad_(True) for s, t in live.items()}
+        outs.update(net.forward_range(first, last, outs, keys))
+        ends, grads = _ends(outs, loss_fn, targets, leaving, last == L, grads, gen)
+        torch.autograd.backward(ends, grads)
+        net.zero_grad(set_to_none=True)
+
+    one_pass()  # warm up
+    return _median_time(one_pass, budget, watch)
+
+
+def _measure_in_pieces(net, desc, loss_fn, data, batch_sizes, fits: "MemoryGuard", budget: Budget,
+                       watch: Stopwatch, pass_watch: Stopwatch, say):
+    """A model too big to step whole on this device (its gradients and optimizer state beside
+    the model and a sample's activations; the full yolov2 on a 1 GiB Pi), measured in
+    contiguous pieces of layers that each fit (MemoryGuard.pieces): every layer's forward and
+    backward inside a pass over its piece, the piece's input given by the pieces before it
+    (without autograd), and what each layer saves for its backward. There are no whole steps
+    to fit the layers to, nor a whole step's peak. Returns (batch sizes measured, forward and
+    backward per layer at each size with the loss head's last, saved bytes per sample per
+    layer, the idle process's resident bytes, the first size's pieces)."""
+    import torch
+
+    from swarm.data import class_targets, make_batch
+
+    L = len(desc.layers)
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    measured, fwd, bwd, saved, runtime, first_cuts = [], [], [], [0.0] * L, None, None
+    for b in batch_sizes:
+        fits.base = settled_rss()  # what the last size's passes left behind counts
+        cuts = fits.pieces(b)
+        if cuts is None:
+            if not measured:
+                raise SwarmError(fits.too_small(b, fits.first_too_big(b)))
+            say(f"batch {b}: skipped, layer {fits.first_too_big(b)} alone would not fit")
+            break
+        measured.append(b)
+        first_cuts = first_cuts or cuts
+        say(f"batch {b}: layers in {len(cuts)} pieces ({', '.join(f'{a}-{e - 1}' for a, e in cuts)}), the model "
+            "being too big to step whole here")
+        images, targets = make_batch(data, np.arange(b) % len(data))
+        tgt = torch.from_numpy(targets if desc.loss == "region" else class_targets(targets))
+        f, bk, live = [0.0] * (L + 1), [0.0] * (L + 1), {-1: torch.from_numpy(images)}
+        for first, last in cuts:
+            with _PeakRSS() as rss:
+                pf, pb, lf, lb = _time_in_context(net, desc, loss_fn, live, tgt, budget, watch, first, last)
+            fits.base = settled_rss()
+            fits.measured_piece(b, first, last, float(rss.peak))
+            lf, lb = [lf], [lb]
+            _fit_to_steps([pf], [pb], lf, lb, 0.0, [_time_pass(net, desc, loss_fn, live, tgt, first, last, budget,
+                                                               pass_watch)])
+            f[first:last], bk[first:last] = pf, pb
+            if last == L:
+                f[L], bk[L] = lf[0], lb[0]
+            if runtime is None:  # the idle process: torch initialised by a pass, less the model's weights
+                runtime = fits.base - weights
+            with torch.no_grad():
+                outs = dict(live)
+                for i in range(first, last):
+                    outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in desc.live_after(i)}, list(range(b))))
+            saved[first:last] = _saved_bytes(net, desc, outs, b, range(first, last))
+            live = {s: outs[s] for s in desc.live_after(last)} if last < L else {}
+            del outs
+        fwd.append(f)
+        bwd.append(bk)
+    return measured, fwd, bwd, saved, float(runtime), first_cuts
+
+
+def _saved_bytes(net, desc, outs, batch: int, layers=None) -> list[float]:
+    """Bytes each layer (of `layers`, default all) keeps for the backward, per sample (saved
+    tensors, each storage once, charged to the first layer that keeps it; parameters
+    excluded, and a layer's input when the layer that made it keeps it already as its
+    activation's result). `outs`: every map those layers read."""
     import torch
 
     from planner.memory import input_kept_upstream
@@ -311,7 +420,7 @@ def _saved_bytes(net, desc, outs, batch: int) -> list[float]:
     upstream = input_kept_upstream(desc)
     keys = list(range(batch))
     saved = []
-    for i in range(len(desc.layers)):
+    for i in range(len(desc.layers)) if layers is None else layers:
         seen: dict[int, int] = {}
         inputs = {s: outs[s] if s < 0 else outs[s].detach().requires_grad_(True) for s in desc.live_after(i)}
         skip = set(params)
@@ -409,70 +518,82 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
     saved: list[float] = []
     from swarm.data import class_targets
     from swarm.local.trainer import TrainConfig, make_optimizer, optimizer_step
+    from tiles.layout import tileable_prefix
 
     opt = make_optimizer(net.named_parameters(), TrainConfig(optimizer=optimizer))
     runtime = None
     fits = MemoryGuard(desc, optimizer)
-    measured = []
-    for b in batch_sizes:
-        if not fits(b, in_host):
-            if not measured:
-                raise SwarmError(fits.too_small(b))
-            say(f"batch {b}: skipped, it {fits.reason(b, in_host)}")
-            break
-        measured.append(b)
-        say(f"batch {b}: whole steps")
-        images, targets = make_batch(data, np.arange(b) % len(data))
-        x = torch.from_numpy(images).to(device)
-        tgt = torch.from_numpy(targets if desc.loss == "region" else class_targets(targets)).to(device)
+    in_pieces = device == HOST and not fits(batch_sizes[0], {})
+    if in_pieces:  # too big to step whole here: each layer's times from passes over pieces of the model
+        measured, fwd, bwd, saved, runtime, cuts = _measure_in_pieces(net, desc, loss_fn, data, batch_sizes, fits,
+                                                                      budget, layer_watch, step_watch, say)
+        loss_f, loss_b = [t.pop() for t in fwd], [t.pop() for t in bwd]
+    else:
+        measured = []
+        for b in batch_sizes:
+            if not fits(b, in_host):
+                if not measured:
+                    raise SwarmError(fits.too_small(b))
+                say(f"batch {b}: skipped, it {fits.reason(b, in_host)}")
+                break
+            measured.append(b)
+            say(f"batch {b}: whole steps")
+            images, targets = make_batch(data, np.arange(b) % len(data))
+            x = torch.from_numpy(images).to(device)
+            tgt = torch.from_numpy(targets if desc.loss == "region" else class_targets(targets)).to(device)
 
-        def step():
-            out = net(x, list(range(b)))
-            loss_fn(out, tgt, b).backward()
-            optimizer_step(opt)
-            opt.zero_grad(set_to_none=True)
+            def step():
+                out = net(x, list(range(b)))
+                loss_fn(out, tgt, b).backward()
+                optimizer_step(opt)
+                opt.zero_grad(set_to_none=True)
 
-        try:
-            if runtime is None:
-                # The idle process: torch initialised by a first step, minus what the model
-                # keeps between steps (weights and optimizer state, in host memory when it computes
-                # there; gradients are freed).
-                step()
-                resident = sum(OPTIMIZER_COPIES[optimizer] * p.numel() * p.element_size() for p in net.parameters())
-                runtime = settled_rss() - (resident if device == HOST else 0)
-            settled_rss()
-            memory.reset_peak()
-            with _PeakRSS() as rss:
-                step()
-        except torch.cuda.OutOfMemoryError:  # a GPU's own memory, which the guard above does not see
-            measured.pop()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-            if not measured:
-                raise SwarmError(f"this device's {accelerator['note']} cannot hold a training step on {b} "
-                                 f"sample{'s' if b > 1 else ''}: profile a smaller --img-size, or on the CPU "
-                                 "(--accelerator cpu)") from None
-            say(f"batch {b}: skipped, it does not fit in the GPU's memory")
-            break
-        peak[b] = memory.step_peak(float(rss.peak - runtime))
-        in_host[b] = peak[b] if memory.shared or device == HOST else float(rss.peak - runtime)
-        step_time[b] = _median_time(step, budget, step_watch)
-        say(f"batch {b}: layers")
-        f, bk, lf, lb = _time_in_context(net, desc, loss_fn, x, tgt, budget, layer_watch)
-        fwd.append(f)
-        bwd.append(bk)
-        loss_f.append(lf)
-        loss_b.append(lb)
-        outs = _layer_inputs(net, desc, x)
-        saved = _saved_bytes(net, desc, outs, b)
-        del outs
+            try:
+                if runtime is None:
+                    # The idle process: torch initialised by a first step, minus what the model
+                    # keeps between steps (weights and optimizer state, in host memory when it computes
+                    # there; gradients are freed).
+                    step()
+                    resident = sum(OPTIMIZER_COPIES[optimizer] * p.numel() * p.element_size() for p in net.parameters())
+                    runtime = settled_rss() - (resident if device == HOST else 0)
+                settled_rss()
+                memory.reset_peak()
+                with _PeakRSS() as rss:
+                    step()
+            except torch.cuda.OutOfMemoryError:  # a GPU's own memory, which the guard above does not see
+                measured.pop()
+                opt.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                if not measured:
+                    raise SwarmError(f"this device's {accelerator['note']} cannot hold a training step on {b} "
+                                     f"sample{'s' if b > 1 else ''}: profile a smaller --img-size, or on the CPU "
+                                     "(--accelerator cpu)") from None
+                say(f"batch {b}: skipped, it does not fit in the GPU's memory")
+                break
+            peak[b] = memory.step_peak(float(rss.peak - runtime))
+            in_host[b] = peak[b] if memory.shared or device == HOST else float(rss.peak - runtime)
+            step_time[b] = _median_time(step, budget, step_watch)
+            say(f"batch {b}: layers")
+            f, bk, lf, lb = _time_in_context(net, desc, loss_fn, {-1: x}, tgt, budget, layer_watch)
+            fwd.append(f)
+            bwd.append(bk)
+            loss_f.append(lf)
+            loss_b.append(lb)
+            outs = _layer_inputs(net, desc, x)
+            saved = _saved_bytes(net, desc, outs, b)
+            del outs
     say("optimizer updates")
+    settled_rss()
     update = _time_updates(net, desc, budget, optimizer, layer_watch)
     batch_sizes = tuple(measured)
-    fit = _fit_to_steps(fwd, bwd, loss_f, loss_b, sum(update), [step_time[b] for b in batch_sizes])
+    fit = _fit_to_steps(fwd, bwd, loss_f, loss_b, sum(update), [step_time[b] for b in batch_sizes if b in step_time])
     say("the tiles executor")
-    middle = batch_sizes[len(batch_sizes) // 2]
-    tiles_overhead = _time_tiles_overhead(net, desc, middle, budget, layer_watch)
+    middle = batch_sizes[0 if in_pieces else len(batch_sizes) // 2]
+    if in_pieces and fits.piece_need(middle, 0, tileable_prefix(desc)) > fits.SHARE * fits.limit:
+        tiles_overhead = 1.0  # its front does not fit whole either
+        say("the tiles executor: not measured, the model's tileable front does not fit")
+    else:
+        tiles_overhead = _time_tiles_overhead(net, desc, middle, budget, layer_watch)
     facts = device_facts(threads, accelerator)
     where = f"{facts['name']}'s {accelerator['note']} ({accelerator['kind']}" if accelerator else \
         f"{facts['name']} ({threads} thread{'s' if threads > 1 else ''}"
@@ -486,7 +607,10 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
                       f"measured on {where}"
                       + (", CPU time" if clock == "cpu" else "")
                       + (f", at a quota of {quota:g} cores" if isinstance(now, QuotaClock) and not accelerator else "")
-                      + f"; layers fitted to whole steps x{min(fit):.2f}-{max(fit):.2f})", tiles_overhead)
+                      + (f"; layers measured in {len(cuts)} pieces, each fitted to whole passes over it: the "
+                         "model is too big to step whole here)"
+                         if in_pieces else f"; layers fitted to whole steps x{min(fit):.2f}-{max(fit):.2f})"),
+                      tiles_overhead)
     return DeviceProfile(model=desc.name, img_size=desc.img_size, costs=costs, act_bytes=saved, device=facts,
                          classes=classes, step_time=step_time, peak_bytes=peak, runtime_bytes=float(runtime),
                          repeats=repeats, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -569,11 +693,12 @@ class MemoryGuard:
         from planner.memory import MemoryModel
 
         n = len(desc.layers)
-        model = MemoryModel.estimated(desc, optimizer)
+        self.model = model = MemoryModel.estimated(desc, optimizer)
         self.estimate = model.activations(0, n, 1) + model.transient(0, n, 1)  # bytes per sample
         self.state = OPTIMIZER_COPIES[optimizer] * sum(d.param_bytes for d in desc.layers)  # gradients, slots
         self.limit = limit if limit is not None else usable_memory()
         self.base = settled_rss()
+        self.piece_extra = 0.0  # what pieces measured so far held beyond their estimate
 
     def per_sample(self, peak: dict[int, float]) -> float:
         return max((v / b for b, v in peak.items()), default=1.4 * self.estimate)
@@ -589,10 +714,54 @@ class MemoryGuard:
         return (f"would need about {self.need(batch, peak) / 2**20:.0f} MiB of this device's "
                 f"{self.limit / 2**20:.0f} MiB")
 
-    def too_small(self, batch: int) -> str:
-        return (f"this device {CANNOT_PROFILE}: a step on {batch} sample{'s' if batch > 1 else ''} "
-                f"{self.reason(batch, {})}; profile a smaller --img-size or describe the device with "
-                "--devices CLUSTER.json")
+    def too_small(self, batch: int, layer: int | None = None) -> str:
+        what = "a step" if layer is None else f"layer {layer} alone"
+        need = self.need(batch, {}) if layer is None else self.piece_need(batch, layer, layer + 1)
+        return (f"this device {CANNOT_PROFILE}: {what} on {batch} sample{'s' if batch > 1 else ''} would need "
+                f"about {need / 2**20:.0f} MiB of this device's {self.limit / 2**20:.0f} MiB; profile a smaller "
+                "--img-size or describe the device with --devices CLUSTER.json")
+
+    # ---- a model too big to measure whole: its layers in pieces ---------------------------
+    def piece_need(self, batch: int, first: int, last: int) -> float:
+        """A training pass over layers [first, last) alone, on `batch` samples: the model
+        (in the resident size already), the piece's gradients, what passes measured so far
+        held beyond their estimate, and, with the margin, the piece's saved activations, its
+        largest backward's buffers and the maps it takes in."""
+        return self.base + float(self.model.param_bytes[first:last].sum()) + self.piece_extra \
+            + self.MARGIN * 1.4 * batch * self._piece_per_sample(first, last)
+
+    def _piece_per_sample(self, first: int, last: int) -> float:
+        m = self.model
+        return m.activations(first, last, 1) + m.transient(first, last, 1) + m.boundary(first)
+
+    def measured_piece(self, batch: int, first: int, last: int, peak: float) -> None:
+        """Passes over a piece peaked at `peak` resident bytes, and the process has settled
+        back to `self.base` since (what the first pass keeps for good, torch's own buffers,
+        is in the base from then on): what they held beyond the estimate is held by every
+        later piece too (kernel scratch, the allocator's slack; at small sizes it is most
+        of a peak and does not grow with the batch)."""
+        expected = float(self.model.param_bytes[first:last].sum()) + 1.4 * batch * self._piece_per_sample(first, last)
+        self.piece_extra = max(self.piece_extra, peak - self.base - expected)
+
+    def pieces(self, batch: int) -> list[tuple[int, int]] | None:
+        """The fewest contiguous layer ranges, each measured alone within the share of memory
+        (greedy from the first layer: the longest piece that fits, then the next); None when
+        some layer alone does not fit."""
+        n, out, first = len(self.model.desc.layers), [], 0
+        while first < n:
+            last = first
+            while last < n and self.piece_need(batch, first, last + 1) <= self.SHARE * self.limit:
+                last += 1
+            if last == first:
+                return None
+            out.append((first, last))
+            first = last
+        return out
+
+    def first_too_big(self, batch: int) -> int:
+        """The first layer that does not fit alone on `batch` samples."""
+        n = len(self.model.desc.layers)
+        return next(i for i in range(n) if self.piece_need(batch, i, i + 1) > self.SHARE * self.limit)
 
 
 def _time_tiles_overhead(net, desc, batch: int, budget: Budget, watch: Stopwatch) -> float:

@@ -14,7 +14,7 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, say=
                       discover: bool = True, accelerators: bool = True):
     """Discover the swarm, profile every alive device (on the accelerator it offers; with
     `accelerators` off, on its CPU), measure every pair (None: nobody there); `say` hears
-    what is going on. When a device cannot hold the whole model to profile it, "profiles"
+    what is going on. When a device cannot measure the model even in pieces, "profiles"
     is None and "why" says so: plan on estimates (estimated_cluster)."""
     import trio
 
@@ -128,7 +128,7 @@ def cluster_from_live(live: dict, desc):
     return Cluster(devices, bw, latency, None, "swarm")
 
 
-# Without profiles (a device that cannot hold the whole model to measure it, or profiling that
+# Without profiles (a device that cannot measure the model even in pieces, or profiling that
 # failed): each core is taken to compute this many GFLOP/s and each link to carry this many
 # bytes a second. Only the devices' relative speeds and the share of time that moving data
 # takes shape a plan; what they must not miss is memory, which is planned as always.
