@@ -443,6 +443,10 @@ def _saved_bytes(net, desc, outs, batch: int, layers=None) -> list[float]:
 
 
 def _time_updates(net, desc, budget: Budget, optimizer: str, watch: Stopwatch) -> list[float]:
+    """The optimizer step over each layer's parameters, one layer at a time (its gradients and
+    state exist only while it is timed, and go back to the system after it: layer sizes grow
+    toward the head, so the freed blocks of one would not hold the next, and a process that
+    keeps them, as a tuned agent does, would hold every layer's at once)."""
     import torch
 
     from swarm.local.trainer import TrainConfig, make_optimizer, optimizer_step
@@ -455,7 +459,7 @@ def _time_updates(net, desc, budget: Budget, optimizer: str, watch: Stopwatch) -
             continue
         opt = make_optimizer(named, TrainConfig(optimizer=optimizer))
         for _, p in named:
-            p.grad = torch.randn_like(p) * 1e-6
+            p.grad = torch.empty_like(p).normal_(std=1e-6)
         with torch.no_grad():
             before = [p.detach().clone() for _, p in named]
             optimizer_step(opt)  # creates the momentum buffers
@@ -464,6 +468,8 @@ def _time_updates(net, desc, budget: Budget, optimizer: str, watch: Stopwatch) -
                 p.copy_(b)
         for _, p in named:
             p.grad = None
+        del opt, before
+        malloc.give_back()
     return out
 
 
