@@ -2,7 +2,8 @@
 batch sizes, the bytes autograd keeps per layer, and the time and peak memory of whole
 local steps, on the accelerator the device computes on (its CPU, or CUDA: then also the
 rate of the copies between host and accelerator, and the accelerator's memory) — cached per
-(device fingerprint, model, image size) in the state directory.
+(device fingerprint, model, image size) in the state directory. A model too big to step
+whole on this device is measured in pieces of consecutive layers that fit.
 
     profile, cached = load_or_profile("yolov2-16", 128, state_dir=default_state_dir())
     profile.costs.fwd_range(0, 17, 4)    # planner.profile.DeviceProfile, plain data
@@ -480,7 +481,8 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
     """Measure this device running `model` on `device` (a torch.device; None: the host CPU),
     with the built-in synthetic data for inputs. clock "cpu" counts this thread's CPU time
     instead of the wall clock (one thread only, on the CPU); on CUDA, CUDA events time the
-    work."""
+    work. A model too big to step whole in the host's memory is measured in pieces
+    (_measure_in_pieces)."""
     import torch
 
     from swarm.data import make_batch, open_datasets
