@@ -102,6 +102,16 @@ class TestNamespaceTestbed:
         outside = run_swarm("testbed", "exec", "dev3", "--", "cat", "/proc/self/cgroup", timeout=30)
         assert outside.stdout != agent
 
+    def test_a_model_too_big_to_step_whole_in_a_devices_memory_is_profiled_in_pieces(self, bed):
+        """The full yolov2 (50.6 M parameters) beside an agent in dev3's 768 MiB: its weights,
+        gradients, momentum and torch do not fit together, so a whole step would have the
+        kernel kill the process; measured in pieces it finishes, within the limit."""
+        r = run_swarm("testbed", "exec", "--in-cgroup", "dev3", "--", "swarm", "profile", "--model", "yolov2",
+                      "--img-size", 128, "--batch-sizes", "1,2", "--repeats", 1, "--threads", 1, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "the model being too big to step whole here" in r.stderr, r.stderr
+        assert "its layers were measured in pieces" in r.stdout, r.stdout
+
     def test_killed_agent_is_reported_dead_within_2_seconds_and_cut_link_heals(self, bed):
         cmd = [sys.executable, "-m", "swarm", "testbed", "exec", "dev0", "--", "swarm", "status", "--json", "--watch",
                "--expect", "4", "--wait", "10"]
