@@ -40,6 +40,38 @@ def test_own_compute_is_each_devices_samples_by_its_cost_table():
     assert own_compute(simple_plan("tiles", inputs.desc, ["a", "b", "c"], 8, 2), inputs.cluster) is None
 
 
+
+def test_a_device_under_a_quota_reports_its_compute_as_its_profile_counts_it(monkeypatch):
+    """Under a quota below a core a device's busy time also holds the stalls of its quota
+    while the event loop sums gradients, twice its compute at one sample a step (measured on
+    the testbed), which the cost model charges apart. Such a device reports the compute
+    thread's CPU over the share the planner gives it (its quota less the runtime's);
+    elsewhere, and on an accelerator, the busy time less its waits for BatchNorm sums."""
+    from types import SimpleNamespace
+
+    from swarm.execution import worker
+    from swarm.local.compute_device import HOST
+    from swarm.profiling.survey import RUNTIME_CORES
+
+    monkeypatch.setattr(worker, "cpu_quota", lambda: 0.2)
+    share = worker.quota_share(HOST)
+    assert share == pytest.approx(0.2 - RUNTIME_CORES)
+    assert worker.quota_share(torch.device("meta")) is None  # (an accelerator's compute is timed as it runs)
+    monkeypatch.setattr(worker, "cpu_quota", lambda: None)
+    assert worker.quota_share(HOST) is None
+    monkeypatch.setattr(worker, "cpu_quota", lambda: 2.0)
+    assert worker.quota_share(HOST) is None
+
+    step = dict(busy_s=10.0, exchange_s=1.5, compute_cpu_s=0.9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert worker.DeviceWorker.own_s(SimpleNamespace(share=share, **step)) == pytest.approx(0.9 / share)
+        assert worker.DeviceWorker.own_s(SimpleNamespace(share=None, **step)) == pytest.approx(8.5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_ratios_are_bounded_and_an_unmeasured_device_takes_their_median():
     lo, hi = RATIO_BOUNDS
     ratios = speed_ratios({"a": 1.0, "b": 2.0, "c": 1.0, "d": 0.0}, {"a": 1.5, "b": 100.0, "c": 0.0, "d": 1.0})

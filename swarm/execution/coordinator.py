@@ -347,11 +347,12 @@ class TrainingCoordinator:
         await self.start_epoch(change.plan, start, moves)
 
     async def consider_recost(self, busy: dict[str, float], times: dict[str, dict]) -> None:
-        """Set each device's own compute in the step just committed (its busy time less what
-        it waited inside it for its group's BatchNorm sums) against the cost model, and keep
-        a plan the corrected devices would run faster (planner/recost.py) for the next backup
-        step."""
-        own = {d: max(0.0, busy[d] - times.get(d, {}).get("exchange_s", 0.0)) for d in busy}
+        """Set each device's own compute in the step just committed (as its profile counts it,
+        DeviceWorker.own_s; its busy time less what it waited inside it for its group's
+        BatchNorm sums when it does not say) against the cost model, and keep a plan the
+        corrected devices would run faster (planner/recost.py) for the next backup step."""
+        own = {d: times.get(d, {}).get("own_s", max(0.0, busy[d] - times.get(d, {}).get("exchange_s", 0.0)))
+               for d in busy}
         alive = self.control.alive()
         try:
             result = await trio.to_thread.run_sync(self.recost, self.plan, own, alive)

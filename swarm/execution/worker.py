@@ -35,7 +35,8 @@ from swarm.execution.reduce import GradReducer
 from swarm.execution.replay import DeviceBackups, DeviceStore
 from swarm.execution.stage import StageCopy
 from swarm.execution.threads import ComputeLock, call_in_loop
-from swarm.local.compute_device import plan_device
+from swarm.host.resources import cpu_quota
+from swarm.local.compute_device import HOST, plan_device
 from swarm.local.trainer import TrainConfig
 from swarm.zoo import describe_model
 from tiles.executor import TileWorker
@@ -57,6 +58,18 @@ class JobSpec:
         return {"epoch": self.epoch, "start_step": self.start_step, "moves": [m.to_dict() for m in self.moves]}
 
 
+def quota_share(compute_on) -> float | None:
+    """The cores a compute thread on this host gets under a cgroup CPU quota below one core,
+    as the planner plans it: the quota less the runtime's (swarm.profiling.survey.with_runtime).
+    None without such a quota, or computing on an accelerator."""
+    from swarm.profiling.survey import RUNTIME_CORES
+
+    quota = cpu_quota()
+    if compute_on != HOST or quota is None or quota >= 1:
+        return None
+    return max(quota / 2, quota - RUNTIME_CORES)
+
+
 class DeviceWorker:
     def __init__(self, endpoint: Endpoint, job: JobSpec, store: DeviceStore | None = None):
         self.ep = endpoint
@@ -74,6 +87,7 @@ class DeviceWorker:
         self.busy_s = 0.0
         self.compute_cpu_s = 0.0  # CPU time of the compute itself (busy_s is wall time, quota stalls included)
         self.exchange_s = 0.0  # of busy_s, the wall time the compute waited for its group's BatchNorm sums
+        self.share = quota_share(self.compute_on)
         self.token = None  # trio token, for exchanges from compute threads
         # a replicated tiles stage: {(micro-batch, layer): (mean, var, count)} of our replica's
         # micro-batches this step, replayed with the other replicas' in micro-batch order
@@ -93,6 +107,16 @@ class DeviceWorker:
                     self.busy_s += time.perf_counter() - t0
                     self.compute_cpu_s += time.thread_time() - c0
         return await trio.to_thread.run_sync(run)
+
+    def own_s(self) -> float:
+        """This step's own compute as the device's profile counts it (what re-costing sets
+        against the cost model): under a CPU quota below a core, the compute thread's CPU time
+        over the share the planner gives it (quota_share), for the busy time there also holds
+        the quota's stalls while the event loop sends and sums gradients, which the cost model
+        charges apart; elsewhere the busy time, less the waits for the group's BatchNorm sums."""
+        if self.share is not None and torch.get_num_threads() == 1:
+            return self.compute_cpu_s / self.share
+        return max(0.0, self.busy_s - self.exchange_s)
 
     def group_of(self, p: int) -> list[str]:
         """The devices stage p's gradients are summed over: all of its devices."""
@@ -203,7 +227,7 @@ class DeviceWorker:
                 await reducer.finish()
         times = {"schedule_s": t1 - t0, "reduce_s": trio.current_time() - t1,
                  "reducing_s": sum(r.seconds for r in self.reducers.values()),
-                 "compute_cpu_s": self.compute_cpu_s, "exchange_s": self.exchange_s,
+                 "compute_cpu_s": self.compute_cpu_s, "exchange_s": self.exchange_s, "own_s": self.own_s(),
                  "cpu_s": time.process_time() - cpu0,
                  **{f"wait_{k}_s": v for k, v in self.ep.mailbox.waited.items()}}
         await self.ep.send(COORDINATOR, channels.ready(step, self.device),
