@@ -145,27 +145,29 @@ def test_a_model_too_big_to_step_whole_is_measured_in_pieces(monkeypatch):
     times of the same order."""
     import swarm.profiling.profiler as profiler
 
-    whole = profile_model("yolov2", 64, batch_sizes=(1, 2), repeats=1, threads=1, clock="cpu")
+    import re
+
+    whole = profile_model("yolov2", 64, batch_sizes=(1,), repeats=1, threads=1, clock="cpu")
     desc = describe_model("yolov2", 64, whole.classes)
     state = profiler.MemoryGuard(desc, "sgd", limit=1).state
-    # the model's gradients and momentum alone would take the process past the share it has
+    # room for the model's gradients but not their momentum as well: not a whole step, nor one
+    # piece of every layer (their gradients and activations)
     monkeypatch.setattr(profiler, "usable_memory",
                         lambda: int((profiler.settled_rss() + state / 2) / profiler.MemoryGuard.SHARE))
     said = []
-    pieces = profile_model("yolov2", 64, batch_sizes=(1, 2), repeats=1, threads=1, clock="cpu", log=said.append)
-    cuts = [m for m in said if "pieces" in m]
-    assert len(cuts) == 2 and all("the model being too big to step whole here" in m for m in cuts), said
+    pieces = profile_model("yolov2", 64, batch_sizes=(1,), repeats=1, threads=1, clock="cpu", log=said.append)
+    cut = next(m for m in said if m.startswith("batch 1: layers in"))
+    assert int(re.match(r"batch 1: layers in (\d+) pieces", cut).group(1)) >= 2, said
     assert "layers measured in" in pieces.costs.source and "pieces" in pieces.costs.source
     costs = pieces.costs
-    assert costs.batch_sizes == (1, 2) and costs.num_layers == len(desc.layers)
+    assert costs.batch_sizes == (1,) and costs.num_layers == len(desc.layers)
     assert (costs.fwd > 0).all() and (costs.bwd[[i for i, d in enumerate(desc.layers) if d.params]] > 0).all()
     assert (costs.update[[i for i, d in enumerate(desc.layers) if d.params]] > 0).all()
     assert costs.loss_fwd[0] > 0 and costs.loss_bwd[0] > 0
     assert pieces.act_bytes == whole.act_bytes
     assert pieces.step_time == {} and pieces.peak_bytes == {} and pieces.runtime_bytes > 0
-    for b in (1, 2):
-        ratio = costs.range_time(0, len(desc.layers), b) / whole.costs.range_time(0, len(desc.layers), b)
-        assert 1 / 3 < ratio < 3
+    ratio = costs.range_time(0, len(desc.layers), 1) / whole.costs.range_time(0, len(desc.layers), 1)
+    assert 1 / 3 < ratio < 3
     pieces.check_matches(desc)
 
 

@@ -357,10 +357,11 @@ def _measure_in_pieces(net, desc, loss_fn, data, batch_sizes, fits: "MemoryGuard
     the model and a sample's activations; the full yolov2 on a 1 GiB Pi), measured in
     contiguous pieces of layers that each fit (MemoryGuard.pieces): every layer's forward and
     backward inside a pass over its piece, the piece's input given by the pieces before it
-    (without autograd), and what each layer saves for its backward. There are no whole steps
-    to fit the layers to, nor a whole step's peak. Returns (batch sizes measured, forward and
-    backward per layer at each size with the loss head's last, saved bytes per sample per
-    layer, the idle process's resident bytes, the first size's pieces)."""
+    (without autograd), and what each layer saves for its backward. Each piece's layer times
+    are fitted to whole passes over it, as a whole model's are to whole steps; there is no
+    whole step's peak. Returns (batch sizes measured, forward and backward per layer at each
+    size with the loss head's last, saved bytes per sample per layer, the idle process's
+    resident bytes, the first size's pieces)."""
     import torch
 
     from swarm.data import class_targets, make_batch
