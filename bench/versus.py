@@ -30,9 +30,9 @@ for ddp, torchrun and its worker, page cache included) and, beside it, the large
 anonymous memory read every 0.2 s (without the page cache, which is reclaimed before a
 process is killed for memory); per device, both are in --json, with each device's major page
 faults (code and files read again from disk after the kernel reclaimed them); for auto,
-the step time the planner predicts for its plan (`swarm plan` on the same devices
-afterwards; swarm train does not print it), as samples/s, and whether that plan is the one
-swarm train ran.
+what the planner predicted for the plan the run started with (swarm train prints it under
+the plan), as samples/s; for a run that does not print it, what `swarm plan` on the same
+devices predicts afterwards, marked "(other plan)" when that is not the plan the run ran.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -58,6 +59,7 @@ from swarm.testbed import testbed
 
 HERE = Path(__file__).resolve().parent
 SWARM_RUNS = ("auto", "dp", "pp", "tiles", "hybrid")
+PREDICTED = re.compile(r"^predicted on [a-z ]+: ([0-9.]+) samples/s, ([0-9.]+) s a step$")
 # plan: the plan file --plan names (`swarm plan --out`); fixed: auto's first plan, never re-costed (--recost off)
 RUNS = (*SWARM_RUNS, "fixed", "plan", "ddp", "pipe")
 
@@ -189,15 +191,25 @@ def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dic
     oom = out_of_memory()
     if oom or r.returncode:
         return {"error": oom or last_error(r.stderr), "output": r.stdout + r.stderr}
-    lines = [line.rstrip() for line in (r.stdout + r.stderr).splitlines()]
-    plan, recost = [], []  # the first plan; what re-costing measured, chose (its plan's lines) and did
-    for line in lines:
-        if "measured compute against" in line or "re-planned from" in line or "re-costed plan (" in line:
-            recost.append(line.strip())
-        elif line.startswith("plan (") or line.strip().startswith("stage "):
-            (recost if any("re-costed plan (" in r for r in recost) else plan).append(line.strip())
-    return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()], "plan": plan, "recost": recost,
-            "output": r.stdout + r.stderr}
+    return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()], "output": r.stdout + r.stderr,
+            **read_output(r.stdout + r.stderr)}
+
+
+def read_output(text: str) -> dict:
+    """From what swarm train printed: the plan it started with ("plan" and "stage" lines),
+    what re-costing measured, chose (its plan's lines) and did ("recost"), and what the
+    planner predicted for the first plan ("predicted_samples_per_s", "predicted_step_s")."""
+    plan, recost, own = [], [], {}
+    for line in (line.strip() for line in text.splitlines()):
+        found = PREDICTED.search(line)
+        if found and not own:
+            own = {"predicted_samples_per_s": float(found[1]), "predicted_step_s": float(found[2]),
+                   "predicted_plan": None, "same_plan": True}
+        elif "measured compute against" in line or "re-planned from" in line or "re-costed plan (" in line:
+            recost.append(line)
+        elif line.startswith("plan (") or line.startswith("stage "):
+            (recost if any("re-costed plan (" in r for r in recost) else plan).append(line)
+    return {"plan": plan, "recost": recost, **own}
 
 
 def predicted(bench, args: argparse.Namespace, ran: list[str]) -> dict:
@@ -249,7 +261,7 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
     result["rates"] = [s["samples_per_s"] for s in steps[1:]]
     result["samples_per_s"] = statistics.median(result["rates"])
     result["used"] = max((len(s.get("device_times", {})) for s in steps), default=0) or args.devices
-    if run in ("auto", "fixed"):
+    if run in ("auto", "fixed") and "predicted_samples_per_s" not in result:
         result.update(predicted(bench, args, result["plan"]))
     return result
 

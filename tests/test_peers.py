@@ -237,3 +237,30 @@ def test_versus_keeps_each_devices_log(tmp_path, monkeypatch):
     assert kept == ["coordinator.log", "dev0.log", "dev1.log"]
     assert (tmp_path / "kept" / "auto-1" / "coordinator.log").read_text() == "plan (dp)\nre-planned from epoch 0\n"
     assert (tmp_path / "kept" / "auto-1" / "dev1.log").read_text() == logs["dev1"].read_text()
+
+
+def test_versus_reads_the_prediction_swarm_train_prints_under_its_plan(monkeypatch):
+    """bench/versus.py reports, for an auto run, what the planner predicted for the plan that
+    run started with, as swarm train printed it (not what `swarm plan` predicts afterwards,
+    which profiles again and may plan otherwise); a re-costed plan later in the output is
+    not taken for the first, and a run that printed no prediction gives none."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import versus
+    from planner.baselines import simple_plan
+    from swarm.execution.launch import prediction_line
+    from swarm.zoo import describe_model
+
+    plan = simple_plan("dp", describe_model("yolov2-16", 416), ["dev0", "dev1"], 8, 8)
+    plan.predicted = {"throughput": 3.2341836, "step_time_s": 9.8943}
+    later = simple_plan("dp", describe_model("yolov2-16", 416), ["dev1"], 8, 8)
+    text = "\n".join([plan.describe(), prediction_line(plan, True), "step 1/4 [#---] loss 851.5",
+                      "step 2: measured compute against the profiles: dev0 1.52x, dev1 1.04x; re-planning",
+                      "re-costed " + later.describe(), "step 4/4 [####] loss 20"])
+    out = versus.read_output(text)
+    assert out["predicted_samples_per_s"] == 3.234 and out["predicted_step_s"] == 9.89
+    assert out["plan"] == [line.strip() for line in plan.describe().splitlines()]
+    assert out["recost"][0].startswith("step 2: measured compute") and len(out["recost"]) == 3
+    assert prediction_line(plan, False).startswith("predicted on estimates: 3.234 samples/s")
+    plan.predicted = {}
+    assert "predicted_samples_per_s" not in versus.read_output("\n".join([plan.describe(),
+                                                                          prediction_line(plan, False)]))

@@ -103,6 +103,16 @@ def own_addresses() -> set[str]:
     return found
 
 
+def prediction_line(plan: Plan, measured: bool) -> str:
+    """What the planner expects of `plan`, as `swarm train` prints it under the plan: on the
+    devices' profiles, or on estimates where they could not be measured."""
+    predicted = plan.predicted or {}
+    if "throughput" not in predicted:
+        return "predicted: nothing (the plan was not simulated)"
+    return (f"predicted {'on the profiles' if measured else 'on estimates'}: {predicted['throughput']:.3f} samples/s, "
+            f"{predicted['step_time_s']:.2f} s a step")
+
+
 class SwarmRunner:
     """run_steps for swarm.local.trainer.train: the steps run on the devices of the swarm."""
 
@@ -178,6 +188,8 @@ class SwarmRunner:
             plan = self._make_plan(trainer, list(names), names, measured)
             self.plan = plan
             self.log(plan.describe())
+            if o.strategy == "auto" and not o.plan_path:
+                self.log(prediction_line(plan, measured is not None))
             await self._run_job(cluster, names, plan, trainer, train_set, total, report)
         return False
 
