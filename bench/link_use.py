@@ -1,6 +1,6 @@
 """How busy each testbed device's link is while a command runs (root).
 
-    sudo .venv/bin/python bench/link_use.py [--interval 0.05] [--skip S] [--out SERIES.jsonl] -- CMD ARGS...
+    sudo .venv/bin/python bench/link_use.py [--interval 0.05] [--skip S | --last S] [--out SERIES.jsonl] -- CMD ARGS...
 
 e.g. with a testbed up (`swarm testbed up --devices 8 --cpu 0.2 --mem 1G --bandwidth 100mbit`):
 
@@ -9,7 +9,8 @@ e.g. with a testbed up (`swarm testbed up --devices 8 --cpu 0.2 --mem 1G --bandw
 
 Reads the byte counters of every device's link (the host end of its veth: what the host end
 receives the device sent) every --interval seconds while CMD runs. Per device and direction it
-prints, after the first --skip seconds (a run's start-up, profiling and first step), the
+prints, after the first --skip seconds (a run's start-up, profiling and first step), or over
+the --last seconds before the links went quiet at the end (a run's steady steps), the
 megabytes moved and, over the span in which that device moved anything (its first such
 interval to its last), the share of intervals in which the link ran at 80% of its rate or
 more and the share in which it moved nothing. --out keeps the whole series (one line per
@@ -64,10 +65,23 @@ def summary(series: list[list], rates: list[float], interval: float) -> list[dic
     return rows
 
 
+def window(series: list[list], rates: list[float], args: argparse.Namespace) -> list[list]:
+    """The intervals the shares are taken over: after --skip, or the --last seconds before
+    the last interval in which any link moved something."""
+    if args.last is None:
+        return [s for s in series if s[0] > args.skip]
+    moving = [s[0] for s in series if any(b >= MOVING * rate * args.interval
+                                           for pair, rate in zip(s[1:], rates) for b in pair)]
+    end = moving[-1] if moving else 0.0
+    return [s for s in series if end - args.last < s[0] <= end]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--interval", type=float, default=0.05)
-    p.add_argument("--skip", type=float, default=0.0, help="seconds at the start left out of the shares")
+    span = p.add_mutually_exclusive_group()
+    span.add_argument("--skip", type=float, default=0.0, help="seconds at the start left out of the shares")
+    span.add_argument("--last", type=float, help="only the seconds before the links' last traffic")
     p.add_argument("--out", help="keep the series here (JSON lines)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     args = p.parse_args()
@@ -91,7 +105,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text("".join(json.dumps(s) + "\n" for s in series))
     print(f"{'device':8} {'out MB':>7} {'busy':>5} {'idle':>5} {'in MB':>7} {'busy':>5} {'idle':>5}  span s")
-    for d, row in zip(devices, summary([s for s in series if s[0] > args.skip], rates, args.interval)):
+    for d, row in zip(devices, summary(window(series, rates, args), rates, args.interval)):
         o, i = row["out"], row["in"]
         print(f"{d.name:8} {o['mb']:7.1f} {o['busy']:5.0%} {o['idle']:5.0%} {i['mb']:7.1f} {i['busy']:5.0%} "
               f"{i['idle']:5.0%}  {max(o['span_s'], i['span_s']):.1f}")
