@@ -262,5 +262,5 @@ def test_versus_reads_the_prediction_swarm_train_prints_under_its_plan(monkeypat
     assert out["recost"][0].startswith("step 2: measured compute") and len(out["recost"]) == 3
     assert prediction_line(plan, False).startswith("predicted on estimates: 3.234 samples/s")
     plan.predicted = {}
-    assert "predicted_samples_per_s" not in versus.read_output("\n".join([plan.describe(),
-                                                                          prediction_line(plan, False)]))
+    assert prediction_line(plan, True) is None
+    assert "predicted_samples_per_s" not in versus.read_output(plan.describe())

@@ -103,12 +103,13 @@ def own_addresses() -> set[str]:
     return found
 
 
-def prediction_line(plan: Plan, measured: bool) -> str:
+def prediction_line(plan: Plan, measured: bool) -> str | None:
     """What the planner expects of `plan`, as `swarm train` prints it under the plan: on the
-    devices' profiles, or on estimates where they could not be measured."""
+    devices' profiles, or on estimates where they could not be measured; None for a plan
+    that was not simulated (the fallback when no planner's plan fits)."""
     predicted = plan.predicted or {}
     if "throughput" not in predicted:
-        return "predicted: nothing (the plan was not simulated)"
+        return None
     return (f"predicted {'on the profiles' if measured else 'on estimates'}: {predicted['throughput']:.3f} samples/s, "
             f"{predicted['step_time_s']:.2f} s a step")
 
@@ -188,8 +189,9 @@ class SwarmRunner:
             plan = self._make_plan(trainer, list(names), names, measured)
             self.plan = plan
             self.log(plan.describe())
-            if o.strategy == "auto" and not o.plan_path:
-                self.log(prediction_line(plan, measured is not None))
+            line = prediction_line(plan, measured is not None) if o.strategy == "auto" and not o.plan_path else None
+            if line:
+                self.log(line)
             await self._run_job(cluster, names, plan, trainer, train_set, total, report)
         return False
 
