@@ -137,6 +137,80 @@ def test_overlapping_a_gang_changes_no_bit(name, monkeypatch):
         assert any(b[0] == f[0] and b[2] < f[2] < b[3] for b in spans["B"] for f in spans["F"]), spans
 
 
+OVERLAPPING = ["pp4", "dp4", "hybrid", "hybrid-overlapped", "four-replicas-of-one-device",
+               "three-replicas-with-uneven-shares", "dp-replicas-of-groups-with-uneven-shares", "tiles-in-the-middle"]
+
+
+@pytest.mark.parametrize("name", OVERLAPPING)
+def test_steps_over_the_step_befores_sums_change_no_bit(name):
+    """Between backups a step starts while the step before's sums travel, each layer waiting
+    for its own bucket's update (worker.Tail); with a backup at every step each step waits for
+    all of them. Float32 weights and running statistics after four real steps are the same
+    bits either way (a device with a tiles stage settles every step, beside devices that
+    do not), and equal local training in float64."""
+    cfg = _cfg("yolov2-16", 4, dtype="float32")
+    plan = _plan("yolov2-16", PLANS[name](N16), 4)
+    settled = _planned(cfg, plan, steps=4, backup_interval=1).net.state_dict()
+    overlapped = _planned(cfg, plan, steps=4, backup_interval=1000).net.state_dict()
+    for key, value in overlapped.items():
+        assert torch.equal(value, settled[key]), key
+    cfg64 = _cfg("yolov2-16", 4)
+    worst = _worst(_planned(cfg64, plan, steps=4, backup_interval=1000).net.state_dict(), _local(cfg64, 4))
+    assert worst[0] < 1e-9, worst
+
+
+def test_the_next_forward_computes_before_the_step_befores_last_update(monkeypatch):
+    """The overlap is real: with the top layers' update held back, each device's next forward
+    has passed its first layer (whose own update came first) before that update is applied."""
+    events = []
+    apply_params, build = StageCopy.apply_params, StageCopy.build
+
+    def slow_top(self, step, params, commit=True):
+        top = {id(q) for q in self.net.layers[self.stage.last - 1].parameters()}
+        if any(id(q) in top for q in params):
+            time.sleep(0.3)
+        apply_params(self, step, params, commit)
+        if any(id(q) in top for q in params):
+            events.append(("applied", id(self), time.perf_counter()))
+
+    def built(*args, **kw):
+        copy = build(*args, **kw)
+        copy.net.layers[0].register_forward_hook(lambda *_: events.append(("layer0", id(copy), time.perf_counter())))
+        return copy
+    monkeypatch.setattr(StageCopy, "apply_params", slow_top)
+    monkeypatch.setattr(StageCopy, "build", built)
+    cfg = _cfg("yolov2-16", 4, dtype="float32")
+    _planned(cfg, _plan("yolov2-16", PLANS["four-replicas-of-one-device"](N16), 4), steps=3, backup_interval=1000)
+    early = 0
+    for copy in {c for _, c, _ in events}:
+        mine = sorted((t, kind) for kind, c, t in events if c == copy)
+        forwards = [t for t, kind in mine if kind == "layer0"]  # one micro-batch a step: step k's is the k-th
+        applied = [t for t, kind in mine if kind == "applied"]
+        assert len(forwards) == 3 and len(applied) == 3, mine
+        early += sum(forwards[k + 1] < applied[k] for k in range(2))
+    assert early >= 4, events  # of the 8 (two steps after another on four devices): all, unless a host stalls
+
+
+def test_a_late_merge_of_running_statistics_still_starts_the_next_ones(monkeypatch):
+    """A step's running statistics, merged while the next step runs, are that step's start:
+    with the first step's merge held back past the second step's end, the result is the
+    same bits as with every step settled."""
+    cfg = _cfg("yolov2-16", 4, dtype="float32")
+    plan = _plan("yolov2-16", PLANS["three-replicas-with-uneven-shares"](N16), 4)
+    settled = _planned(cfg, plan, steps=3, backup_interval=1).net.state_dict()
+    merged_running, calls = StageCopy.merged_running, {}
+
+    def late_first(self, moved, shares):
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        if calls[id(self)] == 1:
+            time.sleep(1.0)
+        return merged_running(self, moved, shares)
+    monkeypatch.setattr(StageCopy, "merged_running", late_first)
+    late = _planned(cfg, plan, steps=3, backup_interval=1000).net.state_dict()
+    for key, value in late.items():
+        assert torch.equal(value, settled[key]), key
+
+
 def _compute_spans(monkeypatch) -> dict[str, list[tuple]]:
     """(device's stage copy, micro-batch, start, end) of every forward and backward computed."""
     spans = {"F": [], "B": []}

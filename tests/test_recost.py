@@ -46,7 +46,8 @@ def test_a_device_under_a_quota_reports_its_compute_as_its_profile_counts_it(mon
     while the event loop sums gradients, twice its compute at one sample a step (measured on
     the testbed), which the cost model charges apart. Such a device reports the compute
     thread's CPU over the share the planner gives it (its quota less the runtime's);
-    elsewhere, and on an accelerator, the busy time less its waits for BatchNorm sums."""
+    elsewhere, and on an accelerator, the busy time less its waits for BatchNorm sums and
+    for the step before's updates."""
     from types import SimpleNamespace
 
     from swarm.execution import worker
@@ -62,7 +63,7 @@ def test_a_device_under_a_quota_reports_its_compute_as_its_profile_counts_it(mon
     monkeypatch.setattr(worker, "cpu_quota", lambda: 2.0)
     assert worker.quota_share(HOST) is None
 
-    step = dict(busy_s=10.0, exchange_s=1.5, compute_cpu_s=0.9)
+    step = dict(busy_s=10.0, exchange_s=1.0, gate_s=0.5, compute_cpu_s=0.9)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

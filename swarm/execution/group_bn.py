@@ -176,15 +176,21 @@ async def replay_running_stats(ep, step: int, p: int, stage, mine: list[int], ou
     await trio.to_thread.run_sync(apply)
 
 
-async def merge_running_stats(ep, step: int, p: int, copy, microbatches: int, timeout_s: float) -> None:
+async def merge_running_stats(ep, step: int, p: int, copy, moved: torch.Tensor, microbatches: int,
+                              timeout_s: float, before: trio.Event | None = None) -> None:
     """A replicated single or dp stage: each replica's running statistics moved from zero over
-    its micro-batches (alike on every device of a dp replica, whose group BatchNorm moves them
-    together); gather them from all the stage's devices and combine one per replica with the
-    step's starting statistics as the micro-batches in order would have moved them."""
+    its micro-batches (`moved`, StageCopy.take_moved; alike on every device of a dp replica,
+    whose group BatchNorm moves them together); gather them from all the stage's devices and
+    combine one per replica with the step's starting statistics as the micro-batches in order
+    would have moved them. The result is left in copy.start_stats, the next step's start: the
+    next step may already be running, its additions counted from zero. `before`: the merge
+    of the step before, which gives this step's start."""
     stage = copy.stage
-    moved, parts = copy.running_moved(), []
+    parts = []
     if moved.numel():
         gathered = await allgather(ep, stage.devices, channels.running(step, p), [moved], timeout_s)
         firsts = [stage.devices.index(stage.replica_devices(r)[0]) for r in range(stage.replica_count())]
         parts = [gathered[i][0] for i in firsts]
-    await trio.to_thread.run_sync(copy.merge_running, parts, stage.replica_shares(microbatches))
+    if before is not None:
+        await before.wait()
+    copy.start_stats = await trio.to_thread.run_sync(copy.merged_running, parts, stage.replica_shares(microbatches))

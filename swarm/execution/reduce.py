@@ -88,7 +88,7 @@ class GradReducer:
             self.nursery.start_soon(self._reduce, bucket)
 
     async def _reduce(self, bucket: int) -> None:
-        params = [q for layer in self.buckets[bucket] for q in self.params[layer]]
+        params = self.bucket_params(bucket)
         t0 = trio.current_time()
         flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params])
         total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), to_host(flat), self.timeout)
@@ -100,11 +100,22 @@ class GradReducer:
         self.seconds += trio.current_time() - t0
         self.started[bucket].set()
 
-    async def finish(self) -> None:
-        """Start what has not started (layers no hook reported), then wait for every sum."""
+    def start_rest(self) -> None:
+        """After the last backward: start what has not started (layers no hook reported)."""
         if self.error is not None:
             raise self.error
         for bucket in sorted(self.buckets, reverse=True):
             self.start(bucket)
+
+    def bucket_params(self, bucket: int) -> list[torch.Tensor]:
+        return [q for layer in self.buckets[bucket] for q in self.params[layer]]
+
+    async def summed(self, bucket: int) -> None:
+        """Wait until a started bucket's sum is in its parameters' gradients."""
+        await self.started[bucket].wait()
+
+    async def finish(self) -> None:
+        """Start what has not started, then wait for every sum."""
+        self.start_rest()
         for event in self.started.values():
             await event.wait()

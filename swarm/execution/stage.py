@@ -5,6 +5,7 @@ The compute methods here run in a worker thread; they see only tensors and calla
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,9 @@ class StageCopy:
     start_stats: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # replicas: the step's starting BN statistics
     tile_dy: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (tile, mb): dL/d(tile output)
     device: torch.device = HOST  # where this copy computes; what it sends and keeps for others is on the host
+    update_lock: threading.Lock = field(default_factory=threading.Lock)  # apply_params from several threads
+    # layers with weights: open once the step before's update of them is applied (worker.Tail)
+    gates: dict[int, threading.Event] = field(default_factory=dict)
 
     @classmethod
     def build(cls, plan: Plan, p: int, cfg: TrainConfig, cfg_text: str | None, group_size: int,
@@ -56,7 +60,11 @@ class StageCopy:
         for i in range(stage.first, stage.last):  # a cancelled job stops its forward at the next layer
             net.layers[i].register_forward_pre_hook(stop_if_cancelled)
         optimizer = make_optimizer(net.named_parameters(), cfg)
-        return cls(plan, p, desc, cfg, net, optimizer, group_bns, device=device)
+        gates = {i: threading.Event() for i in range(stage.first, stage.last)
+                 if any(True for _ in net.layers[i].parameters())}
+        for gate in gates.values():
+            gate.set()
+        return cls(plan, p, desc, cfg, net, optimizer, group_bns, device=device, gates=gates)
 
     @property
     def stage(self):
@@ -124,25 +132,45 @@ class StageCopy:
             return torch.zeros(0)
         return to_host(torch.cat([t.detach().reshape(-1) for bn in bns for t in (bn.running_mean, bn.running_var)]))
 
-    def merge_running(self, moved: list[torch.Tensor], shares: list[int]) -> None:
-        """Running statistics after all the step's micro-batches, from the step's start and each
-        replica's additions (in replica order; replica r ran shares[r] micro-batches): with
-        a = 1 - momentum, what replica r added has decayed by a^k over the k micro-batches of
-        the replicas after it, so the result is a^M start + sum_r a^(shares after r) moved_r."""
-        microbatches = sum(shares)
-        offset = 0
+    def take_moved(self) -> torch.Tensor:
+        """After this device's last forward of a step: what the step's micro-batches added to
+        the running statistics (running_moved), and the statistics back at zero for the next
+        step's, which may start before this one's are merged."""
+        moved = self.running_moved()  # a copy (a concatenation)
         with torch.no_grad():
-            for bn, (mean0, var0, count0) in zip(self._batchnorms(), self.start_stats):
-                a = 1.0 - bn.momentum
-                n = bn.running_mean.numel()
-                for target, start, at in ((bn.running_mean, mean0, offset), (bn.running_var, var0, offset + n)):
-                    total = start.double() * a ** microbatches
-                    for r, part in enumerate(moved):
-                        total += part[at:at + n].to(start.device).double().view_as(start) * a ** sum(shares[r + 1:])
-                    target.copy_(total)
-                bn.num_batches_tracked.copy_(count0 + microbatches)
-                offset += 2 * n
-        self.start_stats = []
+            for bn in self._batchnorms():
+                bn.running_mean.zero_()
+                bn.running_var.zero_()
+        return moved
+
+    def merged_running(self, moved: list[torch.Tensor], shares: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """Running statistics after all the step's micro-batches, from the step's start
+        (start_stats) and each replica's additions (in replica order; replica r ran shares[r]
+        micro-batches): with a = 1 - momentum, what replica r added has decayed by a^k over the
+        k micro-batches of the replicas after it, so the result is a^M start + sum_r
+        a^(shares after r) moved_r. As start_stats are: (mean, var, count) per BatchNorm."""
+        microbatches = sum(shares)
+        offset, after = 0, []
+        for bn, (mean0, var0, count0) in zip(self._batchnorms(), self.start_stats):
+            a = 1.0 - bn.momentum
+            n = bn.running_mean.numel()
+            merged = []
+            for start, at in ((mean0, offset), (var0, offset + n)):
+                total = start.double() * a ** microbatches
+                for r, part in enumerate(moved):
+                    total += part[at:at + n].to(start.device).double().view_as(start) * a ** sum(shares[r + 1:])
+                merged.append(total.to(start.dtype))
+            after.append((*merged, count0 + microbatches))
+            offset += 2 * n
+        return after
+
+    def set_running(self, stats: list[tuple[torch.Tensor, ...]]) -> None:
+        """Write running statistics (as start_stats holds them) into the BatchNorm layers."""
+        with torch.no_grad():
+            for bn, (mean, var, count) in zip(self._batchnorms(), stats):
+                bn.running_mean.copy_(mean)
+                bn.running_var.copy_(var)
+                bn.num_batches_tracked.copy_(count)
 
     # ---- compute (worker thread) ---------------------------------------------------------
     def forward(self, part: int, m: int, inputs: dict[int, torch.Tensor], keys: list[int],
@@ -219,3 +247,21 @@ class StageCopy:
         set_lr(self.optimizer, self.cfg.lr_at(step))
         optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def apply_params(self, step: int, params: list[torch.Tensor], commit: bool = True) -> None:
+        """Step `params` alone (a bucket whose sum has arrived), as apply_step steps them all:
+        the optimizer's groups cut down to them for the call. Their gradients are then
+        dropped; a step not committed only drops them. Safe from several threads at once."""
+        with self.update_lock:
+            if commit:
+                wanted = {id(q) for q in params}
+                groups = self.optimizer.param_groups
+                set_lr(self.optimizer, self.cfg.lr_at(step))
+                self.optimizer.param_groups = [{**g, "params": [q for q in g["params"] if id(q) in wanted]}
+                                               for g in groups]
+                try:
+                    optimizer_step(self.optimizer)
+                finally:
+                    self.optimizer.param_groups = groups
+            for q in params:
+                q.grad = None

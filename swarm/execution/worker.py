@@ -34,7 +34,7 @@ from swarm.execution.halos import DeviceTiles, TileGeometry
 from swarm.execution.reduce import GradReducer
 from swarm.execution.replay import DeviceBackups, DeviceStore
 from swarm.execution.stage import StageCopy
-from swarm.execution.threads import ComputeLock, call_in_loop
+from swarm.execution.threads import LOCK_POLL_S, ComputeLock, call_in_loop, check_cancelled
 from swarm.host.resources import cpu_quota
 from swarm.local.compute_device import HOST, plan_device
 from swarm.local.trainer import TrainConfig
@@ -87,6 +87,12 @@ class DeviceWorker:
         self.busy_s = 0.0
         self.compute_cpu_s = 0.0  # CPU time of the compute itself (busy_s is wall time, quota stalls included)
         self.exchange_s = 0.0  # of busy_s, the wall time the compute waited for its group's BatchNorm sums
+        self.gate_s = 0.0  # of busy_s, the wall time a forward waited for the step before's updates
+        self.tail: Tail | None = None  # the step before's sums, updates and merges, while they are under way
+        # the next step starts while the step before's sums are still travelling, its forward
+        # waiting layer by layer for their updates (Tail); a tiles stage's layers run in its
+        # tile executors, past those gates, so a device with one ends every step settled
+        self.overlapping = True
         self.share = quota_share(self.compute_on)
         self.token = None  # trio token, for exchanges from compute threads
         # a replicated tiles stage: {(micro-batch, layer): (mean, var, count)} of our replica's
@@ -113,10 +119,26 @@ class DeviceWorker:
         against the cost model): under a CPU quota below a core, the compute thread's CPU time
         over the share the planner gives it (quota_share), for the busy time there also holds
         the quota's stalls while the event loop sends and sums gradients, which the cost model
-        charges apart; elsewhere the busy time, less the waits for the group's BatchNorm sums."""
+        charges apart; elsewhere the busy time, less the waits for the group's BatchNorm sums
+        and for the step before's updates."""
         if self.share is not None and torch.get_num_threads() == 1:
             return self.compute_cpu_s / self.share
-        return max(0.0, self.busy_s - self.exchange_s)
+        return max(0.0, self.busy_s - self.exchange_s - self.gate_s)
+
+    def gate_hook(self, gate: threading.Event):
+        """A forward pre-hook: the layer's weights wait for the step before's update (its
+        bucket's sum, then the commit), with the compute lock let go."""
+        def hook(module, inputs) -> None:
+            if gate.is_set():
+                return
+            t0 = time.perf_counter()
+            try:
+                with self.compute_lock.released():
+                    while not gate.wait(LOCK_POLL_S):
+                        check_cancelled()
+            finally:
+                self.gate_s += time.perf_counter() - t0
+        return hook
 
     def group_of(self, p: int) -> list[str]:
         """The devices stage p's gradients are summed over: all of its devices."""
@@ -183,6 +205,10 @@ class DeviceWorker:
         self.copies[p] = copy
         if copy.stage.mode == "tiles":
             self.tile_workers[p] = self.make_tile_workers(copy)
+            self.overlapping = False
+        else:
+            for layer, gate in copy.gates.items():
+                copy.net.layers[layer].register_forward_pre_hook(self.gate_hook(gate))
 
     async def back_up(self, step: int) -> None:
         """At a backup step: our stages' states (our own copies: kept as the snapshot and sent
@@ -205,54 +231,116 @@ class DeviceWorker:
         return workers
 
     async def run_step(self, step: int) -> bool:
-        self.busy_s = self.compute_cpu_s = self.exchange_s = 0.0
+        self.busy_s = self.compute_cpu_s = self.exchange_s = self.gate_s = 0.0
         cpu0 = time.process_time()
-        for copy in self.copies.values():
-            if copy.stage.mode != "tiles" and copy.stage.replica_count() > 1:
-                copy.running_from_zero()
+        if self.tail is None:  # settled: the running statistics are the step's start (a tail leaves them at zero)
+            for copy in self.copies.values():
+                if copy.stage.mode != "tiles" and copy.stage.replica_count() > 1:
+                    copy.running_from_zero()
         self.ep.mailbox.waited.clear()
         losses: list[float] = []
         t0 = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            self.reducers = {p: self.make_reducer(step, p, nursery) for p in self.copies
-                             if len(self.group_of(p)) > 1}
-            async with trio.open_nursery() as stages:
-                for p in sorted(self.copies):
-                    stages.start_soon(self.run_stage, step, p, losses)
-            t1 = trio.current_time()
-            for p, copy in self.copies.items():
-                if copy.stage.replica_count() > 1:
-                    nursery.start_soon(self.running_stats, step, p, copy)
-            for reducer in self.reducers.values():  # what is left to sum after the last backward
-                await reducer.finish()
-        times = {"schedule_s": t1 - t0, "reduce_s": trio.current_time() - t1,
-                 "reducing_s": sum(r.seconds for r in self.reducers.values()),
+        before = self.tail
+        self.reducers = {p: self.make_reducer(step, p) for p in self.copies if len(self.group_of(p)) > 1}
+        async with trio.open_nursery() as stages:
+            for p in sorted(self.copies):
+                stages.start_soon(self.run_stage, step, p, losses)
+        tail = self.begin_tail(step)
+        times = {"schedule_s": tail.start - t0, "gate_s": self.gate_s,
                  "compute_cpu_s": self.compute_cpu_s, "exchange_s": self.exchange_s, "own_s": self.own_s(),
                  "cpu_s": time.process_time() - cpu0,
+                 **({"tail_s": before.seconds, "reducing_s": before.reducing_s} if before and before.done.is_set() else {}),
                  **{f"wait_{k}_s": v for k, v in self.ep.mailbox.waited.items()}}
         await self.ep.send(COORDINATOR, channels.ready(step, self.device),
-                           {"loss": float(sum(losses)), "busy_s": self.busy_s, "times": times})
+                           {"loss": float(sum(losses)), "busy_s": self.busy_s - self.gate_s, "times": times})
         decision = await self.get(channels.decide(step))
-        for copy in self.copies.values():
-            if decision["commit"]:
-                copy.apply_step(step)
-            else:
-                copy.optimizer.zero_grad(set_to_none=True)
+        self.nursery.start_soon(self.finish_tail, tail, decision)
+        last = bool(decision.get("last"))
+        backup = decision["commit"] and decision.get("backup")
+        if not self.overlapping or last or decision.get("checkpoint") or backup or not decision["commit"]:
+            await self.settle()
         committed = step + 1
         if decision.get("checkpoint"):
             for p, copy in self.copies.items():
                 if stage_parts(self.plan, p)[0].device == self.device:
                     states = await trio.to_thread.run_sync(copy.states)
                     await self.ep.send(COORDINATOR, channels.state(committed, p, self.device), {"states": states})
-        if decision["commit"] and decision.get("backup"):
+        if backup:
             await self.back_up(committed)
-        return bool(decision.get("last"))
+        return last
 
-    def make_reducer(self, step: int, p: int, nursery) -> GradReducer:
+    # ---- what a step leaves for the next to overlap --------------------------------------
+    def begin_tail(self, step: int) -> "Tail":
+        """After the step's last backward: the sums not yet started start, the replicated
+        stages' running statistics go to be merged, and the gates close until the updates."""
+        tail = Tail(step, trio.current_time(), self.reducers)
+        for reducer in self.reducers.values():
+            reducer.start_rest()
+        for p, copy in self.copies.items():
+            if copy.stage.replica_count() > 1:
+                merged = tail.merged[p] = trio.Event()
+                if copy.stage.mode == "tiles":
+                    self.nursery.start_soon(self.replay_stats, step, p, copy, merged)
+                else:
+                    before = self.tail.merged.get(p) if self.tail is not None else None
+                    self.nursery.start_soon(self.merge_stats, step, p, copy, copy.take_moved(), before, merged)
+            for gate in copy.gates.values():
+                gate.clear()
+        self.tail = tail
+        return tail
+
+    async def finish_tail(self, tail: "Tail", decision: dict) -> None:
+        """Each bucket's update once its sum is in and the step is committed (layers of a
+        stage that sums nothing: all at once), opening its layers' gates; then the merges."""
+        async with trio.open_nursery() as nursery:
+            for p, copy in self.copies.items():
+                reducer = tail.reducers.get(p)
+                for bucket in (reducer.buckets if reducer else [None]):
+                    nursery.start_soon(self.update, tail.step, copy, reducer, bucket, decision["commit"])
+            for merged in tail.merged.values():
+                nursery.start_soon(merged.wait)
+        tail.reducing_s = sum(r.seconds for r in tail.reducers.values())
+        tail.seconds = trio.current_time() - tail.start
+        tail.done.set()
+
+    async def update(self, step: int, copy: StageCopy, reducer: GradReducer | None, bucket: int | None,
+                     commit: bool) -> None:
+        if reducer is None:
+            params, layers = list(copy.net.parameters()), list(copy.gates)
+        else:
+            await reducer.summed(bucket)
+            params, layers = reducer.bucket_params(bucket), reducer.buckets[bucket]
+        await trio.to_thread.run_sync(copy.apply_params, step, params, commit)
+        for layer in layers:
+            if layer in copy.gates:
+                copy.gates[layer].set()
+
+    async def settle(self) -> None:
+        """Wait for the step before's tail: every update applied and the running statistics
+        merged into the BatchNorm layers (a backup, a checkpoint, the last step need them)."""
+        if self.tail is None:
+            return
+        await self.tail.done.wait()
+        for copy in self.copies.values():
+            if copy.stage.mode != "tiles" and copy.stage.replica_count() > 1:
+                copy.set_running(copy.start_stats)
+                copy.start_stats = []
+        self.tail = None
+
+    async def merge_stats(self, step: int, p: int, copy: StageCopy, moved, before, merged: trio.Event) -> None:
+        await merge_running_stats(self.ep, step, p, copy, moved, self.plan.microbatches, self.job.timeout_s, before)
+        merged.set()
+
+    async def replay_stats(self, step: int, p: int, copy: StageCopy, merged: trio.Event) -> None:
+        await self.running_stats(step, p, copy)
+        merged.set()
+
+    def make_reducer(self, step: int, p: int) -> GradReducer:
+        """The step's sums of stage p; they run in the job's nursery, past the step's end."""
         copy = self.copies[p]
         parts = len([part for part in self.parts if part.stage == p])
         return GradReducer(self.ep, self.group_of(p), channels.grads(step, p), copy.net, copy.stage.first,
-                           copy.stage.last, nursery, self.job.timeout_s, self.token, parts)
+                           copy.stage.last, self.nursery, self.job.timeout_s, self.token, parts)
 
     async def run_stage(self, step: int, p: int, losses: list[float]) -> None:
         """The 1F1B schedule of this device's parts of stage p for one step. During the last
@@ -385,15 +473,12 @@ class DeviceWorker:
         return {k + r * n: v for k, v in local.items()}
 
     async def running_stats(self, step: int, p: int, copy: StageCopy) -> None:
-        """A replicated stage's BatchNorm running statistics, as one device running every
+        """A replicated tiles stage's BatchNorm running statistics, as one device running every
         micro-batch in order would have them (group_bn.py)."""
-        if copy.stage.mode == "tiles":
-            mine = [part.index for part in self.parts if part.stage == p]
-            ours, self.bn_stats = self.bn_stats, {}
-            await replay_running_stats(self.ep, step, p, copy.stage, mine, ours, self.tile_workers[p][mine[0]].parts,
-                                       self.job.timeout_s)
-        else:
-            await merge_running_stats(self.ep, step, p, copy, self.plan.microbatches, self.job.timeout_s)
+        mine = [part.index for part in self.parts if part.stage == p]
+        ours, self.bn_stats = self.bn_stats, {}
+        await replay_running_stats(self.ep, step, p, copy.stage, mine, ours, self.tile_workers[p][mine[0]].parts,
+                                   self.job.timeout_s)
 
     def _window(self, p: int, tile: int) -> tuple[int, int, int, int]:
         """(row0, col0, H, W) of a tile's owned output in the stage's output map."""
@@ -405,3 +490,17 @@ class DeviceWorker:
 
 def plan_batch(plan: Plan) -> int:
     return plan.batch_size
+
+
+@dataclass
+class Tail:
+    """What a step leaves after its last backward, under way while the next step runs: its
+    gradient sums (reducers), its updates, its replicated stages' running statistics merged."""
+
+    step: int
+    start: float  # trio time at the step's last backward
+    reducers: dict[int, GradReducer]
+    merged: dict[int, trio.Event] = field(default_factory=dict)
+    done: trio.Event = field(default_factory=trio.Event)
+    seconds: float = 0.0  # from `start` to done
+    reducing_s: float = 0.0
