@@ -71,6 +71,35 @@ async def test_one_new_connection_per_device_closed_when_the_run_ends():
     assert all(c.closed for c in agent.opened) and reports == []
 
 
+async def test_small_messages_take_a_lane_of_their_own_that_a_big_one_does_not_hold_up():
+    """A connection sends one whole message at a time: a small one (a group's BatchNorm
+    sums) goes on a second connection to the device, so that a big one in flight there
+    (gradients) does not make it wait; either connection breaking is the device's loss."""
+    agent = Agent()
+    links, reports = links_of(agent)
+    gate = trio.Event()
+    await links.send("dev1", "bulk-0")
+    big = agent.opened[0]
+
+    async def slow_send(message) -> None:  # a big message still going out
+        await gate.wait()
+        big.sent.append(message)
+    big.send = slow_send
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(links.send, "dev1", "bulk-1")
+        await links.send("dev1", "bn", True)  # does not wait for bulk-1
+        assert len(agent.opened) == 2 and agent.opened[1].sent == ["bn"] and big.sent == ["bulk-0"]
+        await links.send("dev1", "bn-2", True)
+        gate.set()
+    assert big.sent == ["bulk-0", "bulk-1"] and agent.opened[1].sent == ["bn", "bn-2"]
+    agent.opened[1].fail = True
+    await links.send("dev1", "bn-3", True)
+    await links.send("dev1", "bulk-2")
+    assert [name for name, _ in reports] == ["dev1"] and big.sent == ["bulk-0", "bulk-1"]
+    await links.aclose()
+    assert all(c.closed for c in agent.opened)
+
+
 async def test_a_failed_send_is_reported_once_and_later_messages_dropped():
     agent = Agent()
     links, reports = links_of(agent)

@@ -12,6 +12,13 @@ reports it to the coordinator, ("link", device, far end) {"reason"}, which handl
 loss of the far end, and drops what it would send there until the re-plan cancels the run.
 Messages to the coordinator go over the agent's connection to it; if that breaks, the
 coordinator sees it itself (RosterControl), and they are dropped too.
+
+Small messages take a second connection to the same device (the quick lane): a connection
+sends one whole message at a time, and a gradient bucket's share or a stage's activations
+take a quarter of a second on a 100 Mbit/s link, which a group's BatchNorm statistics, a
+halo or a running-statistics merge would otherwise wait out behind them, and with them the
+compute that waits for the answer. Messages are keyed, so their order between the two
+connections does not matter.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from swarm.net import ConnectionLost, PeerConnection, PeerUnavailable
 log = logging.getLogger("swarm.execution")
 
 LINK_ERRORS = (ConnectionLost, SwarmError, OSError)  # a send or a connection attempt that failed
+QUICK_BYTES = 64 * 1024  # a message with fewer tensor bytes than this takes the quick lane
 WATCH_S = 0.2  # how often the run looks for connections of its own that were closed
 
 
@@ -39,41 +47,42 @@ class RunLinks:
         self.devices = devices
         self._connect = connect
         self._report = report
-        self.conns: dict[str, PeerConnection] = {}
+        self.conns: dict[tuple[str, bool], PeerConnection] = {}  # (name, quick lane) -> ours
         self.broken: dict[str, str] = {}  # name -> why its link broke
-        self._locks: dict[str, trio.Lock] = {}
+        self._locks: dict[tuple[str, bool], trio.Lock] = {}
         self._closing = False
 
-    async def send(self, name: str, message) -> None:
-        """Send on our connection to `name` (made on first use); a failure is reported, once,
-        and the message dropped."""
+    async def send(self, name: str, message, quick: bool = False) -> None:
+        """Send on our connection to `name` (made on first use), or on our quick lane to it;
+        a failure is reported, once, and the message dropped."""
         if name in self.broken:
             return
         try:
-            conn = await self._conn(name)
+            conn = await self._conn((name, quick))
             await conn.send(message)
         except LINK_ERRORS as exc:
             await self._broke(name, f"{type(exc).__name__}: {exc}")
 
-    async def _conn(self, name: str) -> PeerConnection:
-        conn = self.conns.get(name)
+    async def _conn(self, lane: tuple[str, bool]) -> PeerConnection:
+        conn = self.conns.get(lane)
         if conn is not None:
             return conn
-        async with self._locks.setdefault(name, trio.Lock()):
-            if name not in self.conns:
+        name = lane[0]
+        async with self._locks.setdefault(lane, trio.Lock()):
+            if lane not in self.conns:
                 device = self.devices[name]
                 conn = await self._connect(device["address"])
                 if conn.peer_id != device["node_id"]:
                     await conn.aclose("not the device the plan names")
                     raise PeerUnavailable(f"{device['address']} is node {conn.peer_id}, not {name} "
                                           f"(node {device['node_id']})")
-                self.conns[name] = conn
-        return self.conns[name]
+                self.conns[lane] = conn
+        return self.conns[lane]
 
     async def watch(self) -> None:
         """Report our connections that were closed under us (by the far end, or broken)."""
         while True:
-            for name, conn in list(self.conns.items()):
+            for (name, _), conn in list(self.conns.items()):
                 if conn.closed and name not in self.broken and not self._closing:
                     await self._broke(name, f"the connection to {conn.address} closed")
             await trio.sleep(WATCH_S)

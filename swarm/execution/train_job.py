@@ -18,7 +18,7 @@ from planner.backups import Move
 from planner.plan import Plan
 from swarm.execution import channels
 from swarm.execution.channels import COORDINATOR
-from swarm.execution.links import LINK_ERRORS, RunLinks
+from swarm.execution.links import LINK_ERRORS, QUICK_BYTES, RunLinks
 from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import DeviceWorker, JobSpec
@@ -140,7 +140,8 @@ async def run_train_job(ctx) -> dict:
     async def send_to(node_id: str, body: dict) -> None:
         nonlocal coordinator_lost
         if node_id != ctx.coordinator_id:
-            await links.send(name_of[node_id], ctx.data(CHANNEL, body))
+            arrays = body["p"].get("arrays", []) if isinstance(body["p"], dict) else []
+            await links.send(name_of[node_id], ctx.data(CHANNEL, body), sum(a.nbytes for a in arrays) < QUICK_BYTES)
             return
         try:
             await ctx.send_to_coordinator(ctx.data(CHANNEL, body))
