@@ -88,6 +88,18 @@ def test_backups_every_other_step_roll_back_further(local_weights):
     assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
 
 
+@pytest.mark.parametrize("strategy", ["dp", "pp"])
+def test_a_device_lost_while_steps_run_over_the_sums_before_them(local_weights, strategy):
+    """Between backups each step starts while the step before's sums and updates are still
+    under way (worker.Tail); a device killed there leaves the survivors mid-update. They roll
+    back to the last backup (which waited for them) and end with the failure-free weights."""
+    trainer, coordinator = _run(strategy, [(4, "kill", "d1", 0.0)], backup_interval=3)
+    (recovery,) = coordinator.recoveries
+    assert recovery.rolled_back_to == 3
+    assert trainer.step_count == STEPS
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
 def test_device_that_comes_back_is_taken_in(local_weights):
     trainer, coordinator = _run("pp", [(1, "kill", "d3", 0.0), (2, "revive", "d3", 0.0)])
     kinds = [r.how for r in coordinator.recoveries]
