@@ -142,10 +142,12 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
         # at 4 samples 502-655. The model's slack is fitted to a share's usual peak: the
         # median of three runs is within it. A plan gives a whole-model share WORKER_BYTES
         # more than this (planner/memory.py: WHOLE_MODEL_RESERVE), which holds the rarer
-        # highs; and the model is not loose where the largest of the three is concerned.
-        runs = sorted((share_peak(b, size, env) for _ in range(3)), key=lambda m: m["peak"])
+        # highs; and the model is not loose where the largest of them is concerned. Five
+        # runs, not three: with three, two highs (406 and 410 MiB at 2 samples, against 402
+        # predicted) once made the median one of them.
+        runs = sorted((share_peak(b, size, env) for _ in range(5)), key=lambda m: m["peak"])
         assert {m["allocator"] for m in runs} == {allocator}
         peaks = [m["peak"] / 2**20 for m in runs]
         predicted = model.stage(0, n, b, 1) - model.weights(0, n) + STAGE_SCRATCH_BYTES
-        assert runs[1]["peak"] <= predicted, f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
-        assert predicted <= 1.8 * runs[2]["peak"], f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
+        assert runs[2]["peak"] <= predicted, f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
+        assert predicted <= 1.8 * runs[4]["peak"], f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
