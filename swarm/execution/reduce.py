@@ -113,9 +113,3 @@ class GradReducer:
     async def summed(self, bucket: int) -> None:
         """Wait until a started bucket's sum is in its parameters' gradients."""
         await self.started[bucket].wait()
-
-    async def finish(self) -> None:
-        """Start what has not started, then wait for every sum."""
-        self.start_rest()
-        for event in self.started.values():
-            await event.wait()

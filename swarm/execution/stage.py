@@ -243,15 +243,11 @@ class StageCopy:
             p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
 
-    def apply_step(self, step: int) -> None:
-        set_lr(self.optimizer, self.cfg.lr_at(step))
-        optimizer_step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-
     def apply_params(self, step: int, params: list[torch.Tensor], commit: bool = True) -> None:
-        """Step `params` alone (a bucket whose sum has arrived), as apply_step steps them all:
-        the optimizer's groups cut down to them for the call. Their gradients are then
-        dropped; a step not committed only drops them. Safe from several threads at once."""
+        """The optimizer's step for `params` alone (a bucket whose sum has arrived; or all of
+        the stage's), at the step's learning rate: its groups cut down to them for the call,
+        which steps each parameter as the whole step would. Their gradients are then dropped;
+        a step not committed only drops them. Safe from several threads at once."""
         with self.update_lock:
             if commit:
                 wanted = {id(q) for q in params}

@@ -332,7 +332,12 @@ class DeviceWorker:
         merged.set()
 
     async def replay_stats(self, step: int, p: int, copy: StageCopy, merged: trio.Event) -> None:
-        await self.running_stats(step, p, copy)
+        """A replicated tiles stage's BatchNorm running statistics, as one device running every
+        micro-batch in order would have them (group_bn.py)."""
+        mine = [part.index for part in self.parts if part.stage == p]
+        ours, self.bn_stats = self.bn_stats, {}
+        await replay_running_stats(self.ep, step, p, copy.stage, mine, ours, self.tile_workers[p][mine[0]].parts,
+                                   self.job.timeout_s)
         merged.set()
 
     def make_reducer(self, step: int, p: int) -> GradReducer:
@@ -471,14 +476,6 @@ class DeviceWorker:
         local = await DeviceTiles(self, step, copy.p, copy.stage.replica_tiles(r)).run(
             {k - r * n: gen for k, gen in gens.items()})
         return {k + r * n: v for k, v in local.items()}
-
-    async def running_stats(self, step: int, p: int, copy: StageCopy) -> None:
-        """A replicated tiles stage's BatchNorm running statistics, as one device running every
-        micro-batch in order would have them (group_bn.py)."""
-        mine = [part.index for part in self.parts if part.stage == p]
-        ours, self.bn_stats = self.bn_stats, {}
-        await replay_running_stats(self.ep, step, p, copy.stage, mine, ours, self.tile_workers[p][mine[0]].parts,
-                                   self.job.timeout_s)
 
     def _window(self, p: int, tile: int) -> tuple[int, int, int, int]:
         """(row0, col0, H, W) of a tile's owned output in the stage's output map."""
