@@ -1,14 +1,15 @@
 """What swarm's own ring all-reduce of yolov2-16's gradients costs each testbed device (root).
 
     sudo python bench/ring_swarm.py [--devices 8] [--cpu 0.2] [--bandwidth 100mbit]
-                                    [--repeats 5] [--keep]
+                                    [--repeats 5] [--algorithms direct,hd,ring] [--rounds 2]
 
 The same measurement as bench/ring_floor.py, through swarm's stack instead of bare sockets:
 each device, in its namespace and CPU cgroup, opens authenticated connections to the
 devices it sends to (serve_peers, RunLinks with connect_peer: sealed frames), behind the
 endpoint training uses (swarm.execution.train_job.WireEndpoint, JobData messages), and sums yolov2-16's five
 gradient buckets (the sizes GradReducer makes, the top one first, all under way at once)
-with swarm.execution.collectives.allreduce_sum. It prints, as medians over the devices of
+with swarm.execution.collectives.allreduce_sum (or, with --algorithms, each way it has in
+turn, each on a fresh set of connections). It prints, as medians over the devices of
 each one's median over --repeats (the first is left out: connections warm up), the process
 CPU seconds and the wall seconds of the five all-reduces, next to ring_floor's bare ring.
 
@@ -32,19 +33,23 @@ PORT = 4762
 TOKEN = "ring-bench-token-0123456789abcdef"
 # yolov2-16's gradient buckets in bytes (planner.stage_work.buckets_of), in backward order
 BUCKETS = (5300424, 5249024, 1181696, 1313792, 703104)
+BUCKET_LAYERS = (16, 13, 10, 9, 6)  # each bucket's name: its top layer (the key the send order reads)
 
 
-def ring_child(me: int, addresses: list[str], repeats: int) -> None:
+def ring_child(me: int, addresses: list[str], repeats: int, algorithm: str) -> None:
     import torch
     import trio
 
-    from swarm.execution.collectives import allreduce_sum
+    from swarm.execution import collectives
+    from swarm.execution.channels import send_priority
     from swarm.execution.links import RunLinks
     from swarm.execution.train_job import WireEndpoint
     from swarm.net import Credentials, connect_peer, serve_peers
     from swarm.wire import JobData
 
     torch.set_num_threads(1)
+    allreduce_sum = {"": collectives.allreduce_sum, "direct": collectives._direct, "hd": collectives._halving_doubling,
+                     "ring": collectives._ring}[algorithm]
     n = len(addresses)
     names = [f"dev{k}" for k in range(n)]
     creds = Credentials(f"ring-node-{me}", TOKEN)
@@ -70,7 +75,7 @@ def ring_child(me: int, addresses: list[str], repeats: int) -> None:
         by_node = {d["node_id"]: name for name, d in devices.items()}
 
         async def send_to(node_id: str, body: dict) -> None:
-            await links.send(by_node[node_id], JobData("ring", 0, "x", body))
+            await links.send(by_node[node_id], JobData("ring", 0, "x", body), False, send_priority(tuple(body["k"])))
 
         ep = WireEndpoint(names[me], {name: d["node_id"] for name, d in devices.items()}, send_to)
 
@@ -86,7 +91,7 @@ def ring_child(me: int, addresses: list[str], repeats: int) -> None:
                 c0, t0 = time.process_time(), time.monotonic()
                 async with trio.open_nursery() as ring:
                     for b, flat in enumerate(grads):
-                        ring.start_soon(allreduce_sum, ep, names, ("grads", r, b), flat, 60.0)
+                        ring.start_soon(allreduce_sum, ep, names, ("grads", r, 0, BUCKET_LAYERS[b]), flat, 60.0)
                 if r:
                     cpu.append(time.process_time() - c0)
                     wall.append(time.monotonic() - t0)
@@ -112,7 +117,7 @@ def swarm(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def measure(n: int, args) -> dict:
+def measure(n: int, args, algorithm: str = "") -> dict:
     from swarm.testbed import cgroups, testbed
 
     try:
@@ -130,7 +135,7 @@ def measure(n: int, args) -> dict:
         for k, device in enumerate(devices):
             cmd = ["ip", "netns", "exec", device.namespace, sys.executable, __file__, "--child", str(k),
                    ",".join(addresses), str(args.repeats)]
-            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            child = subprocess.Popen(cmd + [algorithm], stdout=subprocess.PIPE, text=True)
             cgroups.add_process([Path(c) for c in device.cgroups], child.pid)  # the device's CPU share
             children.append(child)
         results = [json.loads(child.communicate(timeout=900)[0]) for child in children]
@@ -144,26 +149,31 @@ def measure(n: int, args) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        me, addresses, repeats = sys.argv[2:5]
-        ring_child(int(me), addresses.split(","), int(repeats))
+        me, addresses, repeats, algorithm = sys.argv[2:6]
+        ring_child(int(me), addresses.split(","), int(repeats), algorithm)
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", default="8")
     p.add_argument("--cpu", default="0.2")
     p.add_argument("--bandwidth", default="100mbit")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--algorithms", default="", help="all-reduce ways to alternate, comma-separated: direct "
+                   "(straight to each chunk's owner), hd (halving and doubling), ring; default: what swarm picks")
+    p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("the namespace testbed needs root")
     mbytes = sum(BUCKETS) / 1e6
     print(f"swarm all-reduce of {mbytes:.2f} MB in {len(BUCKETS)} buckets over testbed devices "
           f"({args.cpu} core, {args.bandwidth} each)")
-    print(f"{'devices':>8} {'CPU s':>7} {'(range)':>13} {'wall s':>7} {'MB out/in':>10}")
-    for n in (int(x) for x in args.devices.split(",")):
-        r = measure(n, args)
-        moved = 2 * (n - 1) / n * mbytes
-        print(f"{n:>8} {r['cpu_s']:7.3f} {r['cpu_s_range'][0]:6.3f}-{r['cpu_s_range'][1]:.3f} {r['wall_s']:7.2f} "
-              f"{moved:10.1f}", flush=True)
+    print(f"{'devices':>8} {'algorithm':>9} {'CPU s':>7} {'(range)':>13} {'wall s':>7} {'MB out/in':>10}")
+    for _ in range(args.rounds):
+        for n in (int(x) for x in args.devices.split(",")):
+            for algorithm in args.algorithms.split(","):
+                r = measure(n, args, algorithm)
+                moved = 2 * (n - 1) / n * mbytes
+                print(f"{n:>8} {algorithm or '-':>9} {r['cpu_s']:7.3f} {r['cpu_s_range'][0]:6.3f}-"
+                      f"{r['cpu_s_range'][1]:.3f} {r['wall_s']:7.2f} {moved:10.1f}", flush=True)
 
 
 if __name__ == "__main__":

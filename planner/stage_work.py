@@ -34,31 +34,46 @@ def microbatch_sizes(batch: int, microbatches: int) -> list[int]:
     return [base + (1 if m < extra else 0) for m in range(microbatches)]
 
 
-def allreduce_steps(g: int) -> int:
-    """Steps of swarm's all-reduce over g members, each a message out and one in per member:
-    2 log2(g) for a power of two (halving and doubling), else 2(g-1) (a ring)."""
+DIRECT_REDUCE_MAX = 8  # groups up to this size all-reduce straight to each chunk's owner and back
+
+
+def allreduce_rounds(g: int) -> int:
+    """Rounds of swarm's all-reduce over g members (swarm.execution.collectives), each a
+    wait for the round before: 2 straight to each chunk's owner and back (up to
+    DIRECT_REDUCE_MAX members), 2 log2(g) halving and doubling (larger powers of two),
+    else 2(g-1) round a ring."""
     if g < 2:
         return 0
+    if g <= DIRECT_REDUCE_MAX:
+        return 2
     return 2 * (g.bit_length() - 1) if g & (g - 1) == 0 else 2 * (g - 1)
+
+
+def allreduce_messages(g: int) -> int:
+    """Messages out (and as many in) per member of swarm's all-reduce over g members: 2(g-1),
+    or 2 log2(g) halving and doubling."""
+    if g < 2:
+        return 0
+    if g > DIRECT_REDUCE_MAX and g & (g - 1) == 0:
+        return 2 * (g.bit_length() - 1)
+    return 2 * (g - 1)
 
 
 def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1) -> float:
     """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus a message latency per
-    step (2(g-1) steps round a ring; 2 log2(g) halving and doubling, which groups of a power
-    of two use: swarm.execution.collectives). Each device sends and receives that much at
-    once: the sum runs no faster than a device's CPU moves twice the bytes. The data goes in
-    `buckets` sums (one per bucket of layers, started as the backward finishes each): their
-    latencies overlap, but every member handles a message out and one in at each step. A
+    round (allreduce_rounds). Each device sends and receives that much at once: the sum runs
+    no faster than a device's CPU moves twice the bytes. The data goes in `buckets` sums
+    (one per bucket of layers, started as the backward finishes each): their latencies
+    overlap, but every member handles each of its messages out and in (allreduce_messages). A
     member computing on an accelerator copies its gradients to the host and the sums back:
     twice the bytes at the slowest member's copy rate."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0
-    steps = allreduce_steps(g)
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
-    messages = max(1, buckets) * steps * 2 * cluster.msg_cpu(group)
+    messages = max(1, buckets) * allreduce_messages(g) * 2 * cluster.msg_cpu(group)
     copies = 2 * nbytes * cluster.copy_per_byte(group)
-    return steps * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
+    return allreduce_rounds(g) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
 
 
 DIRECT_GATHER_MAX = 4  # groups up to this size all-gather in one round, each member to every other

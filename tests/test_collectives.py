@@ -97,9 +97,10 @@ def test_allreduce_sum_of_arrays_smaller_than_the_group(size):
         assert torch.equal(results[i], torch.arange(size, dtype=torch.float64) * 36)
 
 
-@pytest.mark.parametrize("n, messages", [(8, 6), (4, 4), (2, 2), (6, 10)])
+@pytest.mark.parametrize("n, messages", [(8, 14), (4, 6), (2, 2), (6, 10), (16, 8), (12, 22)])
 def test_allreduce_sum_messages_per_member(n, messages):
-    """A group of 2^k halves and doubles (2k messages each, the bytes of a ring); others ring."""
+    """Up to 8 members sum straight to each chunk's owner and back (2(g - 1) messages each);
+    larger groups of 2^k halve and double (2k, the same bytes); others ring."""
     sent = []
     network = LocalNetwork()
     names = [f"d{i}" for i in range(n)]
@@ -112,13 +113,52 @@ def test_allreduce_sum_messages_per_member(n, messages):
             await original(dst, key, payload)
         ep.send = counting
 
+    size = 840 * 4
     async def main():
         async with trio.open_nursery() as nursery:
             for i, ep in enumerate(eps):
-                nursery.start_soon(allreduce_sum, ep, names, ("k",), torch.ones(840))
+                nursery.start_soon(allreduce_sum, ep, names, ("k",), torch.ones(size))
     trio.run(main)
     assert len(sent) == n * messages
-    assert network.bytes_sent == n * 2 * (n - 1) * (840 // n) * 4
+    assert network.bytes_sent == n * 2 * (n - 1) * (size // n) * 4
+
+
+@pytest.mark.parametrize("way", ["direct", "halving_doubling", "ring"])
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_every_way_of_summing_gives_every_member_the_same_bits_each_time(way, n):
+    """Each element is summed by one member in an order fixed by the group: the same bits
+    everywhere, and run after run however the messages interleave (float32, so that the
+    order shows), equal to the sum within rounding."""
+    import random
+
+    from swarm.execution import collectives
+    if way == "halving_doubling" and n & (n - 1):
+        pytest.skip("halving and doubling is for groups of 2^k")
+    fn = getattr(collectives, f"_{way}")
+    torch.manual_seed(n)
+    values = [torch.randn(997, dtype=torch.float32) * 10 ** (i % 4) for i in range(n)]
+
+    def run(seed):
+        rng = random.Random(seed)
+
+        async def body(ep, names, i):
+            original = ep.send
+
+            async def shuffled(dst, key, payload):  # deliveries in a different order each run
+                for _ in range(rng.randrange(4)):
+                    await trio.lowlevel.checkpoint()
+                await original(dst, key, payload)
+            ep.send = shuffled
+            return await fn(ep, names, ("g", 0), values[i].clone(), 10.0)
+        return _run_group(n, body)[0]
+
+    first = run(0)
+    for i in range(n):
+        assert torch.equal(first[i], first[0])
+    assert torch.allclose(first[0], torch.stack(values).double().sum(0).float(), rtol=1e-5, atol=1e-3)
+    for seed in (1, 2):
+        again = run(seed)
+        assert all(torch.equal(again[i], first[i]) for i in range(n))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 from swarm.cluster.remote_job import CoordinatorJob
-from swarm.execution.links import RunLinks
+from swarm.execution.links import RunLinks, Turns
 from swarm.net import ConnectionLost, PeerUnavailable
 
 pytestmark = pytest.mark.trio
@@ -98,6 +99,65 @@ async def test_small_messages_take_a_lane_of_their_own_that_a_big_one_does_not_h
     assert [name for name, _ in reports] == ["dev1"] and big.sent == ["bulk-0", "bulk-1"]
     await links.aclose()
     assert all(c.closed for c in agent.opened)
+
+
+async def test_waiting_messages_go_lowest_priority_first_and_a_cancelled_one_gives_up_its_turn():
+    """While a message is going out, the ones that queue behind it on that connection go in
+    the order of their priority (arrival among equals); one cancelled while it waits, or as
+    its turn comes, leaves the order of the others as it was."""
+    agent = Agent()
+    links, _ = links_of(agent)
+    await links.send("dev1", "first")
+    conn = agent.opened[0]
+    gate = trio.Event()
+
+    async def slow_send(message) -> None:
+        if message == "held":
+            await gate.wait()
+        conn.sent.append(message)
+    conn.send = slow_send
+    order = [("grads-9", (1, 0, 9)), ("act", (0,)), ("grads-3", (1, 0, 3)), ("bn", (0,)), ("old-grads-12", (1, -1, 12))]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(links.send, "dev1", "held")
+        await trio.testing.wait_all_tasks_blocked()
+        for message, priority in order:
+            nursery.start_soon(links.send, "dev1", message, False, priority)
+            await trio.testing.wait_all_tasks_blocked()
+        gone = trio.CancelScope()
+
+        async def never() -> None:  # waits, then is cancelled before its turn
+            with gone:
+                await links.send("dev1", "never", False, (0,))
+        nursery.start_soon(never)
+        await trio.testing.wait_all_tasks_blocked()
+        gone.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        gate.set()
+    assert conn.sent == ["first", "held", "act", "bn", "old-grads-12", "grads-3", "grads-9"]
+    await links.send("dev1", "after")  # the lane is free again
+    assert conn.sent[-1] == "after"
+
+
+async def test_a_send_cancelled_as_its_turn_comes_passes_the_turn_on():
+    turns = Turns()
+    await turns.acquire(())
+    got = []
+
+    scope = trio.CancelScope()
+
+    async def wait_turn(name, priority):
+        with scope if name == "a" else trio.CancelScope():
+            await turns.acquire(priority)
+            got.append(name)
+            turns.release()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_turn, "a", (0,))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(wait_turn, "b", (1,))
+        await trio.testing.wait_all_tasks_blocked()
+        scope.cancel()  # "a" is cancelled, and before it runs...
+        turns.release()  # ...the turn is handed to it: it passes the turn to "b"
+    assert got == ["b"] and not turns.busy and not turns.waiting
 
 
 async def test_a_failed_send_is_reported_once_and_later_messages_dropped():

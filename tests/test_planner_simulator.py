@@ -358,20 +358,24 @@ def test_replica_groups_finish_as_soon_as_any_choice_of_runs(lenet):
         assert got is not None and makespan(got) == pytest.approx(best), (runs, micro, got)
 
 
-def test_groups_of_a_power_of_two_sum_in_fewer_steps(lenet):
-    """swarm sums over 2^k members by halving and doubling (2k steps) and over others round a
-    ring (2(g-1)): the same bytes, fewer messages and latencies."""
-    from planner.stage_work import allreduce_steps, ring_allreduce_time
+def test_the_cost_of_a_sum_counts_its_rounds_and_messages(lenet):
+    """swarm sums over up to 8 members straight to each chunk's owner and back (2 rounds,
+    2(g-1) messages), over larger groups of 2^k by halving and doubling (2k of each) and
+    over others round a ring (2(g-1) of each): the same bytes."""
+    from planner.stage_work import allreduce_messages, allreduce_rounds, ring_allreduce_time
 
-    assert [allreduce_steps(g) for g in (1, 2, 3, 4, 6, 8, 16)] == [0, 2, 4, 4, 10, 6, 8]
+    sizes = (1, 2, 3, 4, 6, 8, 12, 16)
+    assert [allreduce_rounds(g) for g in sizes] == [0, 2, 2, 2, 2, 2, 22, 8]
+    assert [allreduce_messages(g) for g in sizes] == [0, 2, 4, 6, 10, 14, 22, 8]
     lat, m = 0.002, 0.003
     table = uniform_table(7, 0.01, 0.02)
-    names = [f"d{k}" for k in range(8)]
+    names = [f"d{k}" for k in range(16)]
     cl = cluster_of({d: table for d in names}, latency=lat)
     for d in names:
         cl.device(d).msg_s = m
-    assert ring_allreduce_time(1.0, names, cl) == pytest.approx(6 * lat + 6 * 2 * m, rel=1e-6)
-    assert ring_allreduce_time(1.0, names[:6], cl) == pytest.approx(10 * lat + 10 * 2 * m, rel=1e-6)
+    assert ring_allreduce_time(1.0, names[:8], cl) == pytest.approx(2 * lat + 14 * 2 * m, rel=1e-6)
+    assert ring_allreduce_time(1.0, names[:6], cl, buckets=3) == pytest.approx(2 * lat + 3 * 10 * 2 * m, rel=1e-6)
+    assert ring_allreduce_time(1.0, names, cl) == pytest.approx(8 * lat + 8 * 2 * m, rel=1e-6)
 
 
 def test_a_gang_that_overlaps_hides_its_syncs_behind_the_other_op_and_holds_one_more_micro_batch():

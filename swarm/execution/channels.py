@@ -125,3 +125,13 @@ def gather(group_key: Key, round_: int, src: int) -> Key:
 
 def ring(group_key: Key, phase: str, k: int, src: int) -> Key:
     return ("ring", *group_key, phase, k, src)
+
+
+def send_priority(key: Key) -> tuple:
+    """The order in which messages waiting for a connection go (links.RunLinks.send): a
+    gradient share after anything else (the next forward and everything of this step's
+    schedule need theirs now), those of earlier steps first, and of a step the shares of
+    the front layers' buckets first (their updates gate the next forward first)."""
+    if len(key) > 4 and key[0] == "ring" and key[1] == "grads":
+        return (1, key[2], key[4])  # (step, bucket: named by its top layer)
+    return (0,)

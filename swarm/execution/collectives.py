@@ -1,5 +1,6 @@
 """Group operations over endpoints: all-gather of small values and all-reduce of large
-tensors (halving and doubling, or a ring), deterministic so that every member ends with the same bits."""
+tensors (straight to each chunk's owner and back, halving and doubling, or a ring),
+deterministic so that every member ends with the same bits."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import math
 import torch
 import trio
 
-from planner.stage_work import DIRECT_GATHER_MAX
+from planner.stage_work import DIRECT_GATHER_MAX, DIRECT_REDUCE_MAX
 from swarm.execution import channels
 from swarm.execution.endpoint import Endpoint
 
@@ -66,16 +67,24 @@ async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.
                         timeout: float = math.inf) -> torch.Tensor:
     """Sum of `flat` (1-D) over the group. Each element is summed by one member, in an order
     fixed by the group alone, and copied to the others: every member ends with the same
-    bits. The sum is made in `flat` itself (no copies), which is returned.
+    bits. The sum is made in `flat` itself, which is returned. Every way below moves the
+    same bytes, 2(g - 1)/g of `flat` out and in per member.
 
-    A group of 2^k members halves and doubles (Rabenseifner): k rounds of reduce-scatter, in
-    round r each member swapping half of what it still sums with the member whose index
-    differs from its own in bit r, then k rounds of all-gather back. 2k messages out and in per member (6 for 8 members) where a
-    ring takes 2(g - 1) (14), for the same bytes: every message costs CPU whatever its
-    size. Other group sizes go round a ring: reduce-scatter then all-gather."""
+    A group of up to DIRECT_REDUCE_MAX members sums straight (_direct): each member sends
+    chunk j to member j, which sums it and sends the sum to every other, two rounds of
+    g - 1 messages out and in at once. Larger groups of 2^k members halve and double
+    (Rabenseifner): k rounds of reduce-scatter, in round r each member swapping half of what
+    it still sums with the member whose index differs from its own in bit r, then k rounds
+    of all-gather back, 2k messages where a ring takes 2(g - 1). Other sizes go round a
+    ring. Fewer messages cost less CPU, but every round waits for one partner's previous
+    round, and on devices with a CPU quota some partner is often late: on 8 devices of 0.2
+    core at 100 Mbit, dp trained 8% faster summing straight than halving and doubling
+    (docs/planner.md, "swarm vs torchrun")."""
     n = len(group)
     if n == 1:
         return flat
+    if n <= DIRECT_REDUCE_MAX:
+        return await _direct(ep, group, key, flat, timeout)
     if n & (n - 1) == 0:
         return await _halving_doubling(ep, group, key, flat, timeout)
     return await _ring(ep, group, key, flat, timeout)
@@ -119,6 +128,45 @@ async def _halving_doubling(ep: Endpoint, group: list[str], key: tuple, flat: to
                           flat[lo:hi], gave, timeout)
         gave.copy_(got)
         lo, hi = min(lo, glo), max(hi, ghi)
+    return flat
+
+
+async def _direct(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor, timeout: float) -> torch.Tensor:
+    """Reduce-scatter straight to each chunk's owner, then all-gather straight from it: each
+    member sends chunk j to member j, sums its own chunk from every member's in group order,
+    and sends the sum to every other. A member waits for no partner's earlier round."""
+    n = len(group)
+    me = group.index(ep.name)
+    bounds = [round(i * flat.numel() / n) for i in range(n + 1)]
+    chunks = [flat[bounds[i]:bounds[i + 1]] for i in range(n)]
+    mine = chunks[me]
+
+    async def send_all(phase: str, pick) -> None:
+        async with trio.open_nursery() as nursery:
+            for j in range(n):
+                if j != me:
+                    nursery.start_soon(ep.send, group[j], channels.ring(key, phase, j, me), {"arrays": [pick(j)]})
+
+    async def take(phase: str, k: int, src: int, into: torch.Tensor) -> torch.Tensor:
+        got = (await ep.mailbox.get(channels.ring(key, phase, k, src), timeout))["arrays"]
+        if len(got) != 1 or got[0].shape != into.shape:
+            raise ValueError(f"{key}: member {group[src]} sent {[tuple(a.shape) for a in got]}, "
+                             f"expected one array of {tuple(into.shape)}")
+        return got[0]
+
+    own = mine.clone()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_all, "ds", lambda j: chunks[j])
+        total = None  # member 0's share, then 1's added, and so on: an order fixed by the group
+        for src in range(n):
+            part = own if src == me else await take("ds", me, src, mine)
+            total = part.clone() if total is None else total.add_(part)
+    mine.copy_(total)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_all, "dg", lambda j: mine)
+        for src in range(n):
+            if src != me:
+                chunks[src].copy_(await take("dg", me, src, chunks[src]))
     return flat
 
 

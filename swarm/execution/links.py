@@ -19,9 +19,16 @@ take a quarter of a second on a 100 Mbit/s link, which a group's BatchNorm stati
 halo or a running-statistics merge would otherwise wait out behind them, and with them the
 compute that waits for the answer. Messages are keyed, so their order between the two
 connections does not matter.
+
+On each connection the message that goes next is the waiting one with the lowest priority
+(first come, first served among equals). A gradient share waits behind anything else, and
+the shares of the front layers' buckets go before those of the back layers': the next
+step's forward needs the front layers' updates first, and their bucket is the last the
+backward finishes, so in arrival order it would queue behind the back layers' larger shares.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 from typing import Awaitable, Callable
 
@@ -37,6 +44,40 @@ QUICK_BYTES = 64 * 1024  # a message with fewer tensor bytes than this takes the
 WATCH_S = 0.2  # how often the run looks for connections of its own that were closed
 
 
+class Turns:
+    """Whose message a connection sends next: of those waiting, the lowest priority, then
+    the earliest. (A trio.Lock hands over first come, first served.)"""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.waiting: list[tuple] = []  # heap of (priority, arrival, event)
+        self.arrivals = 0
+
+    async def acquire(self, priority) -> None:
+        if not self.busy:
+            self.busy = True
+            await trio.lowlevel.checkpoint()  # (an await that may be cancelled, as every acquire)
+            return
+        entry = (priority, self.arrivals, trio.Event())
+        self.arrivals += 1
+        heapq.heappush(self.waiting, entry)
+        try:
+            await entry[2].wait()
+        except BaseException:
+            if entry[2].is_set():  # handed the turn as it was cancelled: pass it on
+                self.release()
+            else:
+                self.waiting.remove(entry)
+                heapq.heapify(self.waiting)
+            raise
+
+    def release(self) -> None:
+        if self.waiting:
+            heapq.heappop(self.waiting)[2].set()  # the turn passes straight to it: still busy
+        else:
+            self.busy = False
+
+
 class RunLinks:
     """`devices`: name -> {"node_id", "address"} of the epoch's devices. `connect(address)`
     opens a new connection (JobContext.connect without a node id never reuses one);
@@ -50,18 +91,25 @@ class RunLinks:
         self.conns: dict[tuple[str, bool], PeerConnection] = {}  # (name, quick lane) -> ours
         self.broken: dict[str, str] = {}  # name -> why its link broke
         self._locks: dict[tuple[str, bool], trio.Lock] = {}
+        self._turns: dict[tuple[str, bool], Turns] = {}
         self._closing = False
 
-    async def send(self, name: str, message, quick: bool = False) -> None:
-        """Send on our connection to `name` (made on first use), or on our quick lane to it;
-        a failure is reported, once, and the message dropped."""
+    async def send(self, name: str, message, quick: bool = False, priority=()) -> None:
+        """Send on our connection to `name` (made on first use), or on our quick lane to it,
+        after the waiting messages of lower `priority` (any comparable value; () goes
+        first); a failure is reported, once, and the message dropped."""
         if name in self.broken:
             return
+        lane = (name, quick)
+        turns = self._turns.setdefault(lane, Turns())
+        await turns.acquire(priority)
         try:
-            conn = await self._conn((name, quick))
+            conn = await self._conn(lane)
             await conn.send(message)
         except LINK_ERRORS as exc:
             await self._broke(name, f"{type(exc).__name__}: {exc}")
+        finally:
+            turns.release()
 
     async def _conn(self, lane: tuple[str, bool]) -> PeerConnection:
         conn = self.conns.get(lane)

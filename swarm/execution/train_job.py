@@ -141,7 +141,8 @@ async def run_train_job(ctx) -> dict:
         nonlocal coordinator_lost
         if node_id != ctx.coordinator_id:
             arrays = body["p"].get("arrays", []) if isinstance(body["p"], dict) else []
-            await links.send(name_of[node_id], ctx.data(CHANNEL, body), sum(a.nbytes for a in arrays) < QUICK_BYTES)
+            await links.send(name_of[node_id], ctx.data(CHANNEL, body), sum(a.nbytes for a in arrays) < QUICK_BYTES,
+                             channels.send_priority(body["k"]))
             return
         try:
             await ctx.send_to_coordinator(ctx.data(CHANNEL, body))
