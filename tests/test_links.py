@@ -160,6 +160,17 @@ async def test_a_send_cancelled_as_its_turn_comes_passes_the_turn_on():
     assert got == ["b"] and not turns.busy and not turns.waiting
 
 
+async def test_a_send_cancelled_before_it_takes_a_free_turn_leaves_the_lane_free():
+    agent = Agent()
+    links, _ = links_of(agent)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await links.send("dev1", "never", False, (0,))
+    with trio.fail_after(1):
+        await links.send("dev1", "after")
+    assert agent.opened[0].sent == ["after"]
+
+
 async def test_a_failed_send_is_reported_once_and_later_messages_dropped():
     agent = Agent()
     links, reports = links_of(agent)

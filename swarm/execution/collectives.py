@@ -160,7 +160,10 @@ async def _direct(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor
         total = None  # member 0's share, then 1's added, and so on: an order fixed by the group
         for src in range(n):
             part = own if src == me else await take("ds", me, src, mine)
-            total = part.clone() if total is None else total.add_(part)
+            if total is None:
+                total = part if src == me else part.clone()  # (our own is a copy already)
+            else:
+                total.add_(part)
     mine.copy_(total)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(send_all, "dg", lambda j: mine)

@@ -55,8 +55,8 @@ class Turns:
 
     async def acquire(self, priority) -> None:
         if not self.busy:
+            await trio.lowlevel.checkpoint_if_cancelled()  # (raises before the turn is taken, never after)
             self.busy = True
-            await trio.lowlevel.checkpoint()  # (an await that may be cancelled, as every acquire)
             return
         entry = (priority, self.arrivals, trio.Event())
         self.arrivals += 1
