@@ -69,6 +69,8 @@ def plan_tiles(inputs: PlanInputs) -> Plan:
     cl = inputs.cluster
     fastest = cl.by_speed(inputs.microbatch)
     n = len(fastest)
+    if n < 2:
+        raise NoPlan("tiles need two devices or more; one device runs the network whole (local)")
     sizes = sorted({k for k in (2 ** i for i in range(1, 8)) if k <= n} | {n} | ({n - 1} if n > 2 else set()))
     best = None  # (key, plan, group, grid, timeline)
     for k in sizes:

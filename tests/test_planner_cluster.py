@@ -9,7 +9,7 @@ import pytest
 
 from planner.cluster import ClusterError, bandwidth_matrix, cluster_from_dict
 from planner.costs import CostTable
-from planner.inputs import PlanInputs
+from planner.inputs import NoPlan, PlanInputs
 from planner.memory import MemoryModel
 from planner.planners import STRATEGIES, compare, make_plan
 from planner.plan import Plan, PlanError
@@ -164,3 +164,14 @@ def test_nothing_fits_says_how_much_is_missing(desc):
     plan = make_plan("local", inputs)
     over = inputs.simulate(plan).overflows(plan)
     assert over and "on device a, which has 1 MiB" in over[0].message()
+
+
+def test_one_device_is_planned_whole_never_as_one_tile(desc):
+    """A one-by-one grid on one device is the network run whole through the tiles executor:
+    the same work, so a plan for one machine must not hinge on which of the two measured faster."""
+    cl = flops_cluster(desc, {"a": (10, "1 GiB")}, mbps=100)
+    inputs = PlanInputs(desc, MemoryModel.estimated(desc), cl, 8, 2)
+    with pytest.raises(NoPlan, match="tiles need two devices or more"):
+        make_plan("tiles", inputs)
+    plan = make_plan("auto", inputs)
+    assert [s.mode for s in plan.stages] == ["single"] and plan.used_devices() == ["a"]
