@@ -18,6 +18,9 @@ not cover before its next one (or at the end of the step), since on a small devi
 sockets and the layers share one CPU. After its last backward a group all-reduces its
 gradients; when every group is done, the step commits (a round trip to the data source's
 coordinator: two message latencies) and each device runs the optimizer step on its stages.
+That is a settled step (`Timeline.settled_s`: the first, the last, one with a backup); the
+steps between run over the sums of the step before, and the step time is that overlapped
+step's (`_Run.overlapped`).
 
     timeline = simulate(plan, desc, mem, cluster)
     timeline.step_time, timeline.throughput, timeline.peak_memory["pi-1"]
@@ -80,6 +83,7 @@ class Timeline:
     budgets: dict[str, float]
     busy: dict[str, float]  # seconds of computation per device
     works: list[StageWork] = field(default_factory=list, repr=False)
+    settled_s: float = 0.0  # a step that waits for its own sums and updates (the first, the last, one with a backup)
 
     @property
     def throughput(self) -> float:
@@ -98,7 +102,8 @@ class Timeline:
 
     def summary(self) -> dict:
         """What a Plan records as `predicted`."""
-        return {"step_time_s": self.step_time, "throughput": self.throughput,
+        return {"step_time_s": self.step_time, "settled_step_s": self.settled_s or self.step_time,
+                "throughput": self.throughput,
                 "peak_memory": {d: int(v) for d, v in self.peak_memory.items()},
                 "busy_s": {d: v for d, v in self.busy.items()}, "fits": self.fits}
 
@@ -389,11 +394,45 @@ class _Run:
         for e in self.events:
             if e.kind in ("F", "B", "update"):
                 busy[e.device] += e.end - e.start
-        step = max([self.t_end] + [e.end for e in self.events]
-                   + [self.free_at[d] + debt for d, debt in self.debt.items()])
+        settled = max([self.t_end] + [e.end for e in self.events]
+                      + [self.free_at[d] + debt for d, debt in self.debt.items()])
         budgets = {d: self._budget(d) for d in peak}
+        step = self.overlapped(settled)
         self.events.sort(key=lambda e: (e.start, e.device))
-        return Timeline(self.events, step, self.plan.batch_size, peak, eq3, budgets, dict(busy), self.works)
+        return Timeline(self.events, step, self.plan.batch_size, peak, eq3, budgets, dict(busy), self.works,
+                        settled_s=settled)
+
+    def overlapped(self, settled: float) -> float:
+        """The step time once each step runs over the step before's sums, as the workers do
+        (swarm/execution/worker.py, Tail): a device reports the step ready after its last
+        backward and the commit comes back while the sums travel; each bucket's update is
+        applied once its sum and the commit are in, and the next forward waits layer by
+        layer for its own layers' updates. The front layers' bucket, final last, is sent
+        first and holds few weights, so what a step's sums and updates can hide behind is
+        the next step's first forward on each device. The step is then the latest of: the
+        commit; each update's end less the first forward it must be in for; and each
+        device's CPU (its computations, and whatever its transfers took that idle time did
+        not cover). A device with a tiles stage ends every step settled, and so does this."""
+        if any(w.stage.mode == "tiles" for w in self.works):
+            return settled
+        computed = [e for e in self.events if e.kind in ("F", "B")]
+        if not computed:
+            return settled
+        commit = max(e.end for e in computed) + 2 * self.cluster.latency
+        first_forward: dict[tuple[int, str], float] = {}
+        cpu: dict[str, float] = defaultdict(float, self.debt)
+        for e in self.events:
+            if e.kind in ("F", "B", "update"):
+                cpu[e.device] += e.end - e.start
+            if e.kind == "F" and first_forward.get((e.stage, e.device), float("inf")) > e.end:
+                first_forward[(e.stage, e.device)] = e.end
+        step = max(commit, *cpu.values())
+        for p, w in enumerate(self.works):
+            summed = self.last_b_end[p] + w.allreduce
+            for d in w.devices:
+                applied = max(summed, commit) + w.update[d]
+                step = max(step, applied - first_forward.get((p, d), 0.0))
+        return min(step, settled)
 
     def _budget(self, device: str) -> float:
         """The device's memory for its stages (MemoryModel.budget: more for the whole model

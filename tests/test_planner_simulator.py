@@ -108,8 +108,31 @@ def test_dp_group_splits_samples_and_all_reduces(lenet):
     t = simulate(plan, desc, mem, cl)
     compute = 7 * 4 * 0.03  # both take 0.84 s: a on 4 samples, b (half as fast) on 2
     allreduce = 2 * lat + 2 * (2 - 1) / 2 * float(mem.param_bytes.sum()) / bw
-    assert t.step_time == pytest.approx(compute + allreduce + 2 * lat)
+    assert t.settled_s == pytest.approx(compute + allreduce + 2 * lat)
+    # the next step starts at the commit and its first forward (0.28 s) outlasts the sum
+    assert t.step_time == pytest.approx(compute + 2 * lat)
+    assert t.summary()["settled_step_s"] == pytest.approx(t.settled_s)
     assert [e.kind for e in t.events if e.kind == "allreduce"] == ["allreduce", "allreduce"]
+
+
+def test_the_next_step_hides_the_sums_behind_its_first_forward_only(lenet):
+    """Each bucket's update is applied once its sum and the commit are in, and the next
+    forward waits layer by layer for it: a sum longer than the first forward shows for the
+    rest; a tiles stage, whose layers run past those gates, settles every step."""
+    desc, mem = lenet
+    bw, lat, update = 1e5, 0.001, 0.05
+    cl = cluster_of({d: uniform_table(7, 0.01, 0.02, update / 7) for d in "ab"}, bw=bw, latency=lat)
+    plan = plan_of([Stage(0, 7, "dp", ["a", "b"], allocation={"a": 1, "b": 1})], batch=4, micro=2, devices=("a", "b"))
+    t = simulate(plan, desc, mem, cl)
+    first_forward, compute = 7 * 0.01, 2 * 7 * 0.03  # each device: 1 sample of each micro-batch
+    allreduce = 2 * lat + float(mem.param_bytes.sum()) / bw  # 2 (g - 1) / g of the bytes, g = 2
+    assert allreduce > first_forward
+    assert t.settled_s == pytest.approx(compute + allreduce + 2 * lat + update)
+    assert t.step_time == pytest.approx(compute + allreduce + update - first_forward)
+    tiles = plan_of([Stage(0, 2, "tiles", ["a", "b"], grid=[1, 2], tile_devices=["a", "b"], syncs=[0, 1]),
+                     Stage(2, 7, "dp", ["a", "b"], allocation={"a": 1, "b": 1})], batch=4, micro=2, devices=("a", "b"))
+    t = simulate(tiles, desc, mem, cl)
+    assert t.step_time == t.settled_s
 
 
 def test_memory_is_asteroid_eq3(lenet):
