@@ -49,6 +49,7 @@ class StepReport:
     times: dict[str, dict] = field(default_factory=dict)  # per device: schedule, reduce and wait seconds
     epoch: int = 0
     replayed: bool = False  # a step run again after a recovery
+    backup: bool = False  # the devices back up what it committed (before the next step, settled)
 
 
 def optimizer_slots(trainer: LocalTrainer) -> dict[str, torch.Tensor]:
@@ -268,7 +269,7 @@ class TrainingCoordinator:
             await self.backups.take_acks(self.ep, self.plan, self.replicate)
             if on_step is not None:
                 on_step(StepReport(self.committed, loss, time.monotonic() - t0, busy, times, self.epoch,
-                                   self.committed <= self.replay_until))
+                                   self.committed <= self.replay_until, backup))
             self.epoch_steps += 1
             if self.epoch_steps == RECOST_AFTER and not is_last and self.recost is not None \
                     and self.epoch not in self.recost_epochs and self.committed > self.replay_until:

@@ -381,7 +381,7 @@ class SwarmRunner:
                 report(r.step, r.loss, coordinator.plan.batch_size, r.seconds, f"  util {util}%{replay}",
                        {"utilisation": {n: r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9) for n in used},
                         "device_times": {n: {"busy_s": r.busy_s.get(n, 0.0), **r.times.get(n, {})} for n in used},
-                        "epoch": r.epoch, "replayed": r.replayed, "devices": len(used)})
+                        "epoch": r.epoch, "replayed": r.replayed, "backup": r.backup, "devices": len(used)})
 
             try:
                 await coordinator.run(total, on_step, lost)
