@@ -13,6 +13,7 @@ What it receives and sends, and the keys, are in channels.py.
 """
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -232,7 +233,7 @@ class DeviceWorker:
 
     async def run_step(self, step: int) -> bool:
         self.busy_s = self.compute_cpu_s = self.exchange_s = self.gate_s = 0.0
-        cpu0 = time.process_time()
+        cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if self.tail is None:  # settled: the running statistics are the step's start (a tail leaves them at zero)
             for copy in self.copies.values():
                 if copy.stage.mode != "tiles" and copy.stage.replica_count() > 1:
@@ -249,6 +250,7 @@ class DeviceWorker:
         times = {"schedule_s": tail.start - t0, "gate_s": self.gate_s,
                  "compute_cpu_s": self.compute_cpu_s, "exchange_s": self.exchange_s, "own_s": self.own_s(),
                  "cpu_s": time.process_time() - cpu0,
+                 "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0,
                  **({"tail_s": before.seconds, "reducing_s": before.reducing_s} if before and before.done.is_set() else {}),
                  **{f"wait_{k}_s": v for k, v in self.ep.mailbox.waited.items()}}
         await self.ep.send(COORDINATOR, channels.ready(step, self.device),
