@@ -100,6 +100,20 @@ def test_a_device_lost_while_steps_run_over_the_sums_before_them(local_weights, 
     assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
 
 
+def test_a_device_that_is_only_silent_is_waited_for_before_the_run_is_given_up(local_weights):
+    """One device is killed while every other has gone quiet (heartbeats lapsing on a busy
+    machine: not alive, never reported lost). The coordinator gives the quiet ones a few
+    seconds before it decides it has lost the whole plan; d3 answers after one, and the run
+    carries on over it to the failure-free weights (without the wait: "lost every device")."""
+    silent = [(1, "silence", d, 0.0) for d in ("d0", "d2", "d3")]
+    trainer, coordinator = _run("dp", [*silent, (1, "kill", "d1", 0.05), (1, "hear", "d3", 1.0)])
+    (recovery,) = coordinator.recoveries
+    assert recovery.lost == ["d0", "d1", "d2"]
+    assert coordinator.plan.used_devices() == ["d3"]
+    assert trainer.step_count == STEPS
+    assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
 def test_device_that_comes_back_is_taken_in(local_weights):
     trainer, coordinator = _run("pp", [(1, "kill", "d3", 0.0), (2, "revive", "d3", 0.0)])
     kinds = [r.how for r in coordinator.recoveries]

@@ -38,6 +38,10 @@ from swarm.local.trainer import LocalTrainer, set_lr
 # a plan the cost model made is set against the devices' measure once an epoch has committed
 # this many steps (the first carries one-off costs: first-touch memory, kernels' set-up)
 RECOST_AFTER = 2
+# a device of the plan that stopped answering but was never reported lost (its heartbeats
+# lapsed on a busy machine, its probe went unanswered) gets this long to be heard from again
+# before a coordinator left with no other device of its plan gives the run up
+PRESUMED_GRACE_S = 5.0
 
 
 @dataclass
@@ -121,6 +125,7 @@ class TrainingCoordinator:
         self.epoch_steps = 0  # steps committed in this epoch
         self.recost_epochs: set[int] = set()  # epochs started by a re-costed plan (not costed again)
         self.better = None  # a planner.recost.Recost whose plan waits for a backup step
+        self.presumed_grace_s = PRESUMED_GRACE_S
 
     def take_over(self, epoch: int, step: int, holdings: dict[str, set[int]]) -> None:
         """Carry on a run whose coordinator was lost: its newest complete backup is at `step`,
@@ -317,6 +322,8 @@ class TrainingCoordinator:
                              f"got past step {self.furthest}; giving up")
         self.recoveries_in_a_row += 1
         alive = set(self.control.alive())
+        if not (set(self.plan.used_devices()) & alive) - lost - {self.own_device}:
+            alive = await self.heard_again(set(self.plan.used_devices()) - alive - lost)
         dead = (set(self.plan.used_devices()) - alive) | lost
         self.joined |= lost & alive  # lost for a broken link, it still answers: taken in again at a backup step
         survivors = [d for d in self.plan.used_devices() if d not in dead]
@@ -346,6 +353,17 @@ class TrainingCoordinator:
         self.recoveries.append(Recovery(self.epoch, sorted(dead), change.how, change.why, start, detected,
                                         plan=change.plan))
         await self.start_epoch(change.plan, start, moves)
+
+    async def heard_again(self, presumed: set[str]) -> set[str]:
+        """The devices alive once one of `presumed` (silent, never reported lost) answers
+        again, or once the grace is over: giving a run up cannot be undone, a few seconds'
+        wait can."""
+        if presumed:
+            with trio.move_on_after(self.presumed_grace_s):
+                while not presumed & set(self.control.alive()):
+                    await trio.sleep(0.1)
+                self.log(f"{', '.join(sorted(presumed & set(self.control.alive())))} answered again")
+        return set(self.control.alive())
 
     async def consider_recost(self, busy: dict[str, float], times: dict[str, dict]) -> None:
         """Set each device's own compute in the step just committed (as its profile counts it,

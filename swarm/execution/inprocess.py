@@ -31,6 +31,7 @@ class LocalControl:
         self.nursery = nursery
         self.stores = {d: DeviceStore() for d in devices}
         self.dead: set[str] = set()
+        self.silent: set[str] = set()  # running, but not answering (no loss reported)
         self.scopes: dict[str, trio.CancelScope] = {}
         self._loss_send, self._loss_recv = trio.open_memory_channel(math.inf)
         self._join_send, self._join_recv = trio.open_memory_channel(math.inf)
@@ -73,8 +74,16 @@ class LocalControl:
         self.dead.discard(device)
         self._join_send.send_nowait({device})
 
+    def silence(self, device: str) -> None:
+        """A device that goes on working but stops answering, as one whose heartbeats lapse on
+        a busy machine: not alive, and never reported lost."""
+        self.silent.add(device)
+
+    def hear(self, device: str) -> None:
+        self.silent.discard(device)
+
     def alive(self) -> list[str]:
-        return [d for d in self.devices if d not in self.dead]
+        return [d for d in self.devices if d not in self.dead and d not in self.silent]
 
     async def next_loss(self) -> set[str]:
         return await self._loss_recv.receive()
@@ -88,10 +97,10 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
                           strategy: str = "pp", devices: list[str] | None = None, log=lambda s: None,
                           recovery: str = "auto", recost=None):
     """Train `trainer` (its weights are the start, and receive the result) to `total_steps`
-    with `plan`, all devices in this process. `events` are (committed step, "kill"|"revive",
-    device, delay seconds): after that step commits, wait `delay`, then do it; `recovery` as
-    `swarm train --recovery` says; `recost` as TrainingCoordinator.recost. Returns the
-    coordinator (its `recoveries` say what happened)."""
+    with `plan`, all devices in this process. `events` are (committed step,
+    "kill"|"revive"|"silence"|"hear", device, delay seconds): after that step commits, wait
+    `delay`, then do it; `recovery` as `swarm train --recovery` says; `recost` as
+    TrainingCoordinator.recost. Returns the coordinator (its `recoveries` say what happened)."""
     plan.validate(trainer.desc)
     job = JobSpec(plan, trainer.cfg, trainer.cfg_text, timeout_s=timeout_s, backup_interval=backup_interval)
     pending = sorted(events)
