@@ -114,6 +114,21 @@ def test_a_device_that_is_only_silent_is_waited_for_before_the_run_is_given_up(l
     assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
 
 
+def test_backups_of_the_same_size_leave_the_heap_alone(monkeypatch):
+    """A device gives its heap's free pages back after a backup only when the older backup
+    it dropped was larger than the newer (a re-plan left it fewer layers): giving back also
+    returns the activations' pages, which the next step would fault in again. Here d3 comes
+    back and takes layers from the others."""
+    from swarm.execution import replay
+
+    calls = []
+    monkeypatch.setattr(replay.malloc, "give_back", lambda: calls.append(1))
+    _run("pp", [])
+    assert calls == []
+    _run("pp", [(1, "kill", "d3", 0.0), (2, "revive", "d3", 0.0)])
+    assert calls
+
+
 def test_device_that_comes_back_is_taken_in(local_weights):
     trainer, coordinator = _run("pp", [(1, "kill", "d3", 0.0), (2, "revive", "d3", 0.0)])
     kinds = [r.how for r in coordinator.recoveries]
