@@ -38,7 +38,7 @@ from swarm.local.trainer import LocalTrainer, set_lr
 # a plan the cost model made is set against the devices' measure once an epoch has committed
 # this many steps (the first carries one-off costs: first-touch memory, kernels' set-up)
 RECOST_AFTER = 2
-# a device of the plan that stopped answering but was never reported lost (its heartbeats
+# a device of the plan found not alive when another's loss is recovered from (its heartbeats
 # lapsed on a busy machine, its probe went unanswered) gets this long to be heard from again
 # before a coordinator left with no other device of its plan gives the run up
 PRESUMED_GRACE_S = 5.0
@@ -125,7 +125,6 @@ class TrainingCoordinator:
         self.epoch_steps = 0  # steps committed in this epoch
         self.recost_epochs: set[int] = set()  # epochs started by a re-costed plan (not costed again)
         self.better = None  # a planner.recost.Recost whose plan waits for a backup step
-        self.presumed_grace_s = PRESUMED_GRACE_S
 
     def take_over(self, epoch: int, step: int, holdings: dict[str, set[int]]) -> None:
         """Carry on a run whose coordinator was lost: its newest complete backup is at `step`,
@@ -355,11 +354,11 @@ class TrainingCoordinator:
         await self.start_epoch(change.plan, start, moves)
 
     async def heard_again(self, presumed: set[str]) -> set[str]:
-        """The devices alive once one of `presumed` (silent, never reported lost) answers
-        again, or once the grace is over: giving a run up cannot be undone, a few seconds'
-        wait can."""
+        """The devices alive once one of `presumed` (not alive, but not the loss recovered
+        from) answers again, or once PRESUMED_GRACE_S is over: giving a run up cannot be
+        undone, a few seconds' wait can."""
         if presumed:
-            with trio.move_on_after(self.presumed_grace_s):
+            with trio.move_on_after(PRESUMED_GRACE_S):
                 while not presumed & set(self.control.alive()):
                     await trio.sleep(0.1)
                 self.log(f"{', '.join(sorted(presumed & set(self.control.alive())))} answered again")
