@@ -17,11 +17,8 @@ Small messages take a second connection to the same device (the quick lane): a c
 sends one whole message at a time, and a gradient bucket's share or a stage's activations
 take a quarter of a second on a 100 Mbit/s link, which a group's BatchNorm statistics, a
 halo or a running-statistics merge would otherwise wait out behind them, and with them the
-compute that waits for the answer. So do the shares of a small gradient bucket: with eight
-devices the front layers' bucket (layers 0-6 of yolov2-16, 0.7 MB) travels in 88 kB shares,
-and the next forward waits for its sum first, which on the bulk connection would queue in the
-kernel's send buffer behind the back layers' megabytes. Messages are keyed, so their order
-between the two connections does not matter.
+compute that waits for the answer. Messages are keyed, so their order between the two
+connections does not matter.
 
 On each connection the message that goes next is the waiting one with the lowest priority
 (first come, first served among equals). A gradient share waits behind anything else, and
@@ -43,7 +40,7 @@ from swarm.net import ConnectionLost, PeerConnection, PeerUnavailable
 log = logging.getLogger("swarm.execution")
 
 LINK_ERRORS = (ConnectionLost, SwarmError, OSError)  # a send or a connection attempt that failed
-QUICK_BYTES = 128 * 1024  # a message with fewer tensor bytes than this takes the quick lane
+QUICK_BYTES = 64 * 1024  # a message with fewer tensor bytes than this takes the quick lane
 WATCH_S = 0.2  # how often the run looks for connections of its own that were closed
 
 
