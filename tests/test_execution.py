@@ -418,29 +418,6 @@ def test_gradient_buckets_gather_small_layers_from_the_top():
     assert buckets_of(sizes, least=1) == [[7], [6], [5], [3], [2], [0]]
 
 
-def test_small_gradient_shares_take_a_lane_between_the_quick_one_and_the_bulk_one():
-    """dp over eight devices sums yolov2-16's gradients in shares of an eighth of a bucket
-    straight to each share's owner. The front layers' bucket, which the next forward waits
-    for first, travels on the shares lane, clear of the back layers' megabytes on the bulk
-    lane and of the BatchNorm exchanges on the quick one."""
-    from planner.stage_work import buckets_of
-    from swarm.execution import channels
-    from swarm.execution.links import BULK, QUICK, SHARES, lane_of
-    from swarm.zoo import build_model
-
-    net, _, _ = build_model("yolov2-16", 416, seed=0)
-    sizes = {i: sum(p.numel() * p.element_size() for p in layer.parameters()) for i, layer in enumerate(net.layers)}
-    buckets = buckets_of({i: n for i, n in sizes.items() if n})  # the backward's order: the front bucket last
-    group = channels.grads(3, 0)
-    lanes = [lane_of(channels.ring((*group, bucket[0]), "ds", 1, 0), sum(sizes[i] for i in bucket) // 8)
-             for bucket in buckets]
-    assert lanes == [BULK] * (len(buckets) - 1) + [SHARES]
-    share = channels.ring((*group, 6), "dg", 2, 5)
-    assert lane_of(share, 1000) == QUICK and lane_of(share, 1 << 20) == BULK
-    bn = channels.bn(3, 0, 1, "layers.4", "fwd")
-    assert lane_of(bn, 1000) == QUICK and lane_of(bn, 90_000) == BULK  # only gradient shares take the shares lane
-
-
 def test_a_runs_plan_line_names_each_replicas_share():
     def one_stage(stage):
         return Plan("lenet5", 32, 4, 4, [stage], devices={"a": {}, "b": {}})

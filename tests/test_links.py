@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from swarm.cluster.remote_job import CoordinatorJob
-from swarm.execution.links import BULK, QUICK, RunLinks, Turns
+from swarm.execution.links import RunLinks, Turns
 from swarm.net import ConnectionLost, PeerUnavailable
 
 pytestmark = pytest.mark.trio
@@ -88,13 +88,13 @@ async def test_small_messages_take_a_lane_of_their_own_that_a_big_one_does_not_h
     big.send = slow_send
     async with trio.open_nursery() as nursery:
         nursery.start_soon(links.send, "dev1", "bulk-1")
-        await links.send("dev1", "bn", QUICK)  # does not wait for bulk-1
+        await links.send("dev1", "bn", True)  # does not wait for bulk-1
         assert len(agent.opened) == 2 and agent.opened[1].sent == ["bn"] and big.sent == ["bulk-0"]
-        await links.send("dev1", "bn-2", QUICK)
+        await links.send("dev1", "bn-2", True)
         gate.set()
     assert big.sent == ["bulk-0", "bulk-1"] and agent.opened[1].sent == ["bn", "bn-2"]
     agent.opened[1].fail = True
-    await links.send("dev1", "bn-3", QUICK)
+    await links.send("dev1", "bn-3", True)
     await links.send("dev1", "bulk-2")
     assert [name for name, _ in reports] == ["dev1"] and big.sent == ["bulk-0", "bulk-1"]
     await links.aclose()
@@ -121,13 +121,13 @@ async def test_waiting_messages_go_lowest_priority_first_and_a_cancelled_one_giv
         nursery.start_soon(links.send, "dev1", "held")
         await trio.testing.wait_all_tasks_blocked()
         for message, priority in order:
-            nursery.start_soon(links.send, "dev1", message, BULK, priority)
+            nursery.start_soon(links.send, "dev1", message, False, priority)
             await trio.testing.wait_all_tasks_blocked()
         gone = trio.CancelScope()
 
         async def never() -> None:  # waits, then is cancelled before its turn
             with gone:
-                await links.send("dev1", "never", BULK, (0,))
+                await links.send("dev1", "never", False, (0,))
         nursery.start_soon(never)
         await trio.testing.wait_all_tasks_blocked()
         gone.cancel()
@@ -165,7 +165,7 @@ async def test_a_send_cancelled_before_it_takes_a_free_turn_leaves_the_lane_free
     links, _ = links_of(agent)
     with trio.CancelScope() as scope:
         scope.cancel()
-        await links.send("dev1", "never", BULK, (0,))
+        await links.send("dev1", "never", False, (0,))
     with trio.fail_after(1):
         await links.send("dev1", "after")
     assert agent.opened[0].sent == ["after"]

@@ -132,11 +132,6 @@ def send_priority(key: Key) -> tuple:
     gradient share after anything else (the next forward and everything of this step's
     schedule need theirs now), those of earlier steps first, and of a step the shares of
     the front layers' buckets first (their updates gate the next forward first)."""
-    if is_gradient_share(key):
+    if len(key) > 4 and key[0] == "ring" and key[1] == "grads":
         return (1, key[2], key[4])  # (step, bucket: named by its top layer)
     return (0,)
-
-
-def is_gradient_share(key: Key) -> bool:
-    """A share of a gradient bucket's sum (reduce.GradReducer's rings)."""
-    return len(key) > 4 and key[0] == "ring" and key[1] == "grads"

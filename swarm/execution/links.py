@@ -17,12 +17,8 @@ Small messages take a second connection to the same device (the quick lane): a c
 sends one whole message at a time, and a gradient bucket's share or a stage's activations
 take a quarter of a second on a 100 Mbit/s link, which a group's BatchNorm statistics, a
 halo or a running-statistics merge would otherwise wait out behind them, and with them the
-compute that waits for the answer. The shares of a small gradient bucket take a third (the
-shares lane): with eight devices the front layers' bucket (layers 0-6 of yolov2-16, 0.7 MB)
-travels in 88 kB shares, and the next forward waits for its sum first; on the bulk connection
-they would queue in the kernel's send buffer behind the back layers' megabytes, and on the
-quick lane the BatchNorm exchanges, which the compute waits for at every layer, would queue
-behind them. Messages are keyed, so their order between the connections does not matter.
+compute that waits for the answer. Messages are keyed, so their order between the two
+connections does not matter.
 
 On each connection the message that goes next is the waiting one with the lowest priority
 (first come, first served among equals). A gradient share waits behind anything else, and
@@ -39,25 +35,13 @@ from typing import Awaitable, Callable
 import trio
 
 from swarm.errors import SwarmError
-from swarm.execution import channels
 from swarm.net import ConnectionLost, PeerConnection, PeerUnavailable
 
 log = logging.getLogger("swarm.execution")
 
 LINK_ERRORS = (ConnectionLost, SwarmError, OSError)  # a send or a connection attempt that failed
-BULK, QUICK, SHARES = "bulk", "quick", "shares"  # a device's lanes
 QUICK_BYTES = 64 * 1024  # a message with fewer tensor bytes than this takes the quick lane
-SHARE_BYTES = 128 * 1024  # a gradient share with fewer than this (and QUICK_BYTES or more) the shares lane
 WATCH_S = 0.2  # how often the run looks for connections of its own that were closed
-
-
-def lane_of(key: tuple, nbytes: int) -> str:
-    """The lane of a message with key `key` and `nbytes` tensor bytes."""
-    if nbytes < QUICK_BYTES:
-        return QUICK
-    if nbytes < SHARE_BYTES and channels.is_gradient_share(key):
-        return SHARES
-    return BULK
 
 
 class Turns:
@@ -104,19 +88,19 @@ class RunLinks:
         self.devices = devices
         self._connect = connect
         self._report = report
-        self.conns: dict[tuple[str, str], PeerConnection] = {}  # (name, lane) -> ours
+        self.conns: dict[tuple[str, bool], PeerConnection] = {}  # (name, quick lane) -> ours
         self.broken: dict[str, str] = {}  # name -> why its link broke
-        self._locks: dict[tuple[str, str], trio.Lock] = {}
-        self._turns: dict[tuple[str, str], Turns] = {}
+        self._locks: dict[tuple[str, bool], trio.Lock] = {}
+        self._turns: dict[tuple[str, bool], Turns] = {}
         self._closing = False
 
-    async def send(self, name: str, message, lane: str = BULK, priority=()) -> None:
-        """Send on our connection to `name` of that lane (made on first use), after the
-        waiting messages of lower `priority` (any comparable value; () goes first); a
-        failure is reported, once, and the message dropped."""
+    async def send(self, name: str, message, quick: bool = False, priority=()) -> None:
+        """Send on our connection to `name` (made on first use), or on our quick lane to it,
+        after the waiting messages of lower `priority` (any comparable value; () goes
+        first); a failure is reported, once, and the message dropped."""
         if name in self.broken:
             return
-        lane = (name, lane)
+        lane = (name, quick)
         turns = self._turns.setdefault(lane, Turns())
         await turns.acquire(priority)
         try:
@@ -127,7 +111,7 @@ class RunLinks:
         finally:
             turns.release()
 
-    async def _conn(self, lane: tuple[str, str]) -> PeerConnection:
+    async def _conn(self, lane: tuple[str, bool]) -> PeerConnection:
         conn = self.conns.get(lane)
         if conn is not None:
             return conn

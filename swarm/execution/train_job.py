@@ -18,7 +18,7 @@ from planner.backups import Move
 from planner.plan import Plan
 from swarm.execution import channels
 from swarm.execution.channels import COORDINATOR
-from swarm.execution.links import LINK_ERRORS, RunLinks, lane_of
+from swarm.execution.links import LINK_ERRORS, QUICK_BYTES, RunLinks
 from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import DeviceWorker, JobSpec
@@ -141,9 +141,8 @@ async def run_train_job(ctx) -> dict:
         nonlocal coordinator_lost
         if node_id != ctx.coordinator_id:
             arrays = body["p"].get("arrays", []) if isinstance(body["p"], dict) else []
-            key = tuple(body["k"])
-            await links.send(name_of[node_id], ctx.data(CHANNEL, body), lane_of(key, sum(a.nbytes for a in arrays)),
-                             channels.send_priority(key))
+            await links.send(name_of[node_id], ctx.data(CHANNEL, body), sum(a.nbytes for a in arrays) < QUICK_BYTES,
+                             channels.send_priority(body["k"]))
             return
         try:
             await ctx.send_to_coordinator(ctx.data(CHANNEL, body))
