@@ -303,3 +303,23 @@ async def test_a_broken_link_is_no_news_to_a_later_epoch(monkeypatch, autojump_c
             await control.next_loss()
         assert waited.cancelled_caught
         nursery.cancel_scope.cancel()
+
+
+async def test_small_gradient_shares_take_the_quick_lane_only_where_nothing_small_waits_on_the_compute():
+    """quick_limit: a plan of whole micro-batches per device (replicas of one stage) sends the
+    front layers' small gradient shares on the quick lane; where a group's BatchNorm exchanges
+    or tiles' halos travel there, the shares stay on the bulk lane."""
+    from planner.plan import Plan, Stage
+    from swarm.execution.links import QUICK_BYTES, QUICK_SHARES_BYTES, quick_limit
+
+    devices = [f"dev{i}" for i in range(4)]
+
+    def plan(*stages):
+        return Plan("yolov2-16", 416, 8, 8, list(stages), devices={d: {} for d in devices})
+
+    singles = plan(Stage(0, 17, "single", devices, replicas=4))
+    dp_whole = plan(Stage(0, 17, "dp", devices, allocation={d: 1 for d in devices}, replicas=4, groups=[1, 1, 1, 1]))
+    pairs = plan(Stage(0, 17, "dp", devices, allocation={d: 1 for d in devices}, replicas=2, groups=[2, 2]))
+    pipeline = plan(Stage(0, 8, "single", devices[:1]), Stage(8, 17, "single", devices[1:2]))
+    assert quick_limit(singles) == quick_limit(dp_whole) == QUICK_SHARES_BYTES > 88_000
+    assert quick_limit(pairs) == quick_limit(pipeline) == QUICK_BYTES < 88_000

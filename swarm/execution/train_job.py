@@ -18,7 +18,7 @@ from planner.backups import Move
 from planner.plan import Plan
 from swarm.execution import channels
 from swarm.execution.channels import COORDINATOR
-from swarm.execution.links import LINK_ERRORS, QUICK_BYTES, RunLinks
+from swarm.execution.links import LINK_ERRORS, RunLinks, quick_limit
 from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import DeviceWorker, JobSpec
@@ -136,12 +136,13 @@ async def run_train_job(ctx) -> dict:
         await endpoint.send(COORDINATOR, channels.link(me, name), {"reason": why})
 
     links = RunLinks(devices, ctx.connect, report)
+    quick_bytes = quick_limit(plan)
 
     async def send_to(node_id: str, body: dict) -> None:
         nonlocal coordinator_lost
         if node_id != ctx.coordinator_id:
             arrays = body["p"].get("arrays", []) if isinstance(body["p"], dict) else []
-            await links.send(name_of[node_id], ctx.data(CHANNEL, body), sum(a.nbytes for a in arrays) < QUICK_BYTES,
+            await links.send(name_of[node_id], ctx.data(CHANNEL, body), sum(a.nbytes for a in arrays) < quick_bytes,
                              channels.send_priority(body["k"]))
             return
         try:
