@@ -281,8 +281,9 @@ def replica_groups(inputs: PlanInputs, group: list[str]) -> list[Stage]:
     fastest devices, the shortest makespan T over the k is found exactly for that family:
     a group S finishes floor(T / t_S) micro-batches in T, where t_S is its time for one;
     the runs that finish the most in T come from a DP over the devices, and T is the least
-    of the candidate times k * t_S for which they finish all M. One stage per k with at
-    least two groups; the simulator then judges them with their gradient rings."""
+    of the candidate times k * t_S for which they finish all M. Beside it, for each k, the k
+    cut into groups of one size (_even_runs). Stages of at least two groups; the simulator
+    then judges them with their gradient rings and BatchNorm exchanges."""
     n, micro = inputs.num_layers, inputs.microbatches
     if len(group) < 2 or micro < 2:
         return []
@@ -297,20 +298,37 @@ def replica_groups(inputs: PlanInputs, group: list[str]) -> list[Stage]:
     stages, seen = [], set()
     for k in range(2, len(group) + 1):
         usable = {ij: v for ij, v in runs.items() if ij[1] <= k}
-        chosen = _fastest_runs(usable, k, micro)
-        if chosen is None or len(chosen) < 2 or tuple(chosen) in seen:
-            continue
-        shares = _deal([usable[ij][0] for ij in chosen], micro)
-        chosen = [ij for ij, k in zip(chosen, shares) if k]  # a group dealt nothing is not in the plan
-        shares = [k for k in shares if k]
-        if len(chosen) < 2 or tuple(chosen) in seen:
-            continue
-        seen.add(tuple(chosen))
-        allocation = {d: y for ij in chosen for d, y in usable[ij][1].items()}
-        stages.append(Stage(0, n, "dp", list(allocation), allocation=allocation, replicas=len(chosen),
-                            groups=[len(usable[ij][1]) for ij in chosen],
-                            shares=shares if len(set(shares)) > 1 else None))
+        for chosen in [_fastest_runs(usable, k, micro), *_even_runs(usable, k)]:
+            stage = _replica_stage(chosen, usable, n, micro, seen)
+            if stage is not None:
+                stages.append(stage)
     return stages
+
+
+def _even_runs(runs: dict[tuple[int, int], tuple[float, dict]], k: int) -> list[list[tuple[int, int]]]:
+    """Devices [0, k) cut into groups of one size (two or more groups of two or more
+    devices), where each group can take micro-batches. On equal devices these tie with the
+    fastest runs in compute, and their profiles' noise would otherwise decide between, say,
+    four pairs and two pairs with a quartet, which differ in what they exchange."""
+    return [[(i, i + size) for i in range(0, k, size)] for size in range(2, k // 2 + 1)
+            if k % size == 0 and all((i, i + size) in runs for i in range(0, k, size))]
+
+
+def _replica_stage(chosen, usable, n: int, micro: int, seen: set) -> Stage | None:
+    """The dp stage over layers [0, n) whose replicas are the groups `chosen` (runs of
+    `usable`), each taking the micro-batches it finishes in time; None for fewer than two
+    groups or a stage made already."""
+    if chosen is None or len(chosen) < 2 or tuple(chosen) in seen:
+        return None
+    shares = _deal([usable[ij][0] for ij in chosen], micro)
+    chosen = [ij for ij, k in zip(chosen, shares) if k]  # a group dealt nothing is not in the plan
+    shares = [k for k in shares if k]
+    if len(chosen) < 2 or tuple(chosen) in seen:
+        return None
+    seen.add(tuple(chosen))
+    allocation = {d: y for ij in chosen for d, y in usable[ij][1].items()}
+    return Stage(0, n, "dp", list(allocation), allocation=allocation, replicas=len(chosen),
+                 groups=[len(usable[ij][1]) for ij in chosen], shares=shares if len(set(shares)) > 1 else None)
 
 
 def _fastest_runs(runs: dict[tuple[int, int], tuple[float, dict]], k: int, micro: int) -> list[tuple[int, int]] | None:

@@ -447,3 +447,29 @@ def test_planners_overlap_a_gang_only_where_it_hides_more_than_it_costs_and_fits
     tight = planned(plain - mem.budget(0, n, 0.0) + 1.0)
     assert tight.predicted["fits"] and not tight.stages[0].overlap
     assert tight.predicted["step_time_s"] > roomy.predicted["step_time_s"]
+
+
+def test_dp_weighs_even_groups_beside_the_fastest_runs(lenet):
+    """Eight equal devices that each hold two samples of a four-sample micro-batch, one sample
+    a hair cheaper than half of two (as a profile may measure): the fastest runs in compute
+    are two quartets, where four pairs would take 0.5% longer and exchange fewer BatchNorm
+    sums, each with one partner. Which grouping wins is the simulator's to say, so every even
+    cut of the devices is weighed beside the fastest runs."""
+    from planner.baselines import _fastest_runs, plan_dp, replica_groups
+    from planner.inputs import PlanInputs
+
+    desc, mem = lenet
+    two = next(b for b in range(1, 2**34, 2**12) if mem.max_batch(0, 7, 1, b) >= 2)
+    assert mem.max_batch(0, 7, 1, two) < 4
+    f, b = np.full((7, 2), 0.06), np.full((7, 2), 0.12)
+    f[:, 1], b[:, 1] = 2 * 0.06 * 1.005, 2 * 0.12 * 1.005
+    devs = [Device(f"d{k}", CostTable((1, 2), f, b, np.zeros(7), [0.0, 0.0], [0.0, 0.0]), two) for k in range(8)]
+    cl = Cluster(devs, np.full((8, 8), FAST), 0.001, None)
+    inputs = PlanInputs(desc, mem, cl, 32, 8)
+    stages = replica_groups(inputs, cl.by_speed(inputs.microbatch))
+    eights = [s.group_sizes() for s in stages if len(s.devices) == 8]
+    assert [4, 4] in eights and [2, 2, 2, 2] in eights, eights
+    chosen = plan_dp(inputs)
+    for stage in stages:
+        alone = inputs.finish(inputs.plan([stage], "dp"))
+        assert chosen.predicted["step_time_s"] <= alone.predicted["step_time_s"] + 1e-9
