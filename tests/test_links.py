@@ -323,3 +323,35 @@ async def test_small_gradient_shares_take_the_quick_lane_only_where_nothing_smal
     pipeline = plan(Stage(0, 8, "single", devices[:1]), Stage(8, 17, "single", devices[1:2]))
     assert quick_limit(singles) == quick_limit(dp_whole) == QUICK_SHARES_BYTES > 88_000
     assert quick_limit(pairs) == quick_limit(pipeline) == QUICK_BYTES < 88_000
+
+
+async def test_a_run_opens_both_lanes_to_its_peers_at_the_start_and_reports_one_it_cannot_reach():
+    """open_to: both connections to each device made at once, before anything is sent (the
+    first sends then find them open); a device that cannot be reached is reported once, as
+    a send to it would be, and what would go there dropped."""
+    agent = Agent()
+    agent.unreachable.add("10.0.0.2:4750")
+    links, reports = links_of(agent)
+    await links.open_to(["dev1", "dev2"])
+    assert sorted(links.conns) == [("dev1", False), ("dev1", True)]
+    assert [name for name, _ in reports] == ["dev2"] and "cannot reach" in reports[0][1]
+    await links.send("dev1", "x")
+    await links.send("dev1", "y", quick=True)
+    await links.send("dev2", "z")
+    assert len(agent.opened) == 2 and [c.sent for c in agent.opened] in (
+        [["x"], ["y"]], [["y"], ["x"]]) and len(reports) == 1
+    await links.aclose()
+
+
+async def test_a_run_opens_links_to_the_devices_of_its_stages_and_their_neighbours():
+    from planner.plan import Plan, Stage
+    from swarm.execution.train_job import peers_of
+
+    names = [f"dev{i}" for i in range(5)]
+    plan = Plan("yolov2-16", 416, 8, 8, [Stage(0, 4, "single", ["dev0"]), Stage(4, 8, "dp", ["dev1", "dev2"],
+                                                                              allocation={"dev1": 1, "dev2": 1}),
+                                       Stage(8, 12, "single", ["dev3"]), Stage(12, 17, "single", ["dev4"])],
+                devices={d: {} for d in names})
+    assert peers_of(plan, "dev0") == {"dev1", "dev2"}
+    assert peers_of(plan, "dev1") == {"dev0", "dev2", "dev3"}
+    assert peers_of(plan, "dev4") == {"dev3"}

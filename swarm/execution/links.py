@@ -130,6 +130,23 @@ class RunLinks:
         finally:
             turns.release()
 
+    async def open_to(self, names) -> None:
+        """Open both lanes to each of `names` now, all at once, rather than at the first send:
+        the run's first sums then do not wait for handshakes. A connection that cannot be
+        made is reported as a send's would be."""
+        async def one(lane: tuple[str, bool]) -> None:
+            if lane[0] in self.broken:
+                return
+            try:
+                await self._conn(lane)
+            except LINK_ERRORS as exc:
+                await self._broke(lane[0], f"{type(exc).__name__}: {exc}")
+
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                for quick in (False, True):
+                    nursery.start_soon(one, (name, quick))
+
     async def _conn(self, lane: tuple[str, bool]) -> PeerConnection:
         conn = self.conns.get(lane)
         if conn is not None:

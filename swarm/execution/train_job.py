@@ -119,6 +119,14 @@ def _train_config(d: dict) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in d.items() if k in known})
 
 
+def peers_of(plan: Plan, me: str) -> set[str]:
+    """The devices `me` sends to in `plan`: those of its own stages (sums, BatchNorm, halos)
+    and of the stages next to them (activations and gradients)."""
+    mine = [p for p, stage in enumerate(plan.stages) if me in stage.devices]
+    near = {q for p in mine for q in (p - 1, p, p + 1) if 0 <= q < len(plan.stages)}
+    return {d for q in near for d in plan.stages[q].devices} - {me}
+
+
 async def run_train_job(ctx) -> dict:
     """The `train` job kind: this agent's part of a plan, until the coordinator says stop."""
     spec = ctx.spec
@@ -164,6 +172,7 @@ async def run_train_job(ctx) -> dict:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(endpoint.pump, lambda: ctx.receive(CHANNEL))
             nursery.start_soon(links.watch)
+            nursery.start_soon(links.open_to, sorted(peers_of(plan, me) & set(devices)))
             await worker.run()
             nursery.cancel_scope.cancel()
     finally:
