@@ -58,8 +58,10 @@ def quick_limit(plan) -> int:
     """Below how many tensor bytes a message of `plan`'s runs takes the quick lane: more where
     the plan is one stage of replicas that each compute whole micro-batches, whose compute
     waits on no small message (no group BatchNorm, no halos)."""
-    whole = len(plan.stages) == 1 and plan.stages[0].mode in ("dp", "single") and \
-        (plan.stages[0].mode == "single" or all(size == 1 for size in plan.stages[0].group_sizes()))
+    if len(plan.stages) != 1:
+        return QUICK_BYTES
+    stage = plan.stages[0]
+    whole = stage.mode == "single" or (stage.mode == "dp" and set(stage.group_sizes()) == {1})
     return QUICK_SHARES_BYTES if whole else QUICK_BYTES
 
 
