@@ -51,13 +51,10 @@ class AsteroidTables:
         # memory per range (eq. 3 pieces)
         cum_p = np.concatenate([[0.0], np.cumsum(mem.param_bytes)])
         cum_a = np.concatenate([[0.0], np.cumsum(mem.act_bytes)])
-        runmax = np.zeros((L + 1, L + 1))
-        for i in range(L):
-            runmax[i, i + 1:] = np.maximum.accumulate(mem.grad_bytes[i:])
         copies = 2 + OPTIMIZER_STATE_FLOATS[mem.optimizer]
         self.weights = copies * (cum_p[self.vj] - cum_p[self.vi])
         self.act = mem.slack * (cum_a[self.vj] - cum_a[self.vi])
-        self.grad_peak = mem.slack * runmax.ravel()[self.valid]
+        self.grad_peak = mem.slack * mem.transient_table[self.vi, self.vj]
         self.param_bytes = cum_p[self.vj] - cum_p[self.vi]
         self.growth = mem.growth
         self.whole_reserve = np.array([mem.budget(i, j, 0.0) for i, j in zip(self.vi, self.vj)])  # MemoryModel.budget

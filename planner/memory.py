@@ -52,13 +52,21 @@ SHARE_GROWTH = 0.15
 GROWTH_FROM = 2
 # On jemalloc (swarm.host.malloc preloads it where it is installed) large blocks come in size
 # classes from extents that are reused whatever their order, and a share's peak grows by
-# about its saved bytes and one backward's gradients, with no growth. Measured for yolov2-16
-# at 416 on the mixed testbed, resident with the runtime: 4 samples 1175 MiB (this model with
-# the runtime: 1218; glibc's 1528-1775), 2 samples of a group's micro-batch 705-738 (762);
-# in one process above its settled start, 1, 2 and 4 samples 180, 364 and 611 MiB (glibc 236,
-# 463 and 1020).
-JEMALLOC_SLACK = 1.1
+# about its saved bytes, with no growth; the backward's buffers take the room of the saved
+# tensors the later layers' backwards have freed (REUSES_FREED). Measured for yolov2-16 at
+# 416 in one process above its settled start: 1, 2 and 4 samples 180, 364 and 611 MiB
+# (glibc 236, 463 and 1020; this model with the stage scratch: 224, 386 and 707). On the
+# testbed (1 GiB, 0.2 core) a dp device computing micro-batches of 4 samples peaked at
+# 947-962 MiB in `auto` runs, whose training began at 289-293 MiB resident (after the
+# profile): 658-673 MiB for the job, against this model's 683 (859-868 in runs of the plan
+# alone, begun at 243).
+JEMALLOC_SLACK = 1.25
 JEMALLOC_GROWTH = 0.0
+# Whether the backward's buffers reuse the room the saved tensors of the layers behind them
+# (already back-propagated) have freed. glibc's heap, tuned by swarm.host.malloc to keep
+# what it frees, does not hand that room to maps of other sizes (its peaks above grow
+# with the buffers on top of everything saved); jemalloc's size classes do.
+REUSES_FREED = {"glibc": False, "jemalloc": True}
 # the slack and growth of each allocator a device's profile may name; any other: glibc's
 ALLOCATORS = {"glibc": (RESIDENT_SLACK, SHARE_GROWTH), "jemalloc": (JEMALLOC_SLACK, JEMALLOC_GROWTH)}
 
@@ -132,6 +140,7 @@ class MemoryModel:
     whole_reserve: float = 0.0  # bytes a device's budget gains for a stage of the whole model (on devices:
     #                              WHOLE_MODEL_RESERVE, the job's reserve, which such a stage leaves unused)
     growth: float = 0.0  # the slack's growth per sample of a share beyond GROWTH_FROM (SHARE_GROWTH on devices)
+    reuse: bool = True  # the backward's buffers take the room of the saved tensors already freed (REUSES_FREED)
 
     def __post_init__(self):
         self.act_bytes = np.asarray(self.act_bytes, dtype=float)
@@ -150,6 +159,23 @@ class MemoryModel:
         self._cum_params = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
         self._cum_act = np.concatenate([[0.0], np.cumsum(self.act_bytes)])
         self._boundary = np.array([self.desc.boundary_bytes(b) for b in range(len(self.desc.layers) + 1)], dtype=float)
+        self.transient_table = self._transients()
+
+    def _transients(self) -> np.ndarray:
+        """(layers + 1, layers + 1): per sample, what a backward over layers [first, last)
+        holds at its worst layer beyond the micro-batch's saved tensors. Each layer's buffers
+        (grad_bytes) are alive while it back-propagates; by then the layers after it have
+        freed what they saved, room the buffers take where the allocator reuses it (reuse),
+        so beyond the saved tensors they need max over k of grad_bytes[k] less what layers
+        (k, last) saved, and at least nothing. Without reuse: the largest buffers."""
+        n = len(self.desc.layers)
+        table = np.zeros((n + 1, n + 1))
+        # a layer's buffers plus what the layers up to it keep, against the range's total
+        lead = self.grad_bytes + self._cum_act[1:] if self.reuse else self.grad_bytes
+        for first in range(n):
+            top = np.maximum.accumulate(lead[first:])  # over k in [first, last), last = first + 1 ...
+            table[first, first + 1:] = np.maximum(top - self._cum_act[first + 1:], 0.0) if self.reuse else top
+        return table
 
     @classmethod
     def estimated(cls, desc: ModelDesc, optimizer: str = "sgd") -> "MemoryModel":
@@ -161,8 +187,9 @@ class MemoryModel:
         """The model for planning real devices: measured saved bytes when given, the slack of
         the devices' allocator (plan_allocator) on activations and gradients, and the reserve
         a whole-model stage keeps."""
-        slack, growth = ALLOCATORS.get(allocator, ALLOCATORS["glibc"])
-        held = dict(slack=slack, whole_reserve=WHOLE_MODEL_RESERVE, growth=growth)
+        known = allocator if allocator in ALLOCATORS else "glibc"
+        slack, growth = ALLOCATORS[known]
+        held = dict(slack=slack, whole_reserve=WHOLE_MODEL_RESERVE, growth=growth, reuse=REUSES_FREED[known])
         if act_bytes is None:
             return cls(desc, estimate_activation_bytes(desc), optimizer, **held)
         return cls(desc, act_bytes, optimizer, measured=True, **held)
@@ -187,8 +214,16 @@ class MemoryModel:
         return batch * (self.slack * self.share_factor(batch) * (self._cum_act[last] - self._cum_act[first]))
 
     def transient(self, first: int, last: int, batch: float) -> float:
-        """Buffers alive only during one layer's backward: the gradients of its output, of
-        each pointwise step and of its input (the outgoing gradient, until it is sent)."""
+        """What one micro-batch's backward holds beyond its saved tensors, at its worst layer
+        (_transients): each layer's buffers are the gradients of its output, of each
+        pointwise step and of its input (the outgoing gradient, until it is sent)."""
+        if last <= first:
+            return 0.0
+        return batch * (self.slack * self.share_factor(batch) * float(self.transient_table[first, last]))
+
+    def buffers(self, first: int, last: int, batch: float) -> float:
+        """The largest one layer's backward buffers of a micro-batch, with nothing freed
+        before them: an upper bound of transient, for a guard that must not underestimate."""
         if last <= first:
             return 0.0
         return batch * (self.slack * self.share_factor(batch) * float(self.grad_bytes[first:last].max()))

@@ -703,7 +703,7 @@ class MemoryGuard:
 
         n = len(desc.layers)
         self.model = model = MemoryModel.estimated(desc, optimizer)
-        self.estimate = model.activations(0, n, 1) + model.transient(0, n, 1)  # bytes per sample
+        self.estimate = model.activations(0, n, 1) + model.buffers(0, n, 1)  # bytes per sample
         self.state = OPTIMIZER_COPIES[optimizer] * sum(d.param_bytes for d in desc.layers)  # gradients, slots
         self.limit = limit if limit is not None else usable_memory()
         self.base = settled_rss()
@@ -741,7 +741,7 @@ class MemoryGuard:
 
     def _piece_per_sample(self, first: int, last: int) -> float:
         m = self.model
-        return m.activations(first, last, 1) + m.transient(first, last, 1) + m.boundary(first)
+        return m.activations(first, last, 1) + m.buffers(first, last, 1) + m.boundary(first)
 
     def measured_piece(self, batch: int, first: int, last: int, peak: float) -> None:
         """Passes over a piece peaked at `peak` resident bytes, and the process has settled
