@@ -130,3 +130,42 @@ async def test_left_and_subscribers(autojump_clock):
         except trio.WouldBlock:
             break
     assert [(e.kind, e.time) for e in seen] == [("joined", 0.0), ("left", 0.25)]  # no suspect after leaving
+
+
+async def test_a_member_whose_message_is_still_arriving_is_given_the_grace_not_one_probe(autojump_clock):
+    """Its answer to a probe is queued behind its message: while that message is part-way
+    in, it is probed again until it has been message_grace without a byte; a message that
+    completes, or a connection that breaks, ends that at the next probe, and a byte heard
+    recovers it."""
+    async def run(script) -> list:
+        devices, arriving, t0 = {}, {"b": True}, trio.current_time()
+        async with trio.open_nursery() as nursery:
+            membership = setup(nursery, devices, in_message=lambda node: arriving.get(node, False),
+                               message_grace=3.0)
+            await nursery.start(membership.run)
+            for name in ("a", "b"):
+                devices[name] = FakeDevice(membership, name)
+                membership.add(name)
+                nursery.start_soon(devices[name].heartbeats)
+            await trio.sleep(1.1)
+            devices["b"].beating = devices["b"].answers = False  # last heard at t=1.0
+            await script(membership, arriving)
+            nursery.cancel_scope.cancel()
+        return [(e.kind, round(e.time - t0, 6)) for e in membership.log if e.node_id == "b"][1:]
+
+    async def silent(membership, arriving):
+        await trio.sleep(6.0)
+    # suspect at 1.75; probes time out at 2.25, 2.75, 3.25, 3.75 within the grace; 4.25 is past it
+    assert await run(silent) == [("suspect", 1.75), ("dead", 4.25)]
+
+    async def completes(membership, arriving):
+        await trio.sleep(2.5 - 1.1)
+        arriving["b"] = False  # the message is in: its answer would have followed it
+        await trio.sleep(3.0)
+    assert await run(completes) == [("suspect", 1.75), ("dead", 2.75)]
+
+    async def bytes_arrive(membership, arriving):
+        await trio.sleep(3.0 - 1.1)
+        membership.heard_from("b")
+        await trio.sleep(0.1)
+    assert await run(bytes_arrive) == [("suspect", 1.75), ("recovered", 3.0)]

@@ -29,6 +29,13 @@ ALIVE, SUSPECT, DEAD = "alive", "suspect", "dead"
 # with the job may answer late; it has this long to be heard again, then this long to
 # answer a probe. (A killed agent's connection breaks, which makes it suspect at once.)
 BUSY_SUSPECT_AFTER, BUSY_PROBE_TIMEOUT = 2.0, 2.0
+# A member whose message to us is still arriving answers a probe only after that message
+# (one stream: its answer is queued behind it). A stage's weights at a checkpoint (150 MB
+# for two layers of the full yolov2), sent by five devices at once into one 100 Mbit link,
+# can stall a flow for seconds; so while its message is incomplete, a member is probed again
+# until it has been this long without a byte, rather than given up after one probe. (A
+# killed agent's connection breaks at once all the same.)
+MESSAGE_GRACE = 30.0
 
 
 @dataclass(frozen=True)
@@ -56,11 +63,14 @@ class Membership:
     """Run with `await nursery.start(membership.run)`; feed it add/heard_from/lost/remove."""
 
     def __init__(self, probe: Probe, *, interval: float = 0.25, suspect_after: float | None = None,
-                 probe_timeout: float = 0.5):
+                 probe_timeout: float = 0.5, in_message: Callable[[str], bool] | None = None,
+                 message_grace: float = MESSAGE_GRACE):
         self.interval = interval                              # how often members send heartbeats
         self.suspect_after = suspect_after or 3 * interval    # silence that makes a member suspect
         self.probe_timeout = probe_timeout
         self._probe = probe
+        self._in_message = in_message  # is a message from this member part-way in? (MESSAGE_GRACE)
+        self.message_grace = message_grace
         self.members: dict[str, Liveness] = {}
         self.log: list[MembershipEvent] = []
         self._subscribers: list[trio.MemorySendChannel] = []
@@ -138,14 +148,17 @@ class Membership:
         self._nursery.start_soon(self._run_probe, member, member.generation)
 
     async def _run_probe(self, member: Liveness, generation: int) -> None:
-        answered = False
-        with trio.move_on_after(self.probe_timeout):
-            try:
-                answered = await self._probe(member.node_id)
-            except Exception:  # noqa: BLE001 - a probe that breaks is a probe that failed
-                answered = False
-        if member.generation != generation or self.members.get(member.node_id) is not member:
-            return  # heard from it meanwhile, or it left
+        while True:
+            answered = False
+            with trio.move_on_after(self.probe_timeout):
+                try:
+                    answered = await self._probe(member.node_id)
+                except Exception:  # noqa: BLE001 - a probe that breaks is a probe that failed
+                    answered = False
+            if member.generation != generation or self.members.get(member.node_id) is not member:
+                return  # heard from it meanwhile, or it left
+            if answered or not self._answer_queued(member):
+                break
         if answered:
             member.last_heard = trio.current_time()
             member.deadline = member.last_heard + self.suspect_after
@@ -153,6 +166,11 @@ class Membership:
             self._wake.set()
         else:
             self._set(member, DEAD, "dead", f"no answer to a probe within {self.probe_timeout:g} s")
+
+    def _answer_queued(self, member: Liveness) -> bool:
+        """Is its answer behind a message of its still arriving, heard from within the grace?"""
+        return self._in_message is not None and self._in_message(member.node_id) \
+            and trio.current_time() - member.last_heard < self.message_grace
 
     def _set(self, member: Liveness, health: str, kind: str, reason: str) -> None:
         member.health = health

@@ -47,7 +47,7 @@ class Roster:
         self.heartbeat_interval = heartbeat_interval
         self.connect_timeout = connect_timeout
         self.membership = Membership(self._probe, interval=heartbeat_interval, suspect_after=suspect_after,
-                                     probe_timeout=probe_timeout)
+                                     probe_timeout=probe_timeout, in_message=self._in_message)
         self._static_peers = list(peers)
         self._devices: dict[str, Member] = {}             # node id (or "host:port" before a handshake) -> Member
         self._endpoints: dict[tuple[str, int], tuple[trio.CancelScope, str | None]] = {}  # -> (loop, node id)
@@ -340,6 +340,12 @@ class Roster:
         connected = device.connected
         await connected.wait()
         return True
+
+    def _in_message(self, node_id: str) -> bool:
+        """Is a message from `node_id` part-way in on its connection?"""
+        device = self._devices.get(node_id)
+        conn = device.conn if device is not None else None
+        return conn is not None and not conn.closed and conn.protocol.in_message
 
     def _touch(self) -> None:
         self._changed.set()

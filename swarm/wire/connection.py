@@ -124,6 +124,11 @@ class Connection:
         else:
             self._decoder.feed(data)
 
+    @property
+    def in_message(self) -> bool:
+        """Has part of a message (a frame or a sealed record) arrived, and not the rest?"""
+        return self._decoder.in_frame or (self._opener is not None and self._opener.in_record)
+
     def payload_buffer(self, *, more: bool = False) -> memoryview | None:
         """A view to recv_into() directly when the rest of a sealed record is next; with
         `more`, also the next record's header while a tensor is being filled, so that a
