@@ -36,6 +36,14 @@ def setup(nursery, devices: dict, **kw) -> Membership:
     return Membership(probe, interval=0.25, probe_timeout=0.5, **kw)
 
 
+def start_beating(nursery, membership: Membership, devices: dict, names) -> None:
+    """Devices of these names join and send heartbeats."""
+    for name in names:
+        devices[name] = FakeDevice(membership, name)
+        membership.add(name)
+        nursery.start_soon(devices[name].heartbeats)
+
+
 def timeline(membership: Membership) -> list[tuple[str, str, float]]:
     return [(e.node_id, e.kind, e.time) for e in membership.log]
 
@@ -45,10 +53,7 @@ async def test_silent_device_is_suspect_then_dead_at_exact_times(autojump_clock)
     async with trio.open_nursery() as nursery:
         membership = setup(nursery, devices)
         await nursery.start(membership.run)
-        for name in ("a", "b"):
-            devices[name] = FakeDevice(membership, name)
-            membership.add(name)
-            nursery.start_soon(devices[name].heartbeats)
+        start_beating(nursery, membership, devices, ("a", "b"))
         await trio.sleep(1.1)
         devices["b"].beating = False      # last heartbeat of b was at t=1.0
         devices["b"].answers = False
@@ -143,10 +148,7 @@ async def test_a_member_whose_message_is_still_arriving_is_given_the_grace_not_o
             membership = setup(nursery, devices, in_message=lambda node: arriving.get(node, False),
                                message_grace=3.0)
             await nursery.start(membership.run)
-            for name in ("a", "b"):
-                devices[name] = FakeDevice(membership, name)
-                membership.add(name)
-                nursery.start_soon(devices[name].heartbeats)
+            start_beating(nursery, membership, devices, ("a", "b"))
             await trio.sleep(1.1)
             devices["b"].beating = devices["b"].answers = False  # last heard at t=1.0
             await script(membership, arriving)
