@@ -153,18 +153,22 @@ async def test_a_member_whose_message_is_still_arriving_is_given_the_grace_not_o
             devices["b"].beating = devices["b"].answers = False  # last heard at t=1.0
             await script(membership, arriving)
             nursery.cancel_scope.cancel()
+        reasons.extend(e.reason for e in membership.log if e.node_id == "b" and e.kind == "dead")
         return [(e.kind, round(e.time - t0, 6)) for e in membership.log if e.node_id == "b"][1:]
 
     async def silent(membership, arriving):
         await trio.sleep(6.0)
     # suspect at 1.75; probes time out at 2.25, 2.75, 3.25, 3.75 within the grace; 4.25 is past it
+    reasons = []
     assert await run(silent) == [("suspect", 1.75), ("dead", 4.25)]
+    assert reasons == ["no answer to probes for 2.5 s, part of it behind a message of its still arriving"]
 
     async def completes(membership, arriving):
         await trio.sleep(2.5 - 1.1)
         arriving["b"] = False  # the message is in: its answer would have followed it
         await trio.sleep(3.0)
     assert await run(completes) == [("suspect", 1.75), ("dead", 2.75)]
+    assert reasons[-1] == "no answer to probes for 1.0 s, part of it behind a message of its still arriving"
 
     async def bytes_arrive(membership, arriving):
         await trio.sleep(3.0 - 1.1)

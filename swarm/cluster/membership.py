@@ -148,6 +148,7 @@ class Membership:
         self._nursery.start_soon(self._run_probe, member, member.generation)
 
     async def _run_probe(self, member: Liveness, generation: int) -> None:
+        started = trio.current_time()
         while True:
             answered = False
             with trio.move_on_after(self.probe_timeout):
@@ -165,7 +166,10 @@ class Membership:
             self._set(member, ALIVE, "recovered", "answered a probe")
             self._wake.set()
         else:
-            self._set(member, DEAD, "dead", f"no answer to a probe within {self.probe_timeout:g} s")
+            waited = trio.current_time() - started
+            why = f"no answer to a probe within {self.probe_timeout:g} s" if waited <= self.probe_timeout + 1e-9 \
+                else f"no answer to probes for {waited:.1f} s, part of it behind a message of its still arriving"
+            self._set(member, DEAD, "dead", why)
 
     def _answer_queued(self, member: Liveness) -> bool:
         """Is its answer behind a message of its still arriving, heard from within the grace?"""
