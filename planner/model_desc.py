@@ -17,7 +17,8 @@ class LayerDesc:
     """One layer of a network, for one sample at one input size."""
 
     index: int
-    kind: str  # conv | maxpool | avgpool | route | reorg | connected | dropout
+    kind: str  # conv | maxpool | avgpool | route | reorg | connected | dropout | shortcut | upsample |
+    #            scale_channels | sam | crop | yolo  (what each computes: swarm/zoo/build.py)
     in_shape: tuple[int, int, int]  # (C, H, W) of the (first) input
     out_shape: tuple[int, int, int]  # (C, H, W); (N, 1, 1) for a connected layer
     inputs: tuple[int, ...]  # indices of the layers whose outputs this one reads; -1 = the image
@@ -28,6 +29,10 @@ class LayerDesc:
     activation: str = "linear"
     params: int = 0  # trainable parameters (BN buffers not counted)
     flops: int = 0  # forward floating-point operations per sample (a multiply-add is 2)
+    groups: int = 1  # conv: channel groups (depthwise: = in channels); route: the inputs' channels in this many parts
+    group_id: int = 0  # route: which part of each input it takes
+    dilation: int = 1  # conv
+    stride_x: int = 0  # conv, maxpool: the column stride where it differs from the row stride (`stride`); 0: the same
 
     @property
     def param_bytes(self) -> int:
@@ -48,7 +53,8 @@ class LayerDesc:
     @property
     def spatial(self) -> bool:
         """True for the layers that tiling can split: local windows over an (H, W) map."""
-        return self.kind in ("conv", "maxpool", "avgpool") and self.kernel > 0
+        return (self.kind in ("conv", "maxpool", "avgpool") and self.kernel > 0 and self.groups == 1
+                and self.dilation == 1 and self.stride_x in (0, self.stride))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -64,11 +70,14 @@ class ModelDesc:
     img_size: ImageSize  # width x height; the maps are (C, H, W)
     in_channels: int
     layers: tuple[LayerDesc, ...]
-    loss: str  # "region" (detection) or "softmax" (classification)
+    loss: str  # "region" (YOLOv2), "yolo" (YOLOv3 heads), "detection" (YOLOv1) or "softmax" (classification)
     extra: dict = field(default_factory=dict)  # loss parameters (anchors, classes, ...)
+    outputs: tuple[int, ...] = ()  # the layers the loss reads, in head order (default: the last layer)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "img_size", ImageSize.of(self.img_size))  # an int is a square
+        if not self.outputs and self.layers:
+            object.__setattr__(self, "outputs", (len(self.layers) - 1,))
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -85,10 +94,24 @@ class ModelDesc:
     def input_bytes(self) -> int:
         return self.in_channels * self.img_size.pixels * BYTES_PER_FLOAT
 
+    @property
+    def detects(self) -> bool:
+        """Whether the network finds boxes (its targets are boxes, not one class a sample)."""
+        return self.loss in ("region", "yolo", "detection")
+
+    def head_of(self, outs: dict):
+        """What the loss takes from a forward's outputs (by layer index): the output tensor of
+        a one-head network, a list of them (in head order) for several heads."""
+        if len(self.outputs) == 1:
+            return outs[self.outputs[0]]
+        return [outs[i] for i in self.outputs]
+
     def live_after(self, boundary: int) -> tuple[int, ...]:
         """Layers whose outputs must cross a cut placed before layer `boundary`:
-        produced before it (or the image, -1) and read at or after it."""
-        live = set()
+        produced before it (or the image, -1) and read at or after it. The loss reads its
+        heads after the last layer, so a head computed early travels to the end with the
+        maps (`live_after(len(self))` is `outputs`)."""
+        live = {i for i in self.outputs if i < boundary}
         for layer in self.layers[boundary:]:
             for src in layer.inputs:
                 if src < boundary:

@@ -92,7 +92,7 @@ def test_the_profilers_cuda_layer_times_are_positive_and_ordered_like_the_flops(
     costs = profile.costs
     assert (costs.fwd > 0).all() and (costs.bwd > 0).all() and all(t > 0 for t in profile.step_time.values())
     desc = describe_model("yolov2-16", 128, profile.classes)
-    convs = [i for i, layer in enumerate(desc.layers) if layer.kind == "convolutional"]
+    convs = [i for i, layer in enumerate(desc.layers) if layer.kind == "conv"]
     flops = [desc.layers[i].flops for i in convs]
     times = costs.fwd[convs, -1] + costs.bwd[convs, -1]
     ranks = [np.argsort(np.argsort(v)) for v in (np.array(flops), times)]

@@ -169,7 +169,7 @@ class TrainingCoordinator:
     async def feed(self, step: int, batch) -> None:
         images, targets = batch
         images = torch.from_numpy(images)
-        if self.trainer.desc.loss == "region":
+        if self.trainer.desc.detects:
             targets = torch.from_numpy(targets)
         else:
             targets = torch.from_numpy(class_targets(targets))

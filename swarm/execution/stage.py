@@ -190,7 +190,7 @@ class StageCopy:
             outs = self.net.forward_range(stage.first, stage.last, leaves, keys)
             loss = None
             if self.is_last:
-                out = outs[stage.last - 1]
+                out = self.desc.head_of(outs)
                 loss_fn = make_loss(self.desc)
                 loss = loss_fn(out, targets, batch_total, window) if window is not None else \
                     loss_fn(out, targets, batch_total)

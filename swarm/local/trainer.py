@@ -200,7 +200,7 @@ class LocalTrainer:
         }
 
     def targets_for_loss(self, targets: np.ndarray) -> torch.Tensor:
-        if self.desc.loss == "region":
+        if self.desc.detects:
             return torch.from_numpy(targets).to(self.device, self.net.dtype)
         return torch.from_numpy(class_targets(targets)).to(self.device)
 

@@ -291,7 +291,7 @@ def _time_in_context(net, desc, loss_fn, live, targets, budget: Budget, watch: S
         for i in range(first, last):
             outs.update(net.forward_range(i, i + 1, {s: outs[s] for s in desc.live_after(i)}, keys))
             t.append(watch.mark())
-        ends, grads = _ends(outs, loss_fn, targets, leaving, last == L, grads, gen)
+        ends, grads = _ends(desc, outs, loss_fn, targets, leaving, last == L, grads, gen)
         t_loss = watch.mark()
         stamps = {}
         for i in range(first, last):
@@ -315,17 +315,16 @@ def _time_in_context(net, desc, loss_fn, live, targets, budget: Budget, watch: S
 
 def _leaving(desc, first: int, last: int) -> list[int]:
     """The maps layers [first, last) make that are read after them (the model's output at its end)."""
-    L = len(desc.layers)
-    return [s for s in (desc.live_after(last) if last < L else (L - 1,)) if s >= first]
+    return [s for s in desc.live_after(last) if s >= first]
 
 
-def _ends(outs, loss_fn, targets, leaving, at_loss: bool, grads, gen):
+def _ends(desc, outs, loss_fn, targets, leaving, at_loss: bool, grads, gen):
     """(what a backward over a pass starts from, their gradients): the loss at the model's end,
     else the maps that leave the range with fixed random gradients (made on the first call)."""
     import torch
 
     if at_loss:
-        return [loss_fn(outs[leaving[0]], targets, len(targets))], None
+        return [loss_fn(desc.head_of(outs), targets, len(targets))], None
     ends = [outs[s] for s in leaving]
     return ends, grads or [torch.randn(e.shape, generator=gen).to(e) for e in ends]
 
@@ -343,7 +342,7 @@ def _time_pass(net, desc, loss_fn, live, targets, first: int, last: int, budget:
         nonlocal grads
         outs = {s: t if s < 0 else t.detach().requires_grad_(True) for s, t in live.items()}
         outs.update(net.forward_range(first, last, outs, keys))
-        ends, grads = _ends(outs, loss_fn, targets, leaving, last == L, grads, gen)
+        ends, grads = _ends(desc, outs, loss_fn, targets, leaving, last == L, grads, gen)
         torch.autograd.backward(ends, grads)
         net.zero_grad(set_to_none=True)
 
@@ -382,7 +381,7 @@ def _measure_in_pieces(net, desc, loss_fn, data, batch_sizes, fits: "MemoryGuard
         say(f"batch {b}: layers in {len(cuts)} pieces ({', '.join(f'{a}-{e - 1}' for a, e in cuts)}), the model "
             "being too big to step whole here")
         images, targets = make_batch(data, np.arange(b) % len(data))
-        tgt = torch.from_numpy(targets if desc.loss == "region" else class_targets(targets))
+        tgt = torch.from_numpy(targets if desc.detects else class_targets(targets))
         f, bk, live = [0.0] * (L + 1), [0.0] * (L + 1), {-1: torch.from_numpy(images)}
         for first, last in cuts:
             with _PeakRSS() as rss:
@@ -549,7 +548,7 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
             say(f"batch {b}: whole steps")
             images, targets = make_batch(data, np.arange(b) % len(data))
             x = torch.from_numpy(images).to(device)
-            tgt = torch.from_numpy(targets if desc.loss == "region" else class_targets(targets)).to(device)
+            tgt = torch.from_numpy(targets if desc.detects else class_targets(targets)).to(device)
 
             def step():
                 out = net(x, list(range(b)))

@@ -33,7 +33,7 @@ class Net(nn.Module):
         """x: (B, C, S, S) uint8 image or float in [0, 1]; keys: one int per sample, used to
         draw dropout masks (needed only when the net has dropout and is training)."""
         out = self.forward_range(0, len(self.layers), {-1: x}, keys)
-        return out[len(self.layers) - 1]
+        return self.desc.head_of(out)
 
     def forward_range(self, first: int, last: int, live: dict[int, torch.Tensor],
                       keys: list[int] | None = None) -> dict[int, torch.Tensor]:
@@ -58,8 +58,7 @@ class Net(nn.Module):
                 else:
                     y = self.layers[i](x)
             outs[i] = y
-        wanted = self.desc.live_after(last) if last < len(layers) else (last - 1,)
-        return {k: outs[k] for k in wanted}
+        return {k: outs[k] for k in self.desc.live_after(last)}
 
     @property
     def dtype(self) -> torch.dtype:
