@@ -16,6 +16,7 @@ from planner.model_desc import ModelDesc
 from swarm.errors import SwarmError
 from swarm.zoo.build import describe, make_modules
 from swarm.zoo.darknet import Section, parse_cfg
+from swarm.zoo.heads import scale_anchors
 
 BUILTIN = ("yolov2-16", "yolov2", "yolov2-tiny", "vgg16", "alexnet", "lenet5")
 # The input size a built-in model trains, plans and is evaluated at unless --img-size says
@@ -63,22 +64,26 @@ def native_size(sections: list[Section]) -> ImageSize:
 
 
 def _scale_anchors(desc: ModelDesc, sections: list[Section], name: str, classes: int | None) -> None:
-    """Anchors are written in grid cells at the [net] size; keep their size relative to the
-    image when training at another size. Across a change of shape they keep theirs (one factor
-    for both sides), scaled as a photo shaped like the new input is: by the larger of the
-    two sides' factors (it fills the new input, and is letterboxed into the old one)."""
-    if desc.loss != "region":
+    """Anchors are written at the [net] size (grid cells for [region], pixels for [yolo]);
+    keep their size relative to the image when training at another size. Across a change
+    of shape they keep theirs (one factor for both sides), scaled as a photo shaped like the
+    new input is: by the larger of the two sides' factors (it fills the new input, and is
+    letterboxed into the old one)."""
+    if desc.loss not in ("region", "yolo"):
         return
     native = native_size(sections)
     if native == desc.img_size:
         return
-    try:
-        ref, _ = describe(name, sections, native, classes)
-    except SwarmError:
-        return
-    (gh, gw), (rh, rw) = desc.extra["grid"], ref.extra["grid"]
-    factor = max(gh / rh, gw / rw)
-    desc.extra["anchors"] = [(w * factor, h * factor) for w, h in desc.extra["anchors"]]
+    if desc.loss == "yolo":
+        factor = max(desc.img_size.width / native.width, desc.img_size.height / native.height)
+    else:
+        try:
+            ref, _ = describe(name, sections, native, classes)
+        except SwarmError:
+            return
+        (gh, gw), (rh, rw) = desc.extra["grid"], ref.extra["grid"]
+        factor = max(gh / rh, gw / rw)
+    scale_anchors(desc.extra, factor)
 
 
 def describe_model(model: str, img_size: ImageSize | int | None = None, classes: int | None = None,
@@ -130,12 +135,13 @@ def _side_ok(name: str, sections: list[Section], side: int, classes: int | None,
 
 
 def _region_stride(name: str, sections: list[Section], classes: int | None) -> int | None:
-    """A detection head's stride at the network's own size (416 / 26 = 16 for yolov2-16)."""
+    """A detection head's stride at the network's own size (416 / 26 = 16 for yolov2-16; the
+    coarsest head's for [yolo] heads, 32 for yolov3-tiny)."""
     try:
         desc, _ = describe(name, sections, native_size(sections), classes)
     except SwarmError:
         return None
-    if desc.loss != "region":
+    if desc.loss not in ("region", "yolo"):
         return None
     return desc.extra.get("stride")
 

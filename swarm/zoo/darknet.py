@@ -8,6 +8,7 @@ from swarm.errors import SwarmError
 KNOWN_SECTIONS = {
     "net", "network", "convolutional", "conv", "maxpool", "max", "avgpool", "avg",
     "route", "reorg", "connected", "dropout", "region", "softmax", "cost",
+    "shortcut", "upsample", "yolo", "scale_channels", "sam", "crop", "detection",
 }
 ALIASES = {"network": "net", "conv": "convolutional", "max": "maxpool", "avg": "avgpool"}
 

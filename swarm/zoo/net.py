@@ -46,17 +46,15 @@ class Net(nn.Module):
         layers = self.desc.layers
         for i in range(first, last):
             d = layers[i]
-            if d.kind == "route":
-                srcs = [outs[s] for s in d.inputs]
-                y = srcs[0] if len(srcs) == 1 else torch.cat(srcs, dim=1)
+            xs = [outs[s] for s in d.inputs]
+            if d.kind == "dropout":
+                y = self._dropout(xs[0], i, keys)
+            elif d.kind == "crop":
+                y = self.layers[i](xs[0], self._seeds(i, keys, len(xs[0])))
+            elif d.kind == "connected" and xs[0].dim() > 2:
+                y = self.layers[i](xs[0].flatten(1))  # (B, C*H*W)
             else:
-                x = outs[d.inputs[0]]
-                if d.kind == "connected" and x.dim() > 2:
-                    x = x.flatten(1)  # (B, C*H*W)
-                if d.kind == "dropout":
-                    y = self._dropout(x, i, keys)
-                else:
-                    y = self.layers[i](x)
+                y = self.layers[i](*xs)
             outs[i] = y
         return {k: outs[k] for k in self.desc.live_after(last)}
 
@@ -66,6 +64,14 @@ class Net(nn.Module):
         for p in self.parameters():
             return p.dtype
         return torch.get_default_dtype()
+
+    def _seeds(self, layer: int, keys: list[int] | None, count: int) -> list[int] | None:
+        """One seed a sample for a layer that draws in training ([crop]); None in use."""
+        if not self.training:
+            return None
+        if keys is None or len(keys) != count:
+            raise ValueError(f"training with a [crop] layer needs one key per sample")
+        return [dropout_seed(int(key), layer) for key in keys]
 
     def _dropout(self, x: torch.Tensor, layer: int, keys: list[int] | None) -> torch.Tensor:
         p = self.dropout_p[layer]
