@@ -83,13 +83,18 @@ def in_bytes(desc: ModelDesc, index: int) -> int:
     return sum(desc.input_bytes if s < 0 else desc.layers[s].out_bytes for s in desc.layers[index].inputs)
 
 
+# activations whose backward reads their result (the rest — mish, swish, gelu, hard_mish — read
+# their input, and their result is a new map that only its readers keep)
+KEEP_RESULT = ("leaky", "relu", "relu6", "logistic", "tanh")
+
+
 def results_kept(desc: ModelDesc) -> set[int]:
-    """The layers whose output its producer keeps already, as its activation's result (leaky
-    and plain ReLU run in place on BatchNorm's output and keep it; sigmoid and tanh keep
+    """The layers whose output its producer keeps already, as its activation's result (leaky,
+    ReLU and ReLU6 run in place on BatchNorm's output and keep it; sigmoid and tanh keep
     their result too), and routes that pass such an output on unchanged."""
     kept: set[int] = set()
     for layer in desc.layers:
-        if layer.kind in ("conv", "connected") and layer.activation != "linear":
+        if layer.kind in ("conv", "connected", "shortcut", "scale_channels", "sam") and layer.activation in KEEP_RESULT:
             kept.add(layer.index)
         elif layer.kind == "route" and len(layer.inputs) == 1 and layer.inputs[0] in kept:
             kept.add(layer.index)
@@ -107,13 +112,19 @@ def estimate_activation_bytes(desc: ModelDesc) -> list[int]:
     """Per-sample bytes each layer keeps for its backward, as torch does for the zoo's layers:
     a conv keeps its input (unless its producer keeps it: input_kept_upstream), BatchNorm its
     input, the activation its result; max pooling a byte per output (the selected position
-    in its window); route and reorg only rearrange (nothing kept)."""
+    in its window); average pooling, route, reorg, upsample, crop and the heads only rearrange or pass maps on,
+    and a shortcut only adds (nothing kept, but an activation's); scale_channels and sam
+    multiply, keeping both factors."""
     upstream = input_kept_upstream(desc)
     out = []
     for layer in desc.layers:
         ob = layer.out_bytes
-        if layer.kind in ("route", "reorg"):
+        if layer.kind in ("route", "reorg", "upsample", "crop", "yolo", "avgpool"):  # (averaging needs only the shape)
             out.append(0)
+        elif layer.kind == "shortcut":
+            out.append(ob if layer.activation != "linear" else 0)
+        elif layer.kind in ("scale_channels", "sam"):
+            out.append(in_bytes(desc, layer.index) + (ob if layer.activation != "linear" else 0))
         elif layer.kind == "maxpool":
             out.append(ob // BYTES_PER_FLOAT if layer.kernel * layer.kernel <= 256 else 2 * ob)
         elif layer.kind in ("conv", "connected"):
@@ -122,7 +133,7 @@ def estimate_activation_bytes(desc: ModelDesc) -> list[int]:
             keep += ob if layer.activation != "linear" else 0
             out.append(keep)
         elif layer.kind == "dropout":
-            out.append(ob // BYTES_PER_FLOAT)  # a bool mask
+            out.append(ob)  # the mask, in the map's own type (swarm.zoo.net multiplies by it)
         else:  # avgpool and anything local: keeps its input
             out.append(0 if layer.index in upstream else in_bytes(desc, layer.index))
     return out

@@ -176,11 +176,17 @@ def tileable_prefix(desc: NetworkSpec) -> int:
     except its output. 0 when the first layer cannot be tiled."""
     best = 0
     for i, d in enumerate(desc.layers):
-        if d.kind not in WINDOW_KINDS or d.kernel <= 0 or d.inputs != (i - 1,):
+        if d.kind not in WINDOW_KINDS or d.kernel <= 0 or d.inputs != (i - 1,) or not plain_window(d):
             break
         if set(desc.live_after(i + 1)) <= {i}:
             best = i + 1
     return best
+
+
+def plain_window(d: LayerSpec) -> bool:
+    """A window with one stride on both axes, undilated and ungrouped: what tiles compute."""
+    return (getattr(d, "groups", 1) == 1 and getattr(d, "dilation", 1) == 1
+            and getattr(d, "stride_x", 0) in (0, d.stride))
 
 
 def check_chain(layers: list[LayerGeometry]) -> None:

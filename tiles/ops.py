@@ -128,9 +128,39 @@ def bn_input_grad(du: torch.Tensor, zc: torch.Tensor, sums: torch.Tensor, count,
 
 
 # ---- activations ------------------------------------------------------------------------------
+class HardMish(nn.Module):
+    """darknet's hard_mish: x for x > 0, x * (x / 2 + 1) for -2 < x <= 0, else 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, x, x * (x / 2 + 1).clamp(min=0.0))
+
+
+def _hard_mish_grad(u: torch.Tensor) -> torch.Tensor:
+    return torch.where(u > 0, torch.ones_like(u), (u + 1) * (u > -2))
+
+
+# the smooth activations of later darknet networks: (forward, backward from the input), by torch's own formulas
+_SMOOTH = {
+    nn.Mish: (lambda act, u: F.mish(u), lambda act, dy, u: torch.ops.aten.mish_backward(dy, u)),
+    nn.SiLU: (lambda act, u: F.silu(u), lambda act, dy, u: torch.ops.aten.silu_backward(dy, u)),
+    nn.GELU: (lambda act, u: F.gelu(u, approximate=act.approximate),
+              lambda act, dy, u: torch.ops.aten.gelu_backward(dy, u, approximate=act.approximate)),
+    nn.Hardtanh: (lambda act, u: F.hardtanh(u, act.min_val, act.max_val),  # ReLU6 is one
+                  lambda act, dy, u: torch.ops.aten.hardtanh_backward(dy, u, act.min_val, act.max_val)),
+    HardMish: (lambda act, u: act(u), lambda act, dy, u: dy * _hard_mish_grad(u)),
+}
+
+
+def _smooth(act: nn.Module):
+    return next((ops for kind, ops in _SMOOTH.items() if isinstance(act, kind)), None)
+
+
 def activation_forward(act: nn.Module, u: torch.Tensor, inplace: bool) -> torch.Tensor:
     if isinstance(act, nn.Identity):
         return u
+    smooth = _smooth(act)
+    if smooth is not None:  # never in place: the backward reads u
+        return smooth[0](act, u)
     if isinstance(act, nn.LeakyReLU):
         return F.leaky_relu_(u, act.negative_slope) if inplace else F.leaky_relu(u, act.negative_slope)
     if isinstance(act, nn.ReLU):
@@ -147,6 +177,9 @@ def activation_backward(act: nn.Module, u: torch.Tensor, dy: torch.Tensor, overw
     written over u if `overwrite` (u is not needed afterwards)."""
     if isinstance(act, nn.Identity):
         return dy
+    smooth = _smooth(act)
+    if smooth is not None:
+        return smooth[1](act, dy, u)
     out = {"grad_input": u} if overwrite else {}
     if isinstance(act, nn.LeakyReLU):
         op = torch.ops.aten.leaky_relu_backward

@@ -240,6 +240,9 @@ class LayerGeometry:
         if d.kind not in WINDOW_KINDS or d.kernel <= 0:
             raise TilingError(f"layer {d.index} ({d.kind}) cannot be tiled; tiles take convolution and "
                               "local pooling layers only")
+        if getattr(d, "groups", 1) != 1 or getattr(d, "dilation", 1) != 1 or getattr(d, "stride_x", 0) not in (0, d.stride):
+            raise TilingError(f"layer {d.index} ({d.kind}) cannot be tiled; tiles take ungrouped, undilated "
+                              "windows with one stride on both axes")
         left, right, top, bottom = d.padding
         _, h, w = d.in_shape
         _, oh, ow = d.out_shape

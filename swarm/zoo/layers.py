@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tiles.ops import max_pool_channels_last, maxpool_forward, maxpool_input_grad
+from tiles.ops import HardMish, max_pool_channels_last, maxpool_forward, maxpool_input_grad
 
 
 class Reorg(nn.Module):
@@ -87,13 +87,6 @@ def activation(name: str) -> nn.Module:
             "relu6": lambda: nn.ReLU6(inplace=True), "linear": nn.Identity, "logistic": nn.Sigmoid,
             "tanh": nn.Tanh, "mish": nn.Mish, "swish": nn.SiLU, "hard_mish": HardMish,
             "gelu": lambda: nn.GELU(approximate="tanh")}[name]()
-
-
-class HardMish(nn.Module):
-    """darknet's hard_mish: x for x > 0, x * (x / 2 + 1) for -2 < x <= 0, else 0."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x > 0, x, x * (x / 2 + 1).clamp(min=0.0))
 
 
 class Route(nn.Module):
