@@ -73,7 +73,7 @@ def test_a_profile_called_off_stops_at_its_next_timing():
     batch 2 and says nothing of batch 4."""
     import threading
 
-    from swarm.profiling.profiler import ProfileStopped
+    from swarm.profiling.clocks import ProfileStopped
 
     stop, said = threading.Event(), []
 
@@ -97,21 +97,21 @@ def test_batch_sizes_that_would_outgrow_the_memory_are_not_run(monkeypatch):
     """On a device whose memory a large batch would exceed, the profile stops at the sizes
     that fit (the cost table extends past them); when not even the smallest fits, a clear
     error rather than an agent killed by the kernel."""
-    import swarm.profiling.profiler as profiler
+    import swarm.profiling.memory_guard as memory_guard
     from swarm.errors import SwarmError
 
-    rss = profiler.settled_rss()
-    per_sample = 1.4 * profiler.MemoryGuard(describe_model("lenet5"), "sgd", limit=1).estimate
-    margin, share = profiler.MemoryGuard.MARGIN, profiler.MemoryGuard.SHARE
+    rss = memory_guard.settled_rss()
+    per_sample = 1.4 * memory_guard.MemoryGuard(describe_model("lenet5"), "sgd", limit=1).estimate
+    margin, share = memory_guard.MemoryGuard.MARGIN, memory_guard.MemoryGuard.SHARE
     # room for one sample's estimated peak, and well short of 4096 samples'
-    monkeypatch.setattr(profiler, "usable_memory", lambda: int((rss + 2 * margin * per_sample + 2**26) / share))
+    monkeypatch.setattr(memory_guard, "usable_memory", lambda: int((rss + 2 * margin * per_sample + 2**26) / share))
     said = []
     profile = profile_model("lenet5", None, batch_sizes=(1, 4096), repeats=1, threads=1, log=said.append)
     assert profile.costs.batch_sizes == (1,) and set(profile.step_time) == {1} and set(profile.peak_bytes) == {1}
     assert any(m.startswith("batch 4096: skipped, it would need about") for m in said)
     assert profile.costs.fwd_range(0, 7, 8) == pytest.approx(8 * profile.costs.fwd_range(0, 7, 1))
 
-    monkeypatch.setattr(profiler, "usable_memory", lambda: rss)
+    monkeypatch.setattr(memory_guard, "usable_memory", lambda: rss)
     with pytest.raises(SwarmError, match="cannot profile the model: layer 0 alone on 1 sample would need about"):
         profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1)
 
@@ -122,17 +122,17 @@ def test_the_first_step_counts_the_gradients_and_optimizer_state_it_allocates():
     (50.6 M parameters) on a 1 GiB device: an agent holding the model is refused, with the
     message the coordinator recognises, where without them it would have run and been killed
     for memory. Once a step is measured its peak includes them."""
-    import swarm.profiling.profiler as profiler
+    from swarm.profiling.memory_guard import CANNOT_PROFILE, MemoryGuard
 
     desc = describe_model("yolov2", 416)
-    guard = profiler.MemoryGuard(desc, "sgd", limit=2**30)
+    guard = MemoryGuard(desc, "sgd", limit=2**30)
     params = sum(d.param_bytes for d in desc.layers)
     assert guard.state == 2 * params > 400e6
     guard.base = 270 * 2**20 + params  # an agent at rest, and the model it built
     assert guard.need(1, {}) == pytest.approx(guard.base + guard.state + guard.MARGIN * 1.4 * guard.estimate)
     assert not guard(1, {})
     assert guard.need(1, {}) - guard.state <= guard.SHARE * guard.limit  # what the guard used to find
-    assert profiler.CANNOT_PROFILE in guard.too_small(1)
+    assert CANNOT_PROFILE in guard.too_small(1)
     assert guard.need(2, {1: 300e6}) == pytest.approx(guard.base + guard.MARGIN * 2 * 300e6)
 
 
@@ -143,17 +143,17 @@ def test_a_model_too_big_to_step_whole_is_measured_in_pieces(monkeypatch):
     piece of the model that fits, not left to estimates: every layer's times, the same saved
     bytes as measuring the model whole (they are autograd's, whatever runs around them), and
     times of the same order."""
-    import swarm.profiling.profiler as profiler
-
     import re
+
+    import swarm.profiling.memory_guard as memory_guard
 
     whole = profile_model("yolov2", 64, batch_sizes=(1,), repeats=1, threads=1, clock="cpu")
     desc = describe_model("yolov2", 64, whole.classes)
-    state = profiler.MemoryGuard(desc, "sgd", limit=1).state
+    state = memory_guard.MemoryGuard(desc, "sgd", limit=1).state
     # room for the model's gradients but not their momentum as well: not a whole step, nor one
     # piece of every layer (their gradients and activations)
-    monkeypatch.setattr(profiler, "usable_memory",
-                        lambda: int((profiler.settled_rss() + state / 2) / profiler.MemoryGuard.SHARE))
+    monkeypatch.setattr(memory_guard, "usable_memory",
+                        lambda: int((memory_guard.settled_rss() + state / 2) / memory_guard.MemoryGuard.SHARE))
     said = []
     pieces = profile_model("yolov2", 64, batch_sizes=(1,), repeats=1, threads=1, clock="cpu", log=said.append)
     cut = next(m for m in said if m.startswith("batch 1: layers in"))
@@ -175,10 +175,10 @@ def test_pieces_are_the_longest_that_fit_and_cover_the_model():
     """The full yolov2 at 416 on a 1 GiB device, the model built (an agent at rest and its
     weights): contiguous pieces from the first layer, each within the share of memory and
     each as long as fits; a layer that does not fit alone is named."""
-    import swarm.profiling.profiler as profiler
+    from swarm.profiling.memory_guard import CANNOT_PROFILE, MemoryGuard
 
     desc = describe_model("yolov2", 416)
-    guard = profiler.MemoryGuard(desc, "sgd", limit=2**30)
+    guard = MemoryGuard(desc, "sgd", limit=2**30)
     guard.base = 270 * 2**20 + sum(d.param_bytes for d in desc.layers)
     room = guard.SHARE * guard.limit
     assert not guard(1, {})
@@ -192,7 +192,7 @@ def test_pieces_are_the_longest_that_fit_and_cover_the_model():
     guard.base = room - 2**20
     assert guard.pieces(1) is None
     layer = guard.first_too_big(1)
-    assert f"{profiler.CANNOT_PROFILE}: layer {layer} alone on 1 sample would need about" in guard.too_small(1, layer)
+    assert f"{CANNOT_PROFILE}: layer {layer} alone on 1 sample would need about" in guard.too_small(1, layer)
 
 
 def test_broken_cache_entry_is_measured_again(tmp_path):
@@ -205,12 +205,12 @@ def test_broken_cache_entry_is_measured_again(tmp_path):
 def test_quota_clock_counts_cpu_time_spread_over_the_quota(monkeypatch):
     """Under a quota of q cores a layer that ran at full speed still costs its CPU time / q;
     one that waited out the quota costs its wall time."""
-    import swarm.profiling.profiler as profiler
+    import swarm.profiling.clocks as clocks
 
     wall, cpu = [0.0], [0.0]
-    monkeypatch.setattr(profiler.time, "perf_counter", lambda: wall[0])
-    monkeypatch.setattr(profiler.time, "process_time", lambda: cpu[0])
-    clock = profiler.QuotaClock(0.25)
+    monkeypatch.setattr(clocks.time, "perf_counter", lambda: wall[0])
+    monkeypatch.setattr(clocks.time, "process_time", lambda: cpu[0])
+    clock = clocks.QuotaClock(0.25)
     t0 = clock()
     wall[0] += 0.010  # ran unthrottled
     cpu[0] += 0.010
@@ -219,7 +219,7 @@ def test_quota_clock_counts_cpu_time_spread_over_the_quota(monkeypatch):
     wall[0] += 0.100  # throttled, and then some
     cpu[0] += 0.010
     assert clock() - t1 == pytest.approx(0.100)
-    layers = profiler.QuotaCPUClock(0.25)  # for short timings: the CPU time alone, spread over the quota
+    layers = clocks.QuotaCPUClock(0.25)  # for short timings: the CPU time alone, spread over the quota
     t2 = layers()
     wall[0] += 0.100
     cpu[0] += 0.010
@@ -229,11 +229,11 @@ def test_quota_clock_counts_cpu_time_spread_over_the_quota(monkeypatch):
 def test_layer_times_are_fitted_to_whole_steps():
     """Each batch size's layer and loss times are scaled so that, with the updates, they add
     up to the whole step measured at that size; a fit out of bounds leaves them alone."""
-    from swarm.profiling.profiler import _fit_to_steps
+    from swarm.profiling.layer_times import fit_to_steps
 
     fwd, bwd = [[0.1, 0.2], [0.2, 0.4]], [[0.2, 0.4], [0.4, 0.8]]
     loss_f, loss_b = [0.05, 0.1], [0.05, 0.1]
-    factors = _fit_to_steps(fwd, bwd, loss_f, loss_b, 0.1, [0.1 + 0.8, 10.0])
+    factors = fit_to_steps(fwd, bwd, loss_f, loss_b, 0.1, [0.1 + 0.8, 10.0])
     assert factors == pytest.approx([0.8, 1.0])
     assert sum(fwd[0]) + sum(bwd[0]) + loss_f[0] + loss_b[0] + 0.1 == pytest.approx(0.9)
     assert fwd[0] == pytest.approx([0.08, 0.16]) and loss_b[0] == pytest.approx(0.04)
@@ -267,7 +267,7 @@ def test_the_device_generic_path_with_an_explicit_device_gives_the_same_profile(
     entry, since nothing crosses between host and accelerator."""
     import torch
 
-    from swarm.profiling.profiler import Stopwatch
+    from swarm.profiling.clocks import Stopwatch
 
     plain = profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1)
     given = profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1, device=torch.device("cpu"))
@@ -287,16 +287,17 @@ def test_copies_are_timed_there_and_back_through_the_host_path():
     on the host (there a copy in is a clone, and bringing it back is free)."""
     import torch
 
-    from swarm.profiling.profiler import Budget, _copy_gbps
+    from swarm.profiling.accelerator import copy_gbps
+    from swarm.profiling.clocks import Budget
 
-    rate = _copy_gbps([torch.ones(4, 16, 32, 32), torch.ones(4, 32, 16, 16)], torch.device("cpu"), Budget(3))
+    rate = copy_gbps([torch.ones(4, 16, 32, 32), torch.ones(4, 32, 16, 16)], torch.device("cpu"), Budget(3))
     assert 0 < rate < float("inf")
 
 
 def test_a_profile_job_measures_on_what_the_agent_offers_where_torch_can(monkeypatch):
     import torch
 
-    from swarm.profiling.profiler import usable_accelerator
+    from swarm.profiling.accelerator import usable_accelerator
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert [usable_accelerator(a) for a in ("cuda", "cpu", None)] == ["cpu"] * 3  # a CPU build of torch
@@ -323,9 +324,9 @@ def test_a_batch_size_the_gpus_memory_cannot_hold_is_skipped(monkeypatch):
     it coming): the profile keeps the sizes measured before it."""
     import torch
 
-    import swarm.profiling.profiler as profiler
+    import swarm.profiling.measure as measure
 
-    class FullAtTheSecondSize(profiler._PeakRSS):
+    class FullAtTheSecondSize(measure.PeakRSS):
         entered = 0
 
         def __enter__(self):
@@ -334,8 +335,9 @@ def test_a_batch_size_the_gpus_memory_cannot_hold_is_skipped(monkeypatch):
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory")
             return super().__enter__()
 
-    monkeypatch.setattr(profiler, "_PeakRSS", FullAtTheSecondSize)
+    monkeypatch.setattr(measure, "PeakRSS", FullAtTheSecondSize)
     lines = []
     profile = profile_model("lenet5", None, batch_sizes=(1, 2, 4), repeats=1, threads=1, log=lines.append)
     assert profile.costs.batch_sizes == (1,) and set(profile.step_time) == {1}
     assert "batch 2: skipped, it does not fit in the GPU's memory" in lines
+
