@@ -13,7 +13,7 @@ from swarm.data.shapes import CLASSES as SHAPES
 from swarm.data.yolo_dir import class_names, image_to_input
 from swarm.errors import SwarmError
 from swarm.local.checkpoint import load_network
-from swarm.zoo.loss import RegionLoss, make_loss
+from swarm.zoo.loss import make_loss
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 # one colour per class, in turn (Tableau's ten, then darker ones)
@@ -69,11 +69,11 @@ class Detector:
 
     @property
     def is_detector(self) -> bool:
-        return isinstance(self.loss, RegionLoss)
+        return self.desc.detects  # region, yolo or detection: boxes from `self.loss.detections`
 
     @property
     def num_classes(self) -> int:
-        return self.loss.classes if isinstance(self.loss, RegionLoss) else int(np.prod(self.desc.layers[-1].out_shape))
+        return self.loss.classes if self.is_detector else int(np.prod(self.desc.layers[-1].out_shape))
 
     def name(self, c: int) -> str:
         return self.names[c] if c < len(self.names) else str(c)

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from swarm.data import class_targets, make_batch
-from swarm.zoo.loss import RegionLoss, box_iou_cxcywh, make_loss
+from swarm.zoo.loss import box_iou_cxcywh, make_loss
 
 
 def average_precision(scores: np.ndarray, matched: np.ndarray, n_truth: int) -> float:
@@ -80,14 +80,14 @@ def evaluate(net, desc, dataset, batch_size: int = 16) -> EvalResult:
             idx = range(start, min(start + batch_size, len(dataset)))
             images, targets = make_batch(dataset, idx)
             out = net(torch.from_numpy(images).to(next(net.parameters()).device))
-            if isinstance(loss, RegionLoss):
+            if desc.detects:  # every detecting loss finds boxes the same way, from one head or several
                 dets += [d.cpu().numpy() for d in loss.detections(out)]
                 truths += [t[t[:, 0] >= 0] for t in targets]
             else:
                 correct += int((out.flatten(1).argmax(1).cpu().numpy() == class_targets(targets)).sum())
     finally:
         net.train(was_training)
-    if isinstance(loss, RegionLoss):
+    if desc.detects:
         value, per_class = mean_average_precision(dets, truths, loss.classes)
         return EvalResult("mAP@0.5", value, len(dataset), per_class)
     return EvalResult("top-1 accuracy", correct / max(1, len(dataset)), len(dataset))

@@ -178,6 +178,11 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_thresh: float) -> torch.T
     return order[keep]
 
 
+# (box, class) pairs per image that go into NMS for the yolo and detection heads, the best: an
+# untrained network's tens of thousands would otherwise make evaluation quadratic in them
+MAX_CANDIDATES = 2000
+
+
 def select_detections(boxes: torch.Tensor, scores: torch.Tensor, conf_thresh: float, nms_iou: float,
                       max_det: int, max_candidates: int | None = None) -> list[torch.Tensor]:
     """boxes (B, P, 4) normalised (cx, cy, w, h), scores (B, P, C) -> per image rows (class,
@@ -255,8 +260,10 @@ class YoloLoss:
     Every truth goes to the anchor of best shape among all the head's anchors (and to every
     other anchor with IoU above `iou_thresh`), in the cell holding its centre; a head learns it
     only when that anchor is in its mask. Predictions whose best IoU with any truth exceeds
-    `truth_thresh` learn that truth too. Terms of a sample, every gradient equal to darknet's
-    delta:
+    `truth_thresh` learn that truth too. Terms of a sample (the objectness, class and mse size
+    terms have darknet's deltas as their gradients; for the centre and the IoU losses darknet
+    leaves out the logistic's and the decoding's derivatives, and these are the losses its
+    deltas stand for):
       box     mse: 0.5 (2 - w h) iou_normalizer |(offset, tw, th) - target|^2, or
               iou_normalizer (1 - IoU/GIoU/DIoU/CIoU) on the decoded box (gradient elementwise
               clipped at max_delta); with iou_thresh < 1 a cell's box terms are averaged over
@@ -287,7 +294,7 @@ class YoloLoss:
         if ch != na * (5 + self.classes):
             raise ValueError(f"yolo head {k} gives {ch} channels, but {na} anchors x (5 + {self.classes} classes) "
                              f"= {na * (5 + self.classes)} are needed")
-        return out.view(b, na, 5 + self.classes, h, w).permute(0, 1, 3, 4, 2)
+        return out.reshape(b, na, 5 + self.classes, h, w).permute(0, 1, 3, 4, 2)
 
     def decode(self, raw: torch.Tensor, k: int, anchors: torch.Tensor, cells: tuple[torch.Tensor, torch.Tensor],
                grid: tuple[int, int]) -> torch.Tensor:
@@ -444,10 +451,6 @@ class YoloLoss:
             scores.append(prob[..., :1] * prob[..., 1:])
         return select_detections(torch.cat(boxes, 1), torch.cat(scores, 1), conf_thresh, nms_iou, max_det,
                                  MAX_CANDIDATES)
-
-
-MAX_CANDIDATES = 2000  # (box, class) pairs per image that go into NMS, the best; an untrained
-# network's thousands of boxes would otherwise make evaluation quadratic in them
 
 
 class DetectionLoss:
