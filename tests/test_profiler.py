@@ -341,3 +341,22 @@ def test_a_batch_size_the_gpus_memory_cannot_hold_is_skipped(monkeypatch):
     assert profile.costs.batch_sizes == (1,) and set(profile.step_time) == {1}
     assert "batch 2: skipped, it does not fit in the GPU's memory" in lines
 
+
+def test_a_network_with_batchnorm_over_a_1x1_map_is_measured_on_two_samples_or_more():
+    """yolov2-tiny at 32: layers 10, 12 and 13 normalise 1x1 maps, which torch cannot train on
+    one sample (one value per channel). Where the profile would have measured one sample it
+    measures two, and gives one sample half their time; the other sizes are kept."""
+    said = []
+    profile = profile_model("yolov2-tiny", 32, batch_sizes=(1, 4), repeats=1, threads=1, log=said.append)
+    desc = describe_model("yolov2-tiny", 32, profile.classes)
+    costs, n = profile.costs, len(desc.layers)
+    assert costs.batch_sizes == (2, 4) and set(profile.step_time) == {2, 4} and set(profile.peak_bytes) == {2, 4}
+    assert np.isfinite(costs.fwd).all() and (costs.fwd > 0).all()
+    assert np.isfinite(costs.bwd).all() and (costs.bwd[[i for i, d in enumerate(desc.layers) if d.params]] > 0).all()
+    assert costs.loss_fwd[0] > 0 and costs.loss_bwd[0] > 0
+    one = costs.range_time(0, n, 1, with_loss=True)
+    assert np.isfinite(one) and one > 0 and one == pytest.approx(costs.range_time(0, n, 2, with_loss=True) / 2)
+    assert np.isfinite(profile.act_bytes).all() and sum(profile.act_bytes) > 0
+    assert all(np.isfinite(t) and t > 0 for t in profile.step_time.values()) and profile.runtime_bytes > 0
+    assert any("layer 10's BatchNorm sees a 1x1 map" in line for line in said), said
+    profile.check_matches(desc)

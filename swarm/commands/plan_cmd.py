@@ -201,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.memory import MemoryModel, plan_allocator
     from planner.planners import STRATEGIES, compare, make_plan
     from planner.report import compare_table, plan_table
+    from swarm.local.batchnorm_check import microbatch_refusal
 
     if args.strategy not in STRATEGIES:
         raise SwarmError(f"unknown --strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}")
@@ -209,6 +210,9 @@ def run(args: argparse.Namespace) -> int:
     if args.jointdnn and args.strategy != "jointdnn":
         raise SwarmError("--jointdnn applies to --strategy jointdnn")
     desc, classes = describe(args)
+    refused = microbatch_refusal(desc, args.batch_size, args.microbatches)
+    if refused is not None:  # planned all the same: the planners' figures hold, the training would not run
+        say(f"note: swarm train would refuse this batch: {refused}")
     profiles = LocalProfiles(args, desc, classes)
     measured = None  # a profile of any device: the saved bytes per layer
     if args.devices:

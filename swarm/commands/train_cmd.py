@@ -200,6 +200,20 @@ def training_config(args: argparse.Namespace):
     return cfg, state
 
 
+def check_microbatches(cfg, state: dict | None) -> None:
+    """Refuse, before anything runs, micro-batches that a BatchNorm layer of the model cannot
+    train on (one sample over a 1x1 map: one value per channel), whatever the strategy: a
+    micro-batch reaches each BatchNorm whole (across a dp group, by shared statistics)."""
+    from swarm.local.batchnorm_check import microbatch_refusal
+    from swarm.zoo import default_img_size, describe_model
+
+    cfg_text = state.get("cfg") if state else None  # a resumed run's model is its checkpoint's
+    desc = describe_model(cfg.model, default_img_size(cfg.model, cfg.img_size), None, cfg_text)
+    why = microbatch_refusal(desc, cfg.batch_size, cfg.microbatches)
+    if why is not None:
+        raise SwarmError(why)
+
+
 def runner_for(args: argparse.Namespace, log):
     """(make_trainer, run_steps) for the chosen --strategy and flags."""
     from swarm.local.trainer import LocalTrainer, run_local_steps
@@ -278,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         return detach(args, run_flags(args))
 
     cfg, state = training_config(args)
+    check_microbatches(cfg, state)
     save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     make_trainer, run_steps = runner_for(args, log)

@@ -52,10 +52,19 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
     with the built-in synthetic data for inputs. clock "cpu" counts this thread's CPU time
     instead of the wall clock (one thread only, on the CPU); on CUDA, CUDA events time the
     work. A model too big to step whole in the host's memory is measured in pieces
-    (measure_in_pieces)."""
+    (measure_in_pieces).
+
+    A model with a BatchNorm over a 1x1 map cannot train on one sample (one value per
+    channel; swarm.local.batchnorm_check): it is measured at 2 samples wherever it would have
+    been at 1 (batch sizes 1,2,4,8 are measured as 2,4,8; 1 alone as 2), and its figures per
+    sample come from those: the bytes autograd keeps and the memory guard's peaks are divided
+    by the samples measured, as at any size, and the cost table, which then starts at 2, gives
+    one sample half the time of two (CostTable's proportional rule below its smallest size).
+    Other models are measured at the sizes asked for."""
     import torch
 
     from swarm.data import make_batch, open_datasets
+    from swarm.local.batchnorm_check import fewest_samples, single_value_batchnorms
     from swarm.local.compute_device import HOST
     from swarm.zoo import build_model, describe_model
     from swarm.zoo.loss import make_loss
@@ -82,6 +91,12 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
     accelerator = accelerator_identity(device)
     torch.set_num_threads(threads)
     desc0 = describe_model(model, img_size, None, cfg_text)
+    say = log or (lambda _msg: None)
+    least = fewest_samples(desc0)
+    if batch_sizes[0] < least:  # measured at `least` samples instead, per-sample figures derived from those
+        batch_sizes = tuple(sorted({max(b, least) for b in batch_sizes}))
+        say(f"measuring at {least} samples or more: layer {single_value_batchnorms(desc0)[0].index}'s BatchNorm "
+            "sees a 1x1 map, which one sample cannot train")
     data, _ = open_datasets(None, desc0.img_size, desc0.in_channels)
     if classes is None and cfg_text is None:
         classes = default_classes(model, desc0.img_size)
@@ -90,7 +105,6 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
     net.to(device)
     net.train()
     loss_fn = make_loss(desc)
-    say = log or (lambda _msg: None)
     fwd, bwd, loss_f, loss_b, step_time, peak = [], [], [], [], {}, {}
     in_host = {}  # each size's peak in host memory, which the guard keeps within the host's
     saved: list[float] = []
