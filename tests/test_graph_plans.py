@@ -3,7 +3,7 @@ each gives the local trainer's weights after real optimizer steps in float64 (in
 cut carries every map that crosses it (the bytes the planner counts are the bytes sent), and
 the memory model's estimate is what autograd keeps.
 
-The cfgs in tests/cfg/ are darknet's own (public domain), at small sizes."""
+The cfgs in tests/cfg/darknet/ are darknet's own (public domain), at small sizes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +17,7 @@ from swarm.errors import SwarmError
 from swarm.zoo import build_model, describe_model
 from tests.test_execution import _cfg, _local, _planned, _worst
 
-CFG = Path(__file__).resolve().parent / "cfg"
+CFG = Path(__file__).resolve().parent / "cfg" / "darknet"
 SIZE = 64
 
 
