@@ -1,6 +1,8 @@
 """The darknet parser and model zoo: published shapes, parameter counts, clear errors."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -145,6 +147,7 @@ def test_custom_cfg_file(tmp_path):
     ("[net]\n[convolutional]\nfilters=4\n[upsample]\nstride=-2\n", "a positive stride"),
     ("[net]\n[convolutional]\nfilters=4\n[sam]\nfrom=3\n", "from=3 refers to layer 3"),
     ("[net]\n[convolutional]\nfilters=4\nfoo=1\n", "option\\(s\\) foo not understood"),
+    ("[net]\nmosaic=1\nfoo=1\n[convolutional]\nfilters=4\n", ":1 \\[net\\]: option\\(s\\) foo not understood"),
     ("[net]\n[convolutional]\nfilters=4\n[route]\nlayers=5\n", "not an earlier layer"),
     ("[net]\nwidth=32\n[convolutional]\nfilters=4\n[region]\nanchors=1,1\nnum=1\nclasses=2\n", "needs 7"),
     ("[net]\nwidth\n", "expected 'key=value'"),
@@ -243,3 +246,13 @@ def test_in_place_activations_give_the_gradients_of_out_of_place_ones():
         net(x).square().sum().backward()
         grads.append([p.grad for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_darknets_own_training_options_are_accepted_and_named_once():
+    from swarm.zoo import darknet_only_options
+
+    path = str(Path(__file__).resolve().parent / "cfg" / "darknet" / "yolov4-tiny.cfg")
+    options = darknet_only_options(path)
+    assert {"net.angle", "net.burn_in", "yolo.jitter", "yolo.nms_kind"} <= set(options)
+    assert len(options) == len(set(options)) and not {"net.width", "net.height", "net.channels"} & set(options)
+    describe_model(path, 64)  # accepted

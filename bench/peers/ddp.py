@@ -90,9 +90,9 @@ def setup(cfg: TrainConfig):
     return model, make_loss(desc), make_optimizer(model.named_parameters(), cfg)
 
 
-def targets_for_loss(loss_kind: str, targets) -> torch.Tensor:
-    """Boxes for a detector's region loss, the class of each image for a classifier."""
-    if loss_kind == "region":
+def targets_for_loss(detects: bool, targets) -> torch.Tensor:
+    """Boxes for a detector's loss, the class of each image for a classifier."""
+    if detects:
         return torch.from_numpy(targets)
     return torch.from_numpy(class_targets(targets))
 
@@ -103,7 +103,7 @@ def train_step(step: int, cfg: TrainConfig, train_set, model, loss_fn, optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
     indices = step_indices(len(train_set), cfg.batch_size, step, cfg.seed)
     images, targets = make_batch(train_set, indices[rank::world])
-    targets = targets_for_loss(model.module.desc.loss, targets)
+    targets = targets_for_loss(model.module.desc.detects, targets)
     keys = sample_keys(step, range(rank, len(indices), world))  # the same dropout masks as swarm's
     bounds = microbatch_bounds(len(images), min(cfg.microbatches, len(images)))
     part = 0.0

@@ -155,7 +155,7 @@ def train_step(step: int, cfg, train_set, module, schedule, optimizer) -> float:
     """One optimizer step of this rank's stage; its part of the batch's loss (the last stage's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     images, targets = make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed))
-    targets = targets_for_loss(module.net.desc.loss, targets)
+    targets = targets_for_loss(module.net.desc.detects, targets)
     losses: list[torch.Tensor] = []
     if rank == 0:
         schedule.step(torch.from_numpy(images), target=targets if world == 1 else None, losses=losses)

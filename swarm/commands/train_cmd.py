@@ -214,6 +214,19 @@ def check_microbatches(cfg, state: dict | None) -> None:
         raise SwarmError(why)
 
 
+def note_darknet_only(cfg, state: dict | None, log) -> None:
+    """Say once which of a .cfg's options only steer darknet's own training loop (a built-in
+    model's are swarm's own defaults, and go unsaid)."""
+    from swarm.zoo import BUILTIN, darknet_only_options
+
+    if cfg.model in BUILTIN and not state:
+        return
+    options = darknet_only_options(cfg.model, state.get("cfg") if state else None)
+    if options:
+        log(f"{Path(cfg.model).name}: darknet's own training options are not used (swarm's flags set the schedule "
+            f"and batch, its data pipeline the augmentation): {', '.join(options)}")
+
+
 def runner_for(args: argparse.Namespace, log):
     """(make_trainer, run_steps) for the chosen --strategy and flags."""
     from swarm.local.trainer import LocalTrainer, run_local_steps
@@ -295,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
     check_microbatches(cfg, state)
     save = args.save or args.resume or f"swarm-{Path(cfg.model).stem}.pt"
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    note_darknet_only(cfg, state, log)
     make_trainer, run_steps = runner_for(args, log)
     from swarm.execution.launch import SwarmRunner
 

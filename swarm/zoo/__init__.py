@@ -16,7 +16,7 @@ from planner.model_desc import ModelDesc
 from swarm.errors import SwarmError
 from swarm.zoo.build import describe, make_modules
 from swarm.zoo.darknet import Section, parse_cfg
-from swarm.zoo.heads import scale_anchors
+from swarm.zoo.heads import darknet_only, scale_anchors
 
 BUILTIN = ("yolov2-16", "yolov2", "yolov2-tiny", "vgg16", "alexnet", "lenet5")
 # The input size a built-in model trains, plans and is evaluated at unless --img-size says
@@ -84,6 +84,16 @@ def _scale_anchors(desc: ModelDesc, sections: list[Section], name: str, classes:
         (gh, gw), (rh, rw) = desc.extra["grid"], ref.extra["grid"]
         factor = max(gh / rh, gw / rw)
     scale_anchors(desc.extra, factor)
+
+
+def darknet_only_options(model: str, cfg_text: str | None = None) -> list[str]:
+    """The options of a .cfg that only steer darknet's own training loop (augmentation,
+    schedule, batch bookkeeping), as "section.option": accepted, and not used by swarm."""
+    if cfg_text is None:
+        _, cfg_text, source = model_source(model)
+    else:
+        source = model
+    return darknet_only(parse_cfg(cfg_text, source))
 
 
 def describe_model(model: str, img_size: ImageSize | int | None = None, classes: int | None = None,

@@ -15,7 +15,7 @@ from swarm.errors import SwarmError
 from swarm.zoo.darknet import Section
 
 HEAD_SECTIONS = ("region", "detection", "softmax", "cost")  # the last sections of a network
-IOU_LOSSES = ("mse", "giou", "diou", "ciou")
+IOU_LOSSES = ("mse", "iou", "giou", "diou", "ciou")
 
 # Options of darknet's own training loop — augmentation, the learning-rate schedule, batch
 # bookkeeping, inference-time NMS — that swarm's own flags and data pipeline stand for. They
@@ -42,10 +42,13 @@ DARKNET_OWN = {
 
 
 def darknet_only(sections: list[Section]) -> list[str]:
-    """The darknet-only options a .cfg sets, as "section.option" once each (for the log)."""
+    """The darknet-only options a .cfg sets, as "section.option" once each (for the log); the
+    [net] size and channels, which swarm reads, are not among them."""
     seen = []
     for sec in sections:
         for key in sec.options:
+            if sec.name == "net" and key in ("width", "height", "channels"):
+                continue
             if key in DARKNET_OWN.get(sec.name, ()) and f"{sec.name}.{key}" not in seen:
                 seen.append(f"{sec.name}.{key}")
     return seen
