@@ -70,7 +70,7 @@ class Net(nn.Module):
         if not self.training:
             return None
         if keys is None or len(keys) != count:
-            raise ValueError(f"training with a [crop] layer needs one key per sample")
+            raise ValueError("training with a [crop] layer needs one key per sample")
         return [dropout_seed(int(key), layer) for key in keys]
 
     def _dropout(self, x: torch.Tensor, layer: int, keys: list[int] | None) -> torch.Tensor:
