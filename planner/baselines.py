@@ -151,7 +151,7 @@ def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, 
     if strategy == "tiles":
         end = tileable_prefix(desc)
         if end == 0:
-            raise PlanError(f"{desc.name} starts with a layer that cannot be tiled")
+            raise PlanError(untileable(desc))
         copies = replicas or 1
         if copies > len(devices):
             raise PlanError(f"--replicas {copies} needs at least {copies} devices, found {len(devices)}")
@@ -177,6 +177,17 @@ def simple_plan(strategy: str, desc: ModelDesc, devices: list[str], batch: int, 
     raise PlanError(f"unknown strategy '{strategy}'; use one of {', '.join(SIMPLE_STRATEGIES)}")
 
 
+def untileable(desc: ModelDesc) -> str:
+    """Why a network's front cannot be a tiles stage, in one line."""
+    first = desc.layers[0]
+    if first.spatial and first.inputs == (-1,):
+        return (f"{desc.name} cannot be tiled: layer 0's map is read again further on (a skip), and a tiles stage "
+                "must end where only its own output leaves it")
+    return (f"{desc.name} starts with layer 0 ({first.kind}), which tiles cannot take: a tiles stage begins with "
+            "convolution or local pooling windows (ungrouped, undilated, one stride on both axes), each reading "
+            "the one before")
+
+
 def _hybrid(desc: ModelDesc, devices: list[str], batch: int, microbatches: int, grid, sync, known) -> Plan:
     """A tiles stage on the first half of the devices over the first third of the work,
     then a dp stage on the others, then a single stage on the first device."""
@@ -186,6 +197,8 @@ def _hybrid(desc: ModelDesc, devices: list[str], batch: int, microbatches: int, 
         raise PlanError(f"hybrid has a dp stage: the batch ({batch}) must split evenly into {microbatches} micro-batches")
     n = len(desc.layers)
     end = tileable_prefix(desc)
+    if end == 0:
+        raise PlanError(f"hybrid starts with a tiles stage, but {untileable(desc)}")
     tiles_n = (len(devices) + 1) // 2
     rows, cols = grid or square_grid(tiles_n, *desc.layers[0].in_shape[1:])
     tile_group = devices[:tiles_n]

@@ -237,3 +237,40 @@ def test_files_that_are_not_checkpoints_say_what_they_are(trained, tmp_path):
     _one_line_error(run_swarm("train", "--resume", trained["detector"], "--weights", "d.weights", cwd=tmp_path),
                     "give one of them")
 
+
+
+@pytest.fixture(scope="module")
+def two_heads(tmp_path_factory):
+    """A trained yolov3-tiny (darknet's cfg): two [yolo] heads at two depths."""
+    from pathlib import Path
+
+    path = tmp_path_factory.mktemp("heads") / "yolov3-tiny.pt"
+    cfg = TrainConfig(model=str(Path(__file__).resolve().parent / "cfg" / "darknet" / "yolov3-tiny.cfg"), img_size=64,
+                      batch_size=BATCH, steps=2, seed=3)
+    train(cfg, save=str(path), threads=1, evaluate_at_end=False, log=lambda s: None)
+    return path
+
+
+@pytest.mark.skipif(bool(ONNX_MISSING), reason=f"{', '.join(ONNX_MISSING)} not installed (the test extra has them)")
+def test_every_head_is_exported_and_computes_what_torch_computes(two_heads, tmp_path, capsys):
+    import onnxruntime
+
+    out = _export(capsys, two_heads, "onnx", tmp_path / "m.onnx")
+    assert "'output0' (batch, 255, 2, 2), 'output1' (batch, 255, 4, 4)" in out and "onnxruntime against torch" in out
+    x = _other_batch(two_heads)
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    got, expected = session.run(None, {"images": x.numpy()}), _torch_output(two_heads, x)
+    assert [o.name for o in session.get_outputs()] == ["output0", "output1"] and len(expected) == 2
+    for g, e in zip(got, expected):
+        _assert_close(g, e)
+    out = _export(capsys, two_heads, "torchscript", tmp_path / "m.ts")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = torch.jit.load(str(tmp_path / "m.ts"))(x)
+    for g, e in zip(got, expected):
+        _assert_close(g, e)
+
+
+def test_darknet_format_of_a_network_with_yolo_heads_is_refused_in_one_line(two_heads, tmp_path):
+    _one_line_error(run_swarm("export", "--checkpoint", two_heads, "--format", "darknet", "--out", "m", cwd=tmp_path),
+                    "has [yolo] heads: export it as onnx or torchscript")

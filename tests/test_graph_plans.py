@@ -185,3 +185,39 @@ def test_a_grouped_or_dilated_window_ends_the_tileable_front():
     assert 0 < tileable_prefix(desc) <= first_grouped
     with pytest.raises(SwarmError, match="groups=3 must divide"):
         describe_model("x.cfg", 8, cfg_text="[net]\nwidth=8\nchannels=4\n[convolutional]\nfilters=6\ngroups=3\n")
+
+
+def test_a_graph_network_switching_to_a_re_costed_plan_ends_with_the_local_weights():
+    """auto's re-costing on a graph network: dp over four devices, then (at a backup step) a
+    pipeline over two whose cut three maps cross."""
+    from planner.baselines import simple_plan
+    from swarm.data import open_datasets
+    from swarm.execution.inprocess import train_plan_in_process
+    from swarm.local.trainer import LocalTrainer, TrainConfig
+    from tests.test_recost import _Switch
+
+    steps = 4
+    cfg = _cfg(_model("yolov4-tiny"), 2, img_size=SIZE)
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, SIZE, 3)
+    first = simple_plan("dp", trainer.desc, ["d0", "d1", "d2", "d3"], 8, 2)
+    second = Plan(cfg.model, SIZE, 8, 2, [Stage(0, 33, "single", ["d2"]), Stage(33, 38, "single", ["d0"])])
+    assert trainer.desc.live_after(33) == (23, 30, 32)  # a skip, the first head and the map before the cut
+    switch = _Switch(second)
+    coordinator = train_plan_in_process(first, trainer, data, steps, strategy="dp", timeout_s=120, recost=switch,
+                                        devices=["d0", "d1", "d2", "d3"])
+    assert [r.how for r in coordinator.recoveries] == ["recost"]
+    assert coordinator.plan.used_devices() == ["d2", "d0"]
+    worst, key = _worst(trainer.net.state_dict(), _local(cfg, steps=steps))
+    assert worst < 1e-9, (key, worst)
+
+
+def test_a_network_whose_front_tiles_cannot_take_is_refused_in_one_line():
+    from planner.baselines import simple_plan
+    from planner.plan import PlanError
+
+    desc = describe_model(_model("vgg-16"), 256)  # [crop] first
+    for strategy in ("tiles", "hybrid"):
+        with pytest.raises(PlanError, match=r"starts with layer 0 \(crop\), which tiles cannot take") as err:
+            simple_plan(strategy, desc, ["d0", "d1", "d2", "d3"], 8, 2)
+        assert "\n" not in str(err.value)

@@ -27,6 +27,12 @@ WIDE16 = ["--model", "yolov2-16", "--img-size", "64x32", "--batch-size", "8", "-
 YOLO2 = ["--model", "yolov2", "--img-size", "64", "--batch-size", "8", "--microbatches", "4", "--steps", "2",
          "--seed", "7", "--no-eval"]
 
+# graph networks (darknet's own cfgs): CSP blocks and two heads; residual blocks
+YOLO4T = ["--model", str(ROOT / "tests" / "cfg" / "darknet" / "yolov4-tiny.cfg"), "--img-size", "64", "--batch-size", "8",
+          "--microbatches", "4", "--steps", "2", "--seed", "7", "--no-eval"]
+RES18 = ["--model", str(ROOT / "tests" / "cfg" / "darknet" / "resnet18.cfg"), "--img-size", "64", "--batch-size", "8",
+         "--microbatches", "4", "--steps", "2", "--seed", "7", "--no-eval"]
+
 
 @pytest.fixture(scope="module")
 def bed():
@@ -81,6 +87,11 @@ CASES = [
     # yolov2's passthrough (layer 16 read by layer 25) across stages on the wire; its tiles
     # front, its dp and a tiles front before a pipeline: tests/test_execution.py, in one process
     ("yolov2 pp over 4", YOLO2, ["--strategy", "pp", "--stages", "4"]),
+    # graph networks on the wire: the maps crossing each cut (skips, the first head) and their
+    # gradients; every plan kind of them in one process: tests/test_graph_plans.py
+    ("yolov4-tiny pp over 4", YOLO4T, ["--strategy", "pp", "--stages", "4"]),
+    ("yolov4-tiny hybrid", YOLO4T, ["--strategy", "hybrid"]),
+    ("resnet18 dp over 4", RES18, ["--strategy", "dp"]),
 ]
 
 

@@ -51,15 +51,27 @@ def check_input(desc):
     return torch.rand(CHECK_BATCH, desc.in_channels, *desc.img_size.hw, generator=gen)
 
 
+def output_names(desc) -> list[str]:
+    """"output" for a network with one output; "output0", "output1", ... (in head order) for several."""
+    return ["output"] if len(desc.outputs) == 1 else [f"output{i}" for i in range(len(desc.outputs))]
+
+
 def compare(expected, got) -> tuple[float, bool]:
-    """(max abs difference, within TOLERANCE of the largest output)."""
+    """(max abs difference, within TOLERANCE of the largest output), over every output."""
     import torch
 
-    got = torch.as_tensor(got)
-    if tuple(got.shape) != tuple(expected.shape):
+    expected = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+    got = list(got) if isinstance(got, (list, tuple)) else [got]
+    if len(got) != len(expected):
         return float("inf"), False
-    diff = float((got - expected).abs().max())
-    return diff, diff <= TOLERANCE * max(1.0, float(expected.abs().max()))
+    worst, ok = 0.0, True
+    for e, g in zip(expected, got):
+        g = torch.as_tensor(g)
+        if tuple(g.shape) != tuple(e.shape):
+            return float("inf"), False
+        diff = float((g - e).abs().max())
+        worst, ok = max(worst, diff), ok and diff <= TOLERANCE * max(1.0, float(e.abs().max()))
+    return worst, ok
 
 
 def export_onnx(net, desc, out: Path) -> str:
@@ -81,7 +93,7 @@ def export_onnx(net, desc, out: Path) -> str:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(net, (x,), dynamo=True, verbose=False, input_names=["images"],
-                                        output_names=["output"],
+                                        output_names=output_names(desc),
                                         dynamic_shapes=({0: torch.export.Dim("batch")},))
             program.save(str(out), external_data=False)
     except Exception as exc:
@@ -93,8 +105,8 @@ def export_onnx(net, desc, out: Path) -> str:
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    got = session.run(None, {"images": x.numpy()})[0]
-    return _verdict("onnxruntime", net, x, got)
+    got = session.run(None, {"images": x.numpy()})
+    return _verdict("onnxruntime", net, x, got if len(got) > 1 else got[0])
 
 
 def export_torchscript(net, desc, out: Path) -> str:
@@ -118,12 +130,22 @@ def _verdict(runner: str, net, x, got) -> str:
     diff, ok = compare(expected, got)
     text = f"{runner} against torch: max abs difference {diff:.2g} on {len(x)} images"
     if not ok:
-        raise ExportMismatch(f"{text}, more than {TOLERANCE:g} of the largest output {float(expected.abs().max()):.3g}")
+        largest = max(float(e.abs().max()) for e in (expected if isinstance(expected, list) else [expected]))
+        raise ExportMismatch(f"{text}, more than {TOLERANCE:g} of the largest output {largest:.3g}")
     return text
 
 
 class ExportMismatch(Exception):
     """The exported model computes something else than the torch network."""
+
+
+def darknet_unwritten(desc) -> str | None:
+    """What of the network --format darknet does not write yet, in words (None: all of it)."""
+    if desc.loss in ("yolo", "detection"):
+        return "[yolo] heads" if desc.loss == "yolo" else "a [detection] head"
+    if any(d.groups > 1 for d in desc.layers):
+        return "grouped convolutions"
+    return None
 
 
 def export_darknet(net, desc, cfg_text: str, source: str, out: Path, seen: int) -> tuple[list[Path], str, list[str]]:
@@ -172,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
     what = f"{desc.name} at step {state['step']}"
     try:
         if args.format == "darknet":
+            unwritten = darknet_unwritten(desc)
+            if unwritten:
+                raise SwarmError(f"--format darknet writes networks with a [region] or [softmax] head and ungrouped "
+                                 f"convolutions; {desc.name} has {unwritten}: export it as onnx or torchscript")
             if cfg_text is None:
                 _, cfg_text, _ = model_source(state["model_name"])
             seen = int(state["step"]) * int(state.get("config", {}).get("batch_size", 0))
@@ -188,9 +214,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     with torch.no_grad():
-        shape = tuple(net(check_input(desc)[:1]).shape[1:])
+        got = net(check_input(desc)[:1])
+    shapes = [tuple(t.shape[1:]) for t in (got if isinstance(got, list) else [got])]
     c, (h, w) = desc.in_channels, desc.img_size.hw
     colour = "RGB " if c == 3 else ""
-    print(f"wrote {out}: {what}; input 'images' float32 (batch, {c}, {h}, {w}) {colour}in [0, 1], output 'output' "
-          f"(batch, {', '.join(map(str, shape))}); {check}")
+    outputs = ", ".join(f"'{name}' (batch, {', '.join(map(str, shape))})" for name, shape in zip(output_names(desc), shapes))
+    print(f"wrote {out}: {what}; input 'images' float32 (batch, {c}, {h}, {w}) {colour}in [0, 1], "
+          f"output{'s' if len(shapes) > 1 else ''} {outputs}; {check}")
     return 0
