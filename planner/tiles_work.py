@@ -24,7 +24,8 @@ from planner.stage_work import Share, StageWork, allgather_time, gradient_bucket
 from tiles.cost import StageCost, stage_cost
 from tiles.grouping import Grouping
 from tiles.layout import build_layout
-from tiles.regions import LayerGeometry, TilingError
+from tiles.regions import TilingError
+from tiles.stage_graph import stage_geometries
 
 
 _COSTS: dict = {}  # (id(desc), first, last, grid, syncs, back_syncs) -> (desc, StageCost)
@@ -38,7 +39,7 @@ def _stage_cost(desc: ModelDesc, first: int, last: int, grid: tuple[int, int], f
     if len(_COSTS) > 512:
         _COSTS.clear()
     try:
-        geoms = [LayerGeometry.from_desc(d) for d in desc.layers[first:last]]
+        geoms = stage_geometries(desc.layers[first:last])
         layout = build_layout(geoms, grid, Grouping(first, last, forward, backward), first > 0)
     except TilingError as exc:
         raise PlanError(f"tiles stage (layers {first}-{last - 1}): {exc}") from None

@@ -26,14 +26,15 @@ def worst_state_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst
 
 
-def train_float64(cfg: TrainConfig, steps: int, grid=None, sync: str = "all") -> dict:
-    """`steps` optimizer steps of LocalTrainer (grid None) or TiledTrainer with --dtype float64,
+def train_float64(cfg: TrainConfig, steps: int, grid=None, sync: str = "all", last: int | None = None) -> dict:
+    """`steps` optimizer steps of LocalTrainer (grid None) or TiledTrainer (its stage layers
+    [0, last), by default the longest tileable front) with --dtype float64,
     through the trainers' own step(): data order, micro-batches, loss, optimizer, lr schedule.
 
     float64 because float32 training of these BN networks is itself only reproducible to
     ~1e-2 in some tensors under any reordering of sums (even another thread count)."""
     cfg = dataclasses.replace(cfg, dtype="float64")
-    trainer = LocalTrainer(cfg) if grid is None else TiledTrainer(cfg, grid=grid, sync=sync)
+    trainer = LocalTrainer(cfg) if grid is None else TiledTrainer(cfg, grid=grid, sync=sync, last=last)
     train_set, _ = open_datasets(cfg.data, trainer.desc.img_size, trainer.desc.in_channels)
     for step in range(steps):
         trainer.step(*make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed)))

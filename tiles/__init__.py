@@ -1,11 +1,14 @@
 """tiles: spatial tiling of conv/pool/BN layers: regions, halos, fused tile stacks (imports torch, numpy; never swarm, trio or planner).
 
-Exact fused tiled training, forward and backward, with layer grouping (Rama et al.).
+Exact fused tiled training, forward and backward, with layer grouping (Rama et al.), over
+chains of windows and over the residual and CSP blocks of graph networks.
 
 Pure modules (no torch; the planner imports them):
     tiles.regions      Span, Rect, AxisWindow, LayerGeometry: what a window layer reads and touches;
                        LayerSpec: what tiling reads of a layer's description (tiles import no planner)
     tiles.grouping     Grouping (forward/backward sync boundaries), parse_grid
+    tiles.stage_graph  which layers one stage can take (stage_refusal, tileable_ends), where it must sync
+                       (required_syncs), each layer's geometry with its inputs' shapes (stage_geometries)
     tiles.layout       build_layout -> StageLayout: every tile's regions and halo transfers; tileable_prefix
     tiles.cost         stage_cost, choose_grouping: bytes, redundant FLOPs, memory, time
     tiles.requests     HaloExchange, ChannelSums: what a tile's work yields to its driver

@@ -25,12 +25,20 @@ is exchanged between the tiles there, after each owner has taken its pixels back
 BatchNorm and the activation. It returns dL/d(input) on the owned input rectangle, or None
 for a stage without input deltas (the first stage).
 
+Graph stages. A tile holds the maps of its stage by boundary, each on the region its layer
+computed (`fwd_out`), until their last reader has run; a shortcut or route reads its inputs
+on its own output pixels and computes only those (they exchange nothing). Backward, the
+gradient of each map is gathered by boundary: every reader adds what it gives back (a
+route into its part of the input's channels), and the map's layer takes the sum once all
+its readers, which come later in the stage, have run.
+
 What a tile keeps between forward and backward, per layer (regions from tiles.layout):
   conv      its input on the windows of its owned outputs (for the partial weight gradient),
             and the conv output z on the pointwise region (BatchNorm and the activation are
             recomputed from z in backward, as cheap elementwise ops);
   maxpool   the selected window position (uint8) on the outputs its backward uses;
-  avgpool   nothing.
+  shortcut  the sum before its activation, on its owned pixels (nothing when linear);
+  avgpool, route, upsample   nothing.
 Partial weight gradients (owned outputs only) are added into the modules' `.grad`; tiles
 sharing modules in one process therefore sum to the full gradient. BatchNorm running
 statistics are updated by the workers created with keeps_running_stats=True (one per copy
@@ -54,12 +62,14 @@ from tiles.requests import ChannelSums, HaloExchange
 
 @dataclass
 class LayerParts:
-    """The torch pieces of one tileable layer (an nn.Sequential from the model zoo)."""
+    """The torch pieces of one tileable layer (an nn.Sequential from the model zoo, or its
+    Shortcut, Route or Upsample)."""
 
     geometry: LayerGeometry
     conv: nn.Conv2d | None = None
     bn: nn.BatchNorm2d | None = None
     act: nn.Module | None = None
+    scale: float = 1.0  # upsample: the factor its copies are multiplied by
 
     @classmethod
     def of(cls, geometry: LayerGeometry, module: nn.Module) -> "LayerParts":
@@ -80,6 +90,17 @@ class LayerParts:
             if not isinstance(module.pool, nn.AvgPool2d):
                 raise TilingError(f"layer {g.index}: global average pooling cannot be tiled")
             return cls(g)
+        if g.kind == "upsample":
+            if getattr(module, "stride", None) != g.rows.up:
+                raise TilingError(f"layer {g.index}: the module does not match its description")
+            return cls(g, scale=float(module.scale))
+        if g.kind == "shortcut":
+            act = getattr(module, "act", None)
+            return cls(g, act=act if act is not None else nn.Identity())
+        if g.kind == "route":
+            if getattr(module, "groups", 1) > 1 and not g.channel_parts:
+                raise TilingError(f"layer {g.index}: the module does not match its description")
+            return cls(g)
         raise TilingError(f"layer {g.index} ({g.kind}) cannot be tiled")
 
     @property
@@ -97,7 +118,8 @@ class Saved:
 
     xw: torch.Tensor | None = None  # conv: padded input on the owned outputs' windows (B, Cin, *, *)
     z: torch.Tensor | None = None  # conv: output before BN/activation on bwd_state (B, Cout, *, *),
-    #                                    less the micro-batch's mean if BatchNorm follows
+    #                                    less the micro-batch's mean if BatchNorm follows;
+    #                                    shortcut: the sum before its activation, on own
     invstd: torch.Tensor | None = None  # (G, C)
     selection: torch.Tensor | None = None  # maxpool: selected window position on bwd_state (B, C, *, *) uint8
 
@@ -130,6 +152,7 @@ class TileWorker:
         self.tile = tile
         self.regions = layout.tiles[tile]
         self.parts = {g.index: LayerParts.of(g, m) for g, m in zip(layout.layers, modules)}
+        self.dtype = next((p.conv.weight.dtype for p in self.parts.values() if p.conv is not None), None)
         self.keeps_running_stats = keeps_running_stats
         # if set, called as sink(micro-batch, layer, mean, var, count) instead of updating the
         # running statistics (a driver that must apply them in another order)
@@ -153,26 +176,50 @@ class TileWorker:
         if sum(splits) != x.shape[0] or min(splits) < 1:
             raise TilingError(f"micro-batch sizes {splits} do not make up a block of {x.shape[0]} samples")
         lay, t = self.layout, self.regions
-        first = self.parts[lay.first]
-        dtype = first.conv.weight.dtype if first.conv is not None else torch.get_default_dtype()
+        dtype = self.dtype or torch.get_default_dtype()
         if x.dtype == torch.uint8:
             x = x.to(dtype).div_(255.0)  # as the untiled net does
-        elif x.dtype != dtype and first.conv is not None:
+        elif x.dtype != dtype and self.dtype is not None:
             x = x.to(dtype)
         if tuple(x.shape[2:]) != t.input_rect.shape:
             raise TilingError(f"tile {self.tile} needs its input on {t.input_rect.shape}, got {tuple(x.shape[2:])}")
         state = MicroBatchState(x.shape[0], ops.Spread(splits, x.device))
         self.saved[mb] = state
-        have, have_rect = x, t.input_rect
+        maps = {lay.first: (x, t.input_rect)}  # boundary -> (the map on the region this tile holds, that region)
+        unread = {b: len(ls) for b, ls in lay.readers.items()}
         for l in range(lay.first, lay.last):
-            in_rect, padding = t.fwd_in[l]
-            if l > lay.first and l in lay.grouping.forward:
-                have = yield from self._exchange(mb, "forward", l, have, have_rect, in_rect)
-                have_rect = in_rect
-            x_l = ops.crop(have, have_rect, in_rect)
-            have = yield from self._layer_forward(mb, state, self.parts[l], x_l, padding)
-            have_rect = t.fwd_out[l + 1]
-        return ops.crop(have, have_rect, t.own[lay.last])
+            p = self.parts[l]
+            g = p.geometry
+            if g.graph:
+                y = self._graph_forward(state, p, [ops.crop(*maps[b], t.own[l + 1]) for b in g.reads])
+            else:
+                have, have_rect = maps[l]
+                in_rect, padding = t.fwd_in[l]
+                if l > lay.first and l in lay.grouping.forward:
+                    have = yield from self._exchange(mb, "forward", l, have, have_rect, in_rect)
+                    have_rect = in_rect
+                y = yield from self._layer_forward(mb, state, p, ops.crop(have, have_rect, in_rect), padding)
+            for b in g.reads:
+                unread[b] -= 1
+                if unread[b] == 0:
+                    maps.pop(b, None)
+            maps[l + 1] = (y, t.fwd_out[l + 1])
+        y, rect = maps[lay.last]
+        return ops.crop(y, rect, t.own[lay.last])
+
+    def _graph_forward(self, state: MicroBatchState, p: LayerParts, xs: list[torch.Tensor]) -> torch.Tensor:
+        """A shortcut or route on this tile's owned pixels, from its inputs there."""
+        g = p.geometry
+        if g.kind == "route":
+            pieces = [x if (lo, hi) == (0, c) else x[:, lo:hi] for x, (c, lo, hi) in zip(xs, g.channel_parts)]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        u = xs[0]
+        for x in xs[1:]:  # in the order the untiled Shortcut adds them
+            u = u + x
+        if g.pointwise_state:
+            state.layers[g.index] = Saved(z=u)
+            return ops.activation_forward(p.act, u, inplace=False)
+        return u if len(xs) > 1 else u.clone()
 
     def _layer_forward(self, mb: int, state: MicroBatchState, p: LayerParts, x: torch.Tensor, padding) -> Work:
         g, t = p.geometry, self.regions
@@ -188,6 +235,13 @@ class TileWorker:
             return y
         if g.kind == "avgpool":
             return F.avg_pool2d(ops.pad(x, padding, 0.0), g.rows.kernel, g.rows.stride)
+        if g.kind == "upsample":
+            up, in_rect = g.rows.up, t.fwd_in[l][0]
+            b, c, h, w = x.shape  # (B, C, h, w) -> (B, C, h*up, w*up), then the rows and columns wanted
+            y = x[:, :, :, None, :, None].expand(b, c, h, up, w, up).reshape(b, c, h * up, w * up)
+            y = ops.crop(y, Rect.of(in_rect.rows.lo * up, in_rect.rows.hi * up, in_rect.cols.lo * up,
+                                    in_rect.cols.hi * up), out_rect)
+            return y * p.scale if p.scale != 1.0 else y.contiguous()
         # conv (+ BatchNorm) (+ activation)
         with torch.no_grad():
             xp = ops.pad(x, padding, 0.0)  # (B, Cin, hp, wp)
@@ -241,11 +295,16 @@ class TileWorker:
         own_top = t.own[lay.last]
         if tuple(dy.shape[2:]) != own_top.shape:
             raise TilingError(f"tile {self.tile} needs its output delta on {own_top.shape}, got {tuple(dy.shape[2:])}")
-        cur, cur_rect = dy, own_top
+        deltas = {lay.last: (dy, own_top)}  # boundary -> (dL/d(map), its region): the readers' sum so far
         for l in range(lay.last - 1, lay.first - 1, -1):
-            if cur is None:  # nothing below needs a delta (only pools left, in a first stage)
-                break
-            p, saved, b = self.parts[l], state.layers[l], l + 1
+            got = deltas.pop(l + 1, None)
+            if got is None:  # nothing below needs this map's delta (only pools below, in a first stage)
+                continue
+            cur, cur_rect = got
+            p, saved, b = self.parts[l], state.layers.get(l), l + 1
+            if p.geometry.graph:
+                self._graph_backward(p, saved, cur, cur_rect, deltas)
+                continue
             dz = yield from self._pointwise_backward(mb, state, p, saved, cur, cur_rect)
             if p.conv is not None:
                 self._weight_grads(p, saved, dz, cur_rect)
@@ -257,13 +316,29 @@ class TileWorker:
                 dz_rect = t.bwd_in[l]
             want = t.bwd_delta[l]
             if want.empty:
-                cur, cur_rect = None, want
                 continue
             if b in lay.selection_transfers:
                 yield from self._share_selections(mb, b, saved)
-            cur = self._window_backward(p, saved, ops.crop(dz, dz_rect, t.bwd_in[l]), want)
-            cur_rect = want
-        return cur if lay.input_delta else None
+            _add_delta(deltas, l, want, self._window_backward(p, saved, ops.crop(dz, dz_rect, t.bwd_in[l]), want))
+        if not lay.input_delta:
+            return None
+        return deltas[lay.first][0]
+
+    def _graph_backward(self, p: LayerParts, saved: "Saved | None", dy: torch.Tensor, rect: Rect, deltas: dict) -> None:
+        """A shortcut or route gives each input its share of dL/d(output) on the owned pixels."""
+        g, lay = p.geometry, self.layout
+        if g.pointwise_state:
+            dy = ops.activation_backward(p.act, saved.z, dy)
+        offset = 0
+        for k, b in enumerate(g.reads):
+            if g.channel_parts:
+                channels, lo, hi = g.channel_parts[k]
+                part, offset = dy[:, offset:offset + hi - lo], offset + hi - lo
+            else:
+                channels, lo, hi, part = g.out_channels, 0, g.out_channels, dy
+            if b == lay.first and not lay.input_delta:
+                continue
+            _add_delta(deltas, b, rect, part, (channels, lo, hi))
 
     def _pointwise_backward(self, mb: int, state: MicroBatchState, p: LayerParts, saved: Saved,
                             dy: torch.Tensor, rect: Rect) -> Work:
@@ -299,6 +374,11 @@ class TileWorker:
         """dL/d(input) on `want` from the gradient at the window output on the outputs touching it."""
         g, t = p.geometry, self.regions
         need = t.bwd_in[g.index]
+        if g.kind == "upsample":  # each input pixel: the sum over its copies (need is want's copies, whole)
+            up = g.rows.up
+            b, c, h, w = dz.shape
+            dx = dz.reshape(b, c, h // up, up, w // up, up).sum(dim=(3, 5))
+            return dx * p.scale if p.scale != 1.0 else dx
         if g.kind == "conv":
             full = ops.conv_input_grad(dz, p.conv.weight, g.rows.stride)
             origin = need
@@ -367,6 +447,23 @@ class TileWorker:
         """Bytes this tile keeps for backward (one micro-batch, or all in flight)."""
         states = [self.saved[mb]] if mb is not None else list(self.saved.values())
         return sum(s.nbytes() for s in states)
+
+
+def _add_delta(deltas: dict, boundary: int, rect: Rect, value: torch.Tensor,
+               channels: tuple[int, int, int] | None = None) -> None:
+    """Add a reader's dL/d(map) on `rect` to what the map's other readers gave; `channels`
+    (C, lo, hi): the value is channels lo..hi of the map's C. Never in place on a value
+    already given: one tensor may be given to several maps (a shortcut's inputs)."""
+    old = deltas.get(boundary)
+    if old is not None and old[1] != rect:
+        raise TilingError(f"the delta of boundary {boundary} comes on {old[1]} and {rect}")
+    if channels is not None and (channels[1], channels[2]) != (0, channels[0]):
+        c, lo, hi = channels
+        full = value.new_zeros((value.shape[0], c, *value.shape[2:])) if old is None else old[0].clone()
+        full[:, lo:hi] += value
+        deltas[boundary] = (full, rect)
+        return
+    deltas[boundary] = (value, rect) if old is None else (old[0] + value, rect)
 
 
 def _keep(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:

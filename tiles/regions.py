@@ -7,8 +7,10 @@ Rect = rows x cols. The map at boundary b is the one entering layer b (the image
 boundary 0).
 
 For a window layer (convolution or pooling) with kernel k, stride s and padding
-(before, after) on one axis, output pixel o reads input pixels [o*s - before, o*s - before + k).
-Two directions follow (the paper's equations 1a-1d and 2a-2d, generalised to any padding,
+(before, after) on one axis, output pixel o reads input pixels [o*s - before, o*s - before + k);
+an upsample by u (`AxisWindow.up`) has output pixel o read input pixel o // u. The pointwise
+graph layers of a tiles stage (shortcut, route) read each input at the output's own pixels:
+an axis of kernel 1 and stride 1. Two directions follow (the paper's equations 1a-1d and 2a-2d, generalised to any padding,
 with clipping at the real border of the map instead of padding the map out):
 
     forward   input_need(outputs)   the input pixels a block of outputs reads, plus how much
@@ -19,9 +21,12 @@ with clipping at the real border of the map instead of padding the map out):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 WINDOW_KINDS = ("conv", "maxpool", "avgpool")
+LOCAL_KINDS = WINDOW_KINDS + ("upsample",)  # one input, read through an AxisWindow (halos at syncs)
+GRAPH_KINDS = ("shortcut", "route")  # several inputs, each read at the output's own pixels (no halos)
 
 
 class LayerSpec(Protocol):
@@ -31,7 +36,7 @@ class LayerSpec(Protocol):
     @property
     def index(self) -> int: ...
     @property
-    def kind(self) -> str: ...  # a window layer is conv | maxpool | avgpool
+    def kind(self) -> str: ...  # a window layer is conv | maxpool | avgpool; also upsample, shortcut, route
     @property
     def in_shape(self) -> tuple[int, int, int]: ...  # (C, H, W) of its (first) input
     @property
@@ -50,6 +55,10 @@ class LayerSpec(Protocol):
     def activation(self) -> str: ...
     @property
     def flops(self) -> int: ...  # forward FLOPs per sample (a multiply-add is 2)
+    @property
+    def groups(self) -> int: ...  # conv: channel groups; route: each input's channels in this many parts
+    @property
+    def group_id(self) -> int: ...  # route: the part of each input it takes
 
 
 class TilingError(ValueError):
@@ -191,12 +200,15 @@ class AxisWindow:
     before: int  # padding before the first pixel
     size_in: int
     size_out: int
+    up: int = 1  # an upsample: each input pixel becomes `up` output pixels (kernel and stride 1)
 
     def input_need(self, out: Span) -> tuple[Span, int, int]:
         """(input span inside the map, padding before it, padding after it) that outputs
         `out` read."""
         if out.empty:
             return EMPTY_SPAN, 0, 0
+        if self.up > 1:
+            return Span(out.lo // self.up, min(self.size_in, -(-out.hi // self.up))), 0, 0
         lo = out.lo * self.stride - self.before
         hi = (out.hi - 1) * self.stride - self.before + self.kernel
         return Span(max(0, lo), min(self.size_in, hi)), max(0, -lo), max(0, hi - self.size_in)
@@ -205,6 +217,8 @@ class AxisWindow:
         """The outputs whose windows overlap input span `inp` (clipped to the map)."""
         if inp.empty:
             return EMPTY_SPAN
+        if self.up > 1:
+            return Span(inp.lo * self.up, min(self.size_out, inp.hi * self.up))
         lo = -(-(inp.lo + self.before - self.kernel + 1) // self.stride)  # ceil
         hi = (inp.hi - 1 + self.before) // self.stride + 1
         return Span(max(0, lo), min(self.size_out, hi))
@@ -216,30 +230,47 @@ class AxisWindow:
             return 0
         if out_cut >= self.size_out:
             return self.size_in
+        if self.up > 1:
+            return out_cut // self.up
         return min(self.size_in, max(0, out_cut * self.stride - self.before + (self.kernel - 1) // 2))
 
 
 @dataclass(frozen=True)
 class LayerGeometry:
-    """One tileable layer as tiling sees it: a window over an (H, W) map, and what its
-    backward needs from the forward pass."""
+    """One tileable layer as tiling sees it: a window over an (H, W) map (or, for a graph
+    layer, a pointwise op over maps of one size), and what its backward needs from the
+    forward pass."""
 
     index: int
-    kind: str  # conv | maxpool | avgpool
+    kind: str  # conv | maxpool | avgpool | upsample | shortcut | route
     rows: AxisWindow
     cols: AxisWindow
-    in_channels: int
+    in_channels: int  # of its first input
     out_channels: int
     has_weights: bool  # conv: partial weight gradients over owned outputs
-    pointwise_state: bool  # BN or a non-linear activation after the window: backward needs the forward values
+    pointwise_state: bool  # BN or a non-linear activation after the window (or the add): backward needs the forward values
     batch_norm: bool
     flops: int  # forward FLOPs per sample over the whole map
+    inputs: tuple[int, ...] = ()  # the layers whose maps it reads (-1: the image); (): the layer before
+    channel_parts: tuple[tuple[int, int, int], ...] = ()  # route: per input (its channels, first, end of the part taken)
 
     @classmethod
-    def from_desc(cls, d: LayerSpec) -> "LayerGeometry":
+    def from_desc(cls, d: LayerSpec, in_shapes: Sequence[tuple[int, int, int]] | None = None) -> "LayerGeometry":
+        """A layer's geometry; a graph layer needs `in_shapes`, the (C, H, W) of each of its
+        inputs, when they differ from its first (tiles.stage_graph.stage_geometries finds them)."""
+        if d.kind in GRAPH_KINDS:
+            return cls._graph(d, list(in_shapes) if in_shapes is not None else [tuple(d.in_shape)] * len(d.inputs))
+        if d.kind == "upsample":
+            c, h, w = d.in_shape
+            _, oh, ow = d.out_shape
+            s = d.stride
+            if oh != h * s or ow != w * s:
+                raise TilingError(f"layer {d.index} (upsample) takes {h}x{w} to {oh}x{ow}, not by its stride {s}")
+            return cls(d.index, d.kind, AxisWindow(1, 1, 0, h, oh, up=s), AxisWindow(1, 1, 0, w, ow, up=s), c, c,
+                       has_weights=False, pointwise_state=False, batch_norm=False, flops=d.flops, inputs=tuple(d.inputs))
         if d.kind not in WINDOW_KINDS or d.kernel <= 0:
-            raise TilingError(f"layer {d.index} ({d.kind}) cannot be tiled; tiles take convolution and "
-                              "local pooling layers only")
+            raise TilingError(f"layer {d.index} ({d.kind}) cannot be tiled; tiles take convolution and local pooling "
+                              "layers, shortcuts, routes and upsamples")
         if getattr(d, "groups", 1) != 1 or getattr(d, "dilation", 1) != 1 or getattr(d, "stride_x", 0) not in (0, d.stride):
             raise TilingError(f"layer {d.index} ({d.kind}) cannot be tiled; tiles take ungrouped, undilated "
                               "windows with one stride on both axes")
@@ -250,7 +281,52 @@ class LayerGeometry:
         return cls(d.index, d.kind, AxisWindow(d.kernel, d.stride, top, h, oh),
                    AxisWindow(d.kernel, d.stride, left, w, ow), d.in_shape[0], d.out_shape[0],
                    has_weights=conv, pointwise_state=conv and (d.batch_normalize or d.activation != "linear"),
-                   batch_norm=conv and d.batch_normalize, flops=d.flops)
+                   batch_norm=conv and d.batch_normalize, flops=d.flops, inputs=tuple(getattr(d, "inputs", ())))
+
+    @classmethod
+    def _graph(cls, d: LayerSpec, in_shapes: list[tuple[int, int, int]]) -> "LayerGeometry":
+        c, h, w = d.out_shape
+        if len(in_shapes) != len(d.inputs):
+            raise TilingError(f"layer {d.index} ({d.kind}) reads {len(d.inputs)} maps, given {len(in_shapes)} shapes")
+        sizes = {(sh[1], sh[2]) for sh in in_shapes}
+        if sizes != {(h, w)}:
+            what = ", ".join(f"layer {s}: {sh[1]}x{sh[2]}" for s, sh in zip(d.inputs, in_shapes))
+            raise TilingError(f"layer {d.index} ({d.kind}) reads maps of other sizes than its {h}x{w} output ({what}); "
+                              "tiles take graph layers over maps of one size")
+        parts: tuple = ()
+        if d.kind == "shortcut":
+            if any(sh[0] != c for sh in in_shapes):
+                what = ", ".join(f"layer {s}: {sh[0]}" for s, sh in zip(d.inputs, in_shapes))
+                raise TilingError(f"layer {d.index} (shortcut) adds maps of other channels ({what}) to its {c}; "
+                                  "tiles take adds of maps of one shape")
+        else:
+            groups, gid = getattr(d, "groups", 1), getattr(d, "group_id", 0)
+            for sh in in_shapes:
+                size = -(-sh[0] // groups)  # torch.chunk's parts
+                parts += ((sh[0], min(sh[0], gid * size), min(sh[0], (gid + 1) * size)),)
+            if sum(hi - lo for _, lo, hi in parts) != c:
+                raise TilingError(f"layer {d.index} (route) joins {sum(hi - lo for _, lo, hi in parts)} channels, "
+                                  f"its output has {c}")
+        act = getattr(d, "activation", "linear")
+        flat = AxisWindow(1, 1, 0, h, h), AxisWindow(1, 1, 0, w, w)
+        return cls(d.index, d.kind, *flat, in_shapes[0][0], c, has_weights=False,
+                   pointwise_state=d.kind == "shortcut" and act != "linear", batch_norm=False, flops=d.flops,
+                   inputs=tuple(d.inputs), channel_parts=parts)
+
+    @property
+    def graph(self) -> bool:
+        """A pointwise op over several maps (shortcut, route): it computes on owned pixels only."""
+        return self.kind in GRAPH_KINDS
+
+    @property
+    def sources(self) -> tuple[int, ...]:
+        """The layers whose maps it reads (-1: the image)."""
+        return self.inputs or (self.index - 1,)
+
+    @property
+    def reads(self) -> tuple[int, ...]:
+        """The boundaries it reads: boundary b is the map of layer b - 1 (0: the image)."""
+        return tuple(s + 1 for s in self.sources)
 
     @property
     def in_map(self) -> Rect:

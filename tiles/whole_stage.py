@@ -18,7 +18,8 @@ from tiles.executor import TileWorker
 from tiles.grouping import Grouping
 from tiles.layout import StageLayout, build_layout
 from tiles.ops import crop
-from tiles.regions import LayerGeometry, Rect
+from tiles.regions import Rect
+from tiles.stage_graph import stage_geometries
 
 
 class InProcessStage:
@@ -30,7 +31,7 @@ class InProcessStage:
     @classmethod
     def build(cls, modules, layer_descs, grid: tuple[int, int], grouping: Grouping, input_delta: bool,
               row_cuts=None, col_cuts=None) -> "InProcessStage":
-        geoms = [LayerGeometry.from_desc(d) for d in layer_descs]
+        geoms = stage_geometries(list(layer_descs))
         return cls(build_layout(geoms, grid, grouping, input_delta, row_cuts, col_cuts), list(modules))
 
     def forward(self, mb: int, x: torch.Tensor, splits: tuple[int, ...] | None = None) -> torch.Tensor:

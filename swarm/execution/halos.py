@@ -13,15 +13,16 @@ from swarm.execution import channels
 from swarm.local.compute_device import to_host
 from tiles.grouping import Grouping
 from tiles.layout import StageLayout, build_layout
-from tiles.regions import LayerGeometry, Rect, TilingError
+from tiles.regions import Rect, TilingError
 from tiles.requests import ChannelSums
+from tiles.stage_graph import stage_geometries
 
 
 def stage_layout(plan: Plan, desc: ModelDesc, p: int) -> StageLayout:
     stage = plan.stages[p]
-    geoms = [LayerGeometry.from_desc(d) for d in desc.layers[stage.first:stage.last]]
-    grouping = Grouping(stage.first, stage.last, tuple(stage.forward_syncs()), tuple(stage.backward_syncs()))
     try:
+        geoms = stage_geometries(desc.layers[stage.first:stage.last])
+        grouping = Grouping(stage.first, stage.last, tuple(stage.forward_syncs()), tuple(stage.backward_syncs()))
         return build_layout(geoms, tuple(stage.grid), grouping, input_delta=stage.first > 0)
     except TilingError as exc:
         raise PlanError(f"stage {p}: {exc}") from None

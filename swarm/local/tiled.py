@@ -1,7 +1,8 @@
 """In-process tiled training: the local trainer, with the tileable front of the network run as a grid of tiles.
 
-The tiles stage is layers [0, last) for the longest tileable prefix (tiles.layout.tileable_prefix);
-its tiles run one after another in this process (tiles.whole_stage.InProcessStage) and the rest
+The tiles stage is layers [0, last) for the longest tileable prefix (tiles.layout.tileable_prefix:
+windows, and the shortcuts, routes and upsamples of residual and CSP blocks), or a shorter one
+asked for; its tiles run one after another in this process (tiles.whole_stage.InProcessStage) and the rest
 of the network, the loss, the optimizer, the data order and the checkpoints are the local
 trainer's. The result equals `--strategy local` up to floating-point reordering.
 """
@@ -15,18 +16,23 @@ from swarm.local.trainer import LocalTrainer, TrainConfig
 from tiles.grouping import Grouping, parse_grid
 from tiles.layout import tileable_prefix
 from tiles.regions import TilingError
+from tiles.stage_graph import stage_refusal
 from tiles.whole_stage import InProcessStage
 
 
 class TiledTrainer(LocalTrainer):
     def __init__(self, cfg: TrainConfig, cfg_text: str | None = None, state: dict | None = None, *,
-                 grid: tuple[int, int], sync: str = "all", log=None):
+                 grid: tuple[int, int], sync: str = "all", last: int | None = None, log=None):
         super().__init__(cfg, cfg_text, state)
         desc = self.desc
-        self.last = tileable_prefix(desc)
+        self.last = tileable_prefix(desc) if last is None else last
         if self.last == 0:
             raise SwarmError(f"model {desc.name} starts with a {desc.layers[0].kind} layer, which cannot be tiled; "
                              "use --strategy local")
+        refusal = stage_refusal(desc, 0, self.last) if 0 < self.last <= len(desc.layers) else \
+            f"the model has layers 0-{len(desc.layers) - 1}"
+        if refusal is not None:
+            raise SwarmError(f"layers 0-{self.last - 1} of {desc.name} cannot be one tiles stage: {refusal}")
         try:
             grouping = Grouping.parse(sync, 0, self.last)
             self.stage = InProcessStage.build(self.net.layers[:self.last], desc.layers[:self.last], grid, grouping,
