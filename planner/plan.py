@@ -20,6 +20,7 @@ from dataclasses import replace, asdict, dataclass, field
 from planner.image_size import ImageSize
 from planner.model_desc import ModelDesc
 from planner.schedule import asteroid_warmup, check_warmups
+from tiles.stage_graph import missing_syncs, stage_refusal
 
 PLAN_VERSION = 1
 MODES = ("single", "dp", "tiles")
@@ -396,18 +397,16 @@ class Plan:
                                 "with this one stage")
         if desc is None:
             return
-        for layer in desc.layers[s.first:s.last]:
-            if layer.kind not in ("conv", "maxpool", "avgpool") or layer.kernel == 0:
-                raise PlanError(f"{where}: layer {layer.index} ({layer.kind}) cannot be tiled; tiles stages take "
-                                "convolution and local pooling layers only")
-            if len(layer.inputs) != 1 or layer.inputs[0] != layer.index - 1:
-                raise PlanError(f"{where}: layer {layer.index} reads a layer other than the one before it")
+        reason = stage_refusal(desc, s.first, s.last)
+        if reason is not None:
+            raise PlanError(f"{where}: tiles cannot take these layers: {reason}")
         for layer in desc.layers[s.first:s.last]:
             _, h, w = layer.out_shape
             if rows > h or cols > w:
                 raise PlanError(f"{where}: grid {rows}x{cols} does not fit the {h}x{w} output of layer {layer.index}")
-        if any(l.index in desc.live_after(s.last) and l.index < s.last - 1 for l in desc.layers[s.first:s.last]):
-            raise PlanError(f"{where}: a later layer reads a map from inside this tiles stage")
+        reason = missing_syncs(desc.layers[s.first:s.last], fwd, bwd)
+        if reason is not None:
+            raise PlanError(f"{where}: {reason}")
 
     # ---- JSON ----------------------------------------------------------------------
     def to_dict(self) -> dict:

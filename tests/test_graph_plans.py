@@ -76,13 +76,14 @@ def test_a_graph_network_trains_to_the_local_weights_in_every_plan(local_weights
 
 
 def test_tiles_in_front_of_a_graph_network_then_a_pipeline_equal_local(local_weights):
-    """Tiles take the chain of windows at the front (resnet18's first conv and max-pool); the
-    residual blocks behind run as pipeline stages."""
+    """Tiles take resnet18's front up to where the first subsampled add begins: the first conv,
+    the max-pool and both residual blocks of 64 channels; the blocks behind run as pipeline
+    stages."""
     from tiles.layout import tileable_prefix
 
     desc = describe_model(_model("resnet18"), SIZE, classes=5)
     front = tileable_prefix(desc)
-    assert front == 2  # conv, max-pool; the first residual block reads the max-pool's map twice
+    assert front == 8  # conv, max-pool, two blocks; the block at 8-10 adds a subsampled map
     stages = [Stage(0, front, "tiles", ["d0", "d1", "d2", "d3"], grid=(2, 2), tile_devices=["d0", "d1", "d2", "d3"]),
               Stage(front, 9, "single", ["d1"]), Stage(9, 28, "single", ["d2"])]
     cfg = _cfg(_model("resnet18"), 2, img_size=SIZE)
@@ -91,11 +92,13 @@ def test_tiles_in_front_of_a_graph_network_then_a_pipeline_equal_local(local_wei
     assert worst < 1e-9, (key, worst)
 
 
-def test_a_tiles_stage_over_a_residual_block_is_refused_in_one_line():
+def test_a_tiles_stage_ending_inside_a_residual_block_is_refused_in_one_line():
+    """Layers 0-2 end inside the first block: the skip from the max-pool's map (layer 1) leaves
+    the stage for the shortcut at 4, and a tiles stage passes on only its last map."""
     desc = describe_model(_model("resnet18"), SIZE, classes=5)
-    plan = Plan(_model("resnet18"), SIZE, 8, 2, [Stage(0, 5, "tiles", ["d0", "d1"], grid=(1, 2), tile_devices=["d0", "d1"]),
-                                                 Stage(5, 28, "single", ["d2"])])
-    with pytest.raises(ValueError, match="tiles") as err:
+    plan = Plan(_model("resnet18"), SIZE, 8, 2, [Stage(0, 3, "tiles", ["d0", "d1"], grid=(1, 2), tile_devices=["d0", "d1"]),
+                                                 Stage(3, 28, "single", ["d2"])])
+    with pytest.raises(ValueError, match="tiles.*layer 1's map inside the stage is read after it by layer 4") as err:
         plan.validate(desc)
     assert "\n" not in str(err.value)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from planner.model_desc import LayerDesc, ModelDesc
+from planner.plan import Plan, Stage
 from swarm.errors import SwarmError
 from swarm.local.trainer import TrainConfig
 from swarm.zoo import build_model, describe_model
@@ -231,3 +232,39 @@ def test_a_network_spec_needs_only_layers_and_live_maps():
                               in_shape=(3, 8, 8), out_shape=(4, 8, 8))]
     spec = SimpleNamespace(layers=layers, live_after=lambda b: (0,) if b == 1 else (-1,))
     assert tileable_ends(spec) == [1]
+
+
+# ---- across devices ------------------------------------------------------------------------------
+def _darknet(name: str) -> str:
+    from tests.test_graph_plans import _model
+
+    return _model(name)
+
+
+@pytest.mark.parametrize("name,stages", [
+    # resnet18: a 2x2 tiles stage over the conv, the max-pool and both residual blocks of 64
+    # channels, then the blocks of 128 and the rest as a pipeline of two
+    ("resnet18", [Stage(0, 8, "tiles", ["d0", "d1", "d2", "d3"], grid=(2, 2), tile_devices=["d0", "d1", "d2", "d3"]),
+                  Stage(8, 21, "single", ["d1"]), Stage(21, 28, "single", ["d2"])]),
+    # the blocks alone, between pipeline stages, two tiles on one device and each block's two
+    # convolutions fused: the stage input is read by a convolution and a shortcut, and the
+    # gradient it sends back is their sum
+    ("resnet18", [Stage(0, 2, "single", ["d0"]),
+                  Stage(2, 8, "tiles", ["d1", "d2"], grid=(1, 3), tile_devices=["d1", "d2", "d1"], syncs=[2, 4, 5, 7]),
+                  Stage(8, 28, "single", ["d3"])]),
+    # yolov4-tiny from its first CSP split (a route taking half the channels) through the
+    # second block: the stage input is read by two routes, each taking other channels
+    ("yolov4-tiny", [Stage(0, 3, "single", ["d0"]),
+                     Stage(3, 17, "tiles", ["d1", "d2", "d3", "d0"], grid=(2, 2), tile_devices=["d1", "d2", "d3", "d0"]),
+                     Stage(17, 38, "single", ["d3"])]),
+])
+def test_a_plan_with_a_tiles_stage_over_blocks_equals_local(name, stages):
+    from tests.test_execution import _cfg as plan_cfg
+    from tests.test_execution import _local, _planned, _worst
+
+    cfg = plan_cfg(_darknet(name), 2, img_size=64)
+    plan = Plan(cfg.model, 64, 8, 2, stages)
+    plan.validate(describe_model(cfg.model, 64, classes=5))
+    trainer = _planned(cfg, plan)
+    worst, key = _worst(trainer.net.state_dict(), _local(cfg))
+    assert worst < TOL, (key, worst)
