@@ -47,7 +47,10 @@ class Stage:
     tiles:  each map is split into a grid (rows, cols); tile k (row-major) runs on
             tile_devices[k]. Forward, tiles exchange activation halos at the boundaries in
             `syncs` (always including `first`); backward, delta halos at `back_syncs`
-            (always including `last`). Default: a sync at every layer.
+            (always including `last`). Default: a sync at every layer. The layers may
+            hold residual and CSP blocks (tiles.stage_graph: what one stage can take); the
+            syncs then include every boundary next to a shortcut or route or at a map read
+            twice, both ways.
     warmup: K_p, forwards before the first backward (default Asteroid's 2(P - p) - 1).
     together: (tiles, in a one-stage plan) micro-batches run through the stage as one block:
             one halo and one BatchNorm exchange per sync for all of them, larger and faster

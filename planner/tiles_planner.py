@@ -1,7 +1,8 @@
 """Rama et al.'s planner: the feature-map-heavy front of the network as one tiles stage.
 
 The stage covers the longest tileable run of layers from the input (tiles.layout.
-tileable_prefix; for deep networks at most MAX_TILES_LAYERS of them); the rest of the
+tileable_prefix: windows, and the residual and CSP blocks among them; for deep networks at
+most MAX_TILES_LAYERS of them, ending where a tiles stage can end); the rest of the
 network, if any, follows as one stage on the fastest device outside the group (or the
 group's device with the most memory). The group is the k fastest devices for k = 2, 4, 8,
 ..., N - 1 (leaving a device for the rest) and N, one tile each, on the most square grid
@@ -20,7 +21,7 @@ from planner.baselines import square_grid
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, PlanError, Stage
 from tiles.cost import choose_grouping
-from tiles.layout import tileable_prefix
+from tiles.stage_graph import tileable_ends
 from tiles.regions import TilingError
 
 
@@ -29,12 +30,14 @@ MAX_TILES_LAYERS = 24  # a tiles stage for the feature-map-heavy front, not a wh
 
 
 def tiles_end(inputs: PlanInputs) -> int:
-    """Where the tiles stage ends: the tileable front, or for deep networks the boundary
-    with the smallest activation among the first MAX_TILES_LAYERS (the latest of equals)."""
-    end = tileable_prefix(inputs.desc)
-    if end <= MAX_TILES_LAYERS:
-        return end
-    return min(range(1, MAX_TILES_LAYERS + 1), key=lambda b: (inputs.mem.boundary(b), -b))
+    """Where the tiles stage ends: the tileable front, or for deep networks the end with the
+    smallest activation among those within the first MAX_TILES_LAYERS (the latest of equals;
+    inside a residual block no stage can end, tiles.stage_graph.tileable_ends)."""
+    ends = tileable_ends(inputs.desc)
+    if not ends or ends[-1] <= MAX_TILES_LAYERS:
+        return ends[-1] if ends else 0
+    within = [b for b in ends if b <= MAX_TILES_LAYERS] or ends[:1]
+    return min(within, key=lambda b: (inputs.mem.boundary(b), -b))
 
 
 def effective_flops(inputs: PlanInputs, device: str, first: int, last: int) -> float:

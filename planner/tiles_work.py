@@ -9,7 +9,9 @@ lockstep layer by layer (BatchNorm sums make each conv+BN a barrier), so a micro
 takes, per layer, the slowest device's time for its tiles, plus at every sync the latency,
 the time per message for the most halo regions a device sends and receives, and the
 largest halo any device sends or receives (tiles on one device swap nothing), plus two
-BatchNorm gathers per BN layer. Every device keeps all the stage's weights; their
+BatchNorm gathers per BN layer. A stage over residual or CSP blocks counts its shortcuts
+and routes like its other layers (each tile's share is its owned pixels; they trade no
+halos). Every device keeps all the stage's weights; their
 per-tile partial gradients are all-reduced once per mini-batch.
 """
 from __future__ import annotations

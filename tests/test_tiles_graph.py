@@ -268,3 +268,106 @@ def test_a_plan_with_a_tiles_stage_over_blocks_equals_local(name, stages):
     trainer = _planned(cfg, plan)
     worst, key = _worst(trainer.net.state_dict(), _local(cfg))
     assert worst < TOL, (key, worst)
+
+
+# ---- what a graph stage costs, and the planner's stages ---------------------------------------------
+def test_the_cost_model_counts_what_a_graph_stage_exchanges_computes_and_keeps(cfg_path):
+    """Over resnet18's front at 65 on 2x2: the halo bytes each tile sends are those the executor
+    sends, sync by sync (none at the shortcuts' maps); the shortcuts' FLOPs are counted once
+    over the tiles (owned pixels only); what each tile keeps is what the model says."""
+    from tiles.cost import stage_cost
+    from tiles.driver import run_lockstep
+    from tiles.executor import TileWorker
+    from tiles.ops import crop
+    from tiles.regions import Rect
+    from tiles.requests import HaloExchange
+
+    net, desc, _ = build_model(cfg_path("resnet-front"), 65, classes=5, seed=0)
+    lay = build_layout(stage_geometries(desc.layers[0:8]), (2, 2), Grouping.every_layer(0, 8), input_delta=False)
+    workers = [TileWorker(lay, k, list(net.layers[0:8]), keeps_running_stats=False) for k in range(lay.n_tiles)]
+    sent: dict[tuple[str, int, int], int] = {}
+
+    def recording(k, gen):
+        answer = None
+        while True:
+            try:
+                req = gen.send(answer)
+            except StopIteration as stop:
+                return stop.value
+            if isinstance(req, HaloExchange):
+                key = (req.phase, req.boundary, k)
+                sent[key] = sent.get(key, 0) + sum(t.numel() * t.element_size() for _, _, t in req.sends)
+            answer = yield req
+
+    x = torch.rand(2, 3, 65, 65)
+    outs = run_lockstep([recording(k, w.forward(0, crop(x, Rect.of(0, 65, 0, 65), lay.input_rect(k))))
+                         for k, w in enumerate(workers)])
+    cost = stage_cost(lay)
+    stats = sum(g.out_channels * 4 for g in lay.layers if g.batch_norm)  # 1/std per BN layer
+    for k, w in enumerate(workers):
+        assert w.saved_bytes(0) == 2 * cost.tiles[k].saved_bytes + stats
+    run_lockstep([recording(k, w.backward(0, torch.ones_like(o))) for k, (w, o) in enumerate(zip(workers, outs))])
+    for k, t in enumerate(cost.tiles):
+        for phase, table in (("forward", t.forward_send), ("backward", t.backward_send),
+                             ("selection", t.selection_send)):
+            per_sample = {b: n // 2 for (ph, b, kk), n in sent.items() if ph == phase and kk == k}
+            assert per_sample == {b: n for b, n in table.items()}, (phase, k)
+    forward = {b for ph, b, _ in sent if ph == "forward"}
+    backward = {b for ph, b, _ in sent if ph == "backward"}
+    assert not forward & {4, 7} and not backward & {5, 8}  # the shortcuts read and give back owned pixels
+    assert 5 in forward and {4, 7} <= backward  # the convolutions around them trade halos
+    for l in (4, 7):  # the shortcuts: on owned pixels, once
+        assert sum(t.layer_forward_flops[l] for t in cost.tiles) == pytest.approx(desc.layers[l].flops)
+    rounds = len(lay.forward_transfers) + len(lay.backward_transfers) + len(lay.selection_transfers)
+    assert cost.comm_time(float("inf"), latency_s=1.0) == rounds + 2 * len(cost.bn_channels)
+
+
+def test_the_grouping_choice_fuses_only_where_the_graph_allows(cfg_path):
+    from tiles.cost import choose_grouping
+
+    desc = describe_model(cfg_path("resnet-front"), 64, classes=5)
+    for speed in (dict(flops_per_s=1e9, bytes_per_s=12.5e6, latency_s=1e-3, samples=4),
+                  dict(flops_per_s=2e11, bytes_per_s=1.25e9, latency_s=5e-2, samples=1)):
+        choice = choose_grouping(desc.layers[0:8], (2, 2), **speed)
+        assert set(required_syncs(desc.layers[0:8])) <= set(choice.grouping.forward) & set(choice.grouping.backward)
+    assert choice.grouping.forward == (0, 2, 4, 5, 7)  # costly syncs: everything the graph lets fuse is fused
+
+
+@pytest.mark.parametrize("name,size,end", [("resnet18", 64, 8), ("yolov4-tiny", 128, 19), ("darknet53", 128, None)])
+def test_the_tiles_planner_puts_blocks_in_a_tiles_stage_that_validates(name, size, end):
+    from planner.inputs import PlanInputs
+    from planner.memory import MemoryModel
+    from planner.synthetic import flops_cluster
+    from planner.tiles_planner import MAX_TILES_LAYERS, plan_tiles
+
+    desc = describe_model(_darknet(name), size, classes=5)
+    for mbps, latency_ms in ((100, 1.0), (10_000, 20.0)):
+        cluster = flops_cluster(desc, {f"pi{i}": (4, "4 GiB") for i in range(4)}, mbps=mbps, latency_ms=latency_ms)
+        inputs = PlanInputs(desc, MemoryModel.estimated(desc), cluster, 8, 2)
+        plan = plan_tiles(inputs)
+        stage = plan.stages[0]
+        assert stage.mode == "tiles" and stage.last in tileable_ends(desc)
+        assert stage.last == end if end is not None else stage.last <= MAX_TILES_LAYERS  # a deep network: its front
+        assert any(d.kind in ("shortcut", "route") for d in desc.layers[:stage.last])
+        plan.validate(desc)
+        work = inputs.simulate(plan).works[0]
+        assert work.detail["redundant_flops_per_sample"] >= 0 and max(work.detail["halo_bytes_per_sample"]) > 0
+
+
+def test_a_plans_tiles_stage_without_its_graphs_syncs_is_refused_in_one_line():
+    from planner.plan import PlanError
+
+    desc = describe_model(_darknet("resnet18"), 64, classes=5)
+    tiles = dict(grid=(2, 2), tile_devices=["d0", "d1", "d2", "d3"])
+    plan = Plan(_darknet("resnet18"), 64, 8, 2, [Stage(0, 8, "tiles", ["d0", "d1", "d2", "d3"], syncs=[0, 2, 4, 7], **tiles),
+                                                 Stage(8, 28, "single", ["d1"])])
+    with pytest.raises(PlanError, match=r"stage 0 \(layers 0-7\): .*needs syncs forward at 5 and backward at 5") as err:
+        plan.validate(desc)
+    assert "\n" not in str(err.value)
+    plan.stages[0].syncs = [0, 2, 4, 5, 7]
+    plan.validate(desc)
+    plan.stages = [Stage(0, 11, "tiles", ["d0", "d1", "d2", "d3"], **tiles), Stage(11, 28, "single", ["d1"])]
+    with pytest.raises(PlanError, match=r"tiles cannot take these layers: layer 10 \(shortcut\) adds maps of other "
+                                        "shapes") as err:
+        plan.validate(desc)
+    assert "\n" not in str(err.value)

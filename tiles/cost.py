@@ -28,9 +28,14 @@ Signatures:
 
 The time model per micro-batch: layers run in lockstep across tiles (BatchNorm sums make
 every conv+BN layer a barrier), so compute is the sum over layers of the slowest tile's
-FLOPs / flops_per_s; each sync costs latency_s + the largest bytes any tile sends or
-receives / bytes_per_s (max-pool selections inside backward groups are one more round,
-one byte per window); each BatchNorm layer adds two all-reduces of 2 x C float64.
+FLOPs / flops_per_s; each sync where a window layer exchanges halos costs latency_s + the
+largest bytes any tile sends or receives / bytes_per_s (max-pool selections inside backward
+groups are one more round, one byte per window); each BatchNorm layer adds two all-reduces
+of 2 x C float64. A stage over residual or CSP blocks counts its shortcuts and routes like
+any layer: their FLOPs on each tile's owned pixels (they exchange nothing), a shortcut's
+sum kept for its activation's backward, their inputs and output in the working set; the
+grouping choice fuses only across the boundaries its graph allows (each graph layer is a
+group of its own).
 
 Activation memory per tile is modelled as what the executor keeps for backward (conv input
 on the owned outputs' windows, conv output on the pointwise region, max-pool selections as
@@ -43,7 +48,8 @@ from dataclasses import dataclass, field
 
 from tiles.grouping import Grouping
 from tiles.layout import StageLayout, build_layout
-from tiles.regions import LayerGeometry, LayerSpec, Rect
+from tiles.regions import WINDOW_KINDS, LayerGeometry, LayerSpec, Rect
+from tiles.stage_graph import required_syncs, stage_geometries
 
 BYTES_PER_FLOAT = 4  # maps and their gradients are float32, as the planner's model description counts them
 INDEX_BYTES = 1  # max-pool selections are uint8 window positions
@@ -105,13 +111,13 @@ class StageCost:
         return slowest * samples / flops_per_s
 
     def comm_time(self, bytes_per_s: float, latency_s: float = 0.0, samples: int = 1) -> float:
-        g = self.layout.grouping
+        lay = self.layout
         total = 0.0
-        if self.layout.n_tiles > 1:
-            for b in g.forward[1:]:
+        if lay.n_tiles > 1:
+            for b in lay.forward_transfers:  # the syncs where a window layer exchanges (not a graph layer's)
                 worst = max(max(t.forward_send.get(b, 0), t.forward_recv.get(b, 0)) for t in self.tiles)
                 total += latency_s + worst * samples / bytes_per_s
-            for b in g.backward:
+            for b in lay.backward_transfers:
                 worst = max(max(t.backward_send.get(b, 0), t.backward_recv.get(b, 0)) for t in self.tiles)
                 total += latency_s + worst * samples / bytes_per_s
             for b in self.layout.selection_transfers:
@@ -163,8 +169,15 @@ def stage_cost(layout: StageLayout) -> StageCost:
                     c.saved_bytes += _map_bytes(t.bwd_state[l], g.out_channels)
             elif g.kind == "maxpool":
                 c.saved_bytes += _map_bytes(t.bwd_state[l], g.out_channels, INDEX_BYTES)
-            step = (_map_bytes(t.fwd_in[l][0], g.in_channels) + _padded_area(g, t.fwd_out[l + 1]) * g.in_channels
-                    * BYTES_PER_FLOAT + 2 * _map_bytes(t.fwd_out[l + 1], g.out_channels))
+            elif g.kind == "shortcut" and g.pointwise_state:
+                c.saved_bytes += _map_bytes(t.bwd_state[l], g.out_channels)
+            if g.graph:  # its inputs on its owned pixels, and its output
+                step = sum(_map_bytes(t.own[l + 1], lay.map_shape(b)[0]) for b in g.reads) \
+                    + 2 * _map_bytes(t.fwd_out[l + 1], g.out_channels)
+            else:
+                padded = _padded_area(g, t.fwd_out[l + 1]) if g.kind in WINDOW_KINDS else 0
+                step = (_map_bytes(t.fwd_in[l][0], g.in_channels) + padded * g.in_channels * BYTES_PER_FLOAT
+                        + 2 * _map_bytes(t.fwd_out[l + 1], g.out_channels))
             working = max(working, step)
         c.peak_bytes = c.saved_bytes + working
         tiles.append(c)
@@ -184,19 +197,30 @@ class GroupingChoice:
 
 
 def _geometries(layers: Sequence[LayerSpec | LayerGeometry]) -> list[LayerGeometry]:
-    return [g if isinstance(g, LayerGeometry) else LayerGeometry.from_desc(g) for g in layers]
+    if all(isinstance(g, LayerGeometry) for g in layers):
+        return list(layers)
+    return stage_geometries(list(layers))
 
 
 def choose_grouping(layers: Sequence[LayerSpec | LayerGeometry], grid: tuple[int, int], *, flops_per_s: float,
                     bytes_per_s: float, latency_s: float = 0.0, samples: int = 1, input_delta: bool = False,
                     row_cuts: list[int] | None = None, col_cuts: list[int] | None = None) -> GroupingChoice:
-    """The (mirrored) grouping with the least predicted time per micro-batch."""
+    """The (mirrored) grouping with the least predicted time per micro-batch; a group never
+    spans a boundary where the stage's graph needs a sync (tiles.stage_graph.required_syncs)."""
     geoms = _geometries(layers)
     first, last = geoms[0].index, geoms[-1].index + 1
     full = build_layout(geoms, grid, Grouping.every_layer(first, last), input_delta, row_cuts, col_cuts)
+    every = stage_cost(full)
+    required = set(required_syncs(geoms))
     cost = {}
     for s in range(first, last):
         for e in range(s + 1, last + 1):
+            if any(b in required for b in range(s + 1, e)):
+                break  # a later end spans the same sync
+            if geoms[s - first].graph:  # a shortcut or route alone: its owned pixels, no halo
+                slowest = max(t.layer_forward_flops[s] + t.layer_backward_flops[s] for t in every.tiles)
+                cost[(s, e)] = slowest * samples / flops_per_s
+                continue
             sub = build_layout(geoms[s - first:e - first], grid, Grouping.one_group(s, e), input_delta or s > first,
                                full.row_cuts[e], full.col_cuts[e])
             sc = stage_cost(sub)
@@ -209,7 +233,7 @@ def choose_grouping(layers: Sequence[LayerSpec | LayerGeometry], grid: tuple[int
             cost[(s, e)] = t
     best = {first: (0.0, [])}
     for e in range(first + 1, last + 1):
-        best[e] = min((best[s][0] + cost[(s, e)], best[s][1] + [s]) for s in range(first, e))
+        best[e] = min((best[s][0] + cost[(s, e)], best[s][1] + [s]) for s in range(first, e) if (s, e) in cost)
     grouping = Grouping.make(first, last, best[last][1])
     final = stage_cost(build_layout(geoms, grid, grouping, input_delta, row_cuts, col_cuts))
     return GroupingChoice(grouping, final.step_time(flops_per_s, bytes_per_s, latency_s, samples), final)

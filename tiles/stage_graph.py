@@ -233,4 +233,17 @@ def tileable_ends(desc: NetworkSpec) -> list[int]:
         if any(s < -1 for s in sources(d)) or layer_refusal(d, shape_of) is not None:
             break
         limit += 1
-    return [e for e in range(1, limit + 1) if stage_refusal(desc, 0, e) is None]
+    # where each map is read last (the loss reads its heads after every layer): an end e
+    # leaves only map e - 1 live when no earlier map is read at e or later
+    read_last = {}
+    for d in layers:
+        for s in sources(d):
+            read_last[s] = max(read_last.get(s, -1), d.index)
+    for s in desc.live_after(len(layers)):
+        read_last[s] = len(layers)
+    ends, live_until = [], -1  # the latest reader of maps -1..e-2
+    for e in range(1, limit + 1):
+        live_until = max(live_until, read_last.get(e - 2, -1))
+        if live_until < e and _carried_cuts(layers[:e]) is None:
+            ends.append(e)
+    return ends
