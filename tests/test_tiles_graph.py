@@ -145,7 +145,7 @@ def test_tiled_training_of_a_shorter_front_and_a_grouping_that_misses_a_graph_sy
     tiled = train_float64(_cfg(path, 65), 2, (2, 2), sync="0,3,4,5,6,7,8", last=9)
     worst = worst_state_diff(tiled, local)
     assert worst[0] <= TOL, worst
-    with pytest.raises(SwarmError, match="needs syncs forward at 3, 5 and backward at 3, 5"):
+    with pytest.raises(SwarmError, match="add syncs at 3, 5 both ways"):
         train_float64(_cfg(path, 65), 1, (2, 2), sync="0,4,6,7,8", last=9)
     with pytest.raises(SwarmError, match="layer 2's map inside the stage is read after it by layer 8"):
         train_float64(_cfg(path, 65), 1, (2, 2), last=5)
@@ -361,7 +361,7 @@ def test_a_plans_tiles_stage_without_its_graphs_syncs_is_refused_in_one_line():
     tiles = dict(grid=(2, 2), tile_devices=["d0", "d1", "d2", "d3"])
     plan = Plan(_darknet("resnet18"), 64, 8, 2, [Stage(0, 8, "tiles", ["d0", "d1", "d2", "d3"], syncs=[0, 2, 4, 7], **tiles),
                                                  Stage(8, 28, "single", ["d1"])])
-    with pytest.raises(PlanError, match=r"stage 0 \(layers 0-7\): .*needs syncs forward at 5 and backward at 5") as err:
+    with pytest.raises(PlanError, match=r"stage 0 \(layers 0-7\): .*add syncs at 5 both ways") as err:
         plan.validate(desc)
     assert "\n" not in str(err.value)
     plan.stages[0].syncs = [0, 2, 4, 5, 7]

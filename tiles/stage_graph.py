@@ -132,20 +132,25 @@ def required_syncs(layers: Sequence) -> tuple[int, ...]:
 
 
 def missing_syncs(layers: Sequence, forward: Sequence[int], backward: Sequence[int]) -> str | None:
-    """Why a grouping does not sync where the stage's graph needs it (None: it does)."""
+    """Why a grouping does not sync where the stage's graph needs it, in one line (None: it does)."""
     need = required_syncs(layers)
     fwd = [b for b in need if b not in set(forward)]
     bwd = [b for b in need if b not in set(backward)]
     if not fwd and not bwd:
         return None
+
+    def listed(bs: list[int]) -> str:
+        shown = ", ".join(map(str, bs[:10]))
+        return shown if len(bs) <= 10 else f"{shown}, ... ({len(bs)} in all)"
+
+    if fwd == bwd:
+        where = f"at {listed(fwd)} both ways"
+    else:
+        where = " and ".join(part for part in (f"at {listed(fwd)} forward" if fwd else "",
+                                               f"at {listed(bwd)} backward" if bwd else "") if part)
     first, last = layers[0].index, layers[-1].index + 1
-    what = []
-    if fwd:
-        what.append(f"forward at {', '.join(map(str, fwd))}")
-    if bwd:
-        what.append(f"backward at {', '.join(map(str, bwd))}")
-    return (f"layers {first}-{last - 1} hold a shortcut, a route or a map read twice, where tiles sync at every "
-            f"layer; the grouping also needs syncs {' and '.join(what)}")
+    return (f"layers {first}-{last - 1} hold shortcuts, routes or maps read twice, where a tiles stage syncs at "
+            f"every layer: add syncs {where} (or sync at every layer: --sync all)")
 
 
 def _axis_rule(d, axis: str) -> tuple[Fraction, Fraction]:
