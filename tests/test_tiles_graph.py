@@ -8,6 +8,7 @@ an upsample and a convolution, each before a small classifier."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,6 +138,17 @@ def test_tiled_training_over_a_block_equals_local_after_sgd_steps(cfg_path, name
     moved = rel_diff(local["layers.0.conv.weight"], init.state_dict()["layers.0.conv.weight"].double())
     assert moved > 1e3 * max(worst[0], 1e-12)  # the steps changed the weights far beyond the difference
     assert int(tiled["layers.2.bn.num_batches_tracked"]) == 3 * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("name,size,grid", [("resnet-front", 65, (2, 2)), ("csp-block", 67, (1, 3))])
+def test_tiled_training_over_a_block_on_cuda_equals_local_on_the_cpu(cfg_path, name, size, grid):
+    path = cfg_path(name)
+    local = train_float64(_cfg(path, size), 3)
+    on_cuda = dataclasses.replace(_cfg(path, size), accelerator="cuda")
+    tiled = {k: v.cpu() for k, v in train_float64(on_cuda, 3, grid).items()}
+    worst = worst_state_diff(tiled, local)
+    assert worst[0] <= TOL, worst
 
 
 def test_tiled_training_of_a_shorter_front_and_a_grouping_that_misses_a_graph_sync(cfg_path):
