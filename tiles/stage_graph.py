@@ -23,8 +23,8 @@ CSP blocks are made of, and upsampling:
     (`AxisWindow.input_cut`), an upsample divides it by its stride, and a shortcut or route
     leaves it where it is (its inputs are cut as its output). Every reader of a map must put
     the map's cuts in the same place. Carried down as affine maps of the output's cuts
-    (`_carried_cuts`), this holds for every grid or not at all; `tiles.layout.owned_cuts`
-    checks the actual cuts again.
+    (`_carried_cuts`), this is checked once for every grid; `tiles.layout.owned_cuts` checks
+    a grid's actual cuts again (where the map's edges clip them).
 
 `required_syncs`: boundary b (the map entering layer b) may lie inside a fused group only
 where layers b - 1 and b are window layers and layer b alone reads the map; at every other
@@ -38,8 +38,6 @@ from fractions import Fraction
 from typing import Protocol
 
 from tiles.regions import GRAPH_KINDS, LOCAL_KINDS, WINDOW_KINDS, LayerGeometry, LayerSpec, TilingError
-
-Shape = tuple[int, int, int]
 
 
 class NetworkSpec(Protocol):
