@@ -360,3 +360,17 @@ def test_a_network_with_batchnorm_over_a_1x1_map_is_measured_on_two_samples_or_m
     assert all(np.isfinite(t) and t > 0 for t in profile.step_time.values()) and profile.runtime_bytes > 0
     assert any("layer 10's BatchNorm sees a 1x1 map" in line for line in said), said
     profile.check_matches(desc)
+
+
+def test_a_graph_networks_tileable_front_is_timed_as_the_network_runs_it():
+    """yolov4-tiny's tileable front holds a CSP block (a route taking half a map's channels, two
+    concatenations): the untiled reference runs it through the network's own graph."""
+    from pathlib import Path
+
+    from tiles.layout import tileable_prefix
+
+    path = str(Path(__file__).resolve().parent / "cfg" / "darknet" / "yolov4-tiny.cfg")
+    desc = describe_model(path, 64)
+    assert any(layer.kind == "route" for layer in desc.layers[:tileable_prefix(desc)])
+    profile = profile_model(path, 64, batch_sizes=(1, 2), repeats=1, threads=1)
+    assert 0.2 < profile.costs.tiles_overhead < 10
