@@ -63,10 +63,30 @@ def flops_cluster(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CFGS, ids=lambda p: p.stem)
-def test_swarm_plan_compares_every_planner_on_a_darknet_network(path, flops_cluster):
-    r = run_swarm("plan", "--model", path, "--img-size", _size(path), "--batch-size", 8, "--microbatches", 4,
+def test_every_planner_answers_for_a_darknet_network(path, flops_cluster):
+    """What `swarm plan --compare` runs, in this process: every planner gives a plan or says
+    why not, and auto's is one that fits."""
+    from planner.cluster import cluster_from_dict
+    from planner.inputs import PlanInputs
+    from planner.memory import MemoryModel
+    from planner.planners import compare
+
+    desc = describe_model(str(path), _size(path))
+    cluster = cluster_from_dict(json.loads(flops_cluster.read_text()), desc, lambda spec: None)
+    rows = {row.strategy: row for row in compare(PlanInputs(desc, MemoryModel.for_devices(desc), cluster, 8, 4))}
+    assert {"local", "dp", "pp", "asteroid", "auto"} <= set(rows)
+    assert rows["auto"].plan is not None, rows["auto"].error
+    rows["auto"].plan.validate(desc)
+    for row in rows.values():
+        assert row.plan is not None or (row.error and "\n" not in row.error), row
+
+
+@pytest.mark.parametrize("name", ["yolov4-tiny", "resnet18"])
+def test_swarm_plan_compare_on_a_darknet_network(name, flops_cluster):
+    path = CFGS[0].parent / f"{name}.cfg"
+    r = run_swarm("plan", "--model", path, "--img-size", 64, "--batch-size", 8, "--microbatches", 4,
                   "--devices", flops_cluster, "--compare", timeout=300)
     assert r.returncode == 0, r.stderr
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.split()}
-    assert {"local", "dp", "pp", "asteroid", "auto"} <= set(rows), r.stdout
+    assert {"local", "dp", "pp", "tiles", "asteroid", "auto"} <= set(rows), r.stdout
     assert "best" in rows["auto"], r.stdout
