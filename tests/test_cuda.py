@@ -55,12 +55,19 @@ def test_local_training_on_cuda_equals_the_cpu(model):
 @needs_cuda
 def test_a_graph_network_across_a_cuda_part_and_a_cpu_part_equals_local():
     """yolov4-tiny cut inside a CSP block: the maps crossing (three of them) go through the host."""
-    from planner.plan import Plan, Stage
-    from swarm.execution.inprocess import train_plan_in_process
+    from planner.plan import Stage
 
     cfg = _cfg("cpu", GRAPHS[0])
-    plan = Plan(cfg.model, 64, 8, 2, [Stage(0, 5, "single", ["d0"]), Stage(5, 38, "single", ["d1"])],
-                devices={"d0": {"accelerator": "cuda"}, "d1": {}})
+    _assert_plan_equals_local(cfg, [Stage(0, 5, "single", ["d0"]), Stage(5, 38, "single", ["d1"])])
+
+
+def _assert_plan_equals_local(cfg: TrainConfig, stages) -> None:
+    """The stages as a plan in this process, d0 computing on CUDA and d1 on the CPU, against
+    local training on the CPU."""
+    from planner.plan import Plan
+    from swarm.execution.inprocess import train_plan_in_process
+
+    plan = Plan(cfg.model, 64, 8, 2, stages, devices={"d0": {"accelerator": "cuda"}, "d1": {}})
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, 64, 3)
     train_plan_in_process(plan, trainer, data, 3, timeout_s=120)
@@ -209,15 +216,8 @@ def test_agents_on_a_gpu_and_a_cpu_train_what_the_cpu_trains_alone(tmp_path):
 def test_tiles_over_residual_blocks_on_cuda_before_a_cpu_stage_equal_local():
     """resnet18's front — a 7x7/2 convolution, a max-pool, two residual blocks — as 2x2 tiles on
     CUDA, the rest on the CPU."""
-    from planner.plan import Plan, Stage
-    from swarm.execution.inprocess import train_plan_in_process
+    from planner.plan import Stage
 
     cfg = _cfg("cpu", GRAPHS[1])
-    plan = Plan(cfg.model, 64, 8, 2, [Stage(0, 8, "tiles", ["d0"], grid=(2, 2), tile_devices=["d0"] * 4),
-                                      Stage(8, 28, "single", ["d1"])],
-                devices={"d0": {"accelerator": "cuda"}, "d1": {}})
-    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
-    data, _ = open_datasets(None, 64, 3)
-    train_plan_in_process(plan, trainer, data, 3, timeout_s=120)
-    ours = {k: v.detach().cpu() for k, v in trainer.net.state_dict().items()}
-    assert _worst(ours, _train(cfg)) < 1e-9
+    _assert_plan_equals_local(cfg, [Stage(0, 8, "tiles", ["d0"], grid=(2, 2), tile_devices=["d0"] * 4),
+                                    Stage(8, 28, "single", ["d1"])])
