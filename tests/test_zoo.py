@@ -146,6 +146,8 @@ def test_custom_cfg_file(tmp_path):
     ("[net]\nwidth=32\n[convolutional]\nfilters=12\n[yolo]\nmask=0\nanchors=1,1\nnum=1\nclasses=1\n", "needs 6"),
     ("[net]\n[convolutional]\nfilters=4\n[upsample]\nstride=-2\n", "a positive stride"),
     ("[net]\n[convolutional]\nfilters=4\n[sam]\nfrom=3\n", "from=3 refers to layer 3"),
+    ("[net]\n[convolutional]\nfilters=4\n[convolutional]\nfilters=4\n[sam]\nfrom=-1,-2\n",
+     "from= names 2 layers; \\[sam\\] multiplies by one"),
     ("[net]\n[convolutional]\nfilters=4\nfoo=1\n", "option\\(s\\) foo not understood"),
     ("[net]\nmosaic=1\nfoo=1\n[convolutional]\nfilters=4\n", ":1 \\[net\\]: option\\(s\\) foo not understood"),
     ("[net]\n[convolutional]\nfilters=4\n[route]\nlayers=5\n", "not an earlier layer"),

@@ -56,6 +56,14 @@ def _sources(sec: Section, key: str, i: int) -> list[int]:
     return srcs
 
 
+def _one_source(sec: Section, i: int) -> int:
+    """The one layer a `from=` names ([scale_channels], [sam] multiply by a single map)."""
+    srcs = _sources(sec, "from", i)
+    if len(srcs) != 1:
+        raise SwarmError(f"{sec.where()}: from= names {len(srcs)} layers; [{sec.name}] multiplies by one")
+    return srcs[0]
+
+
 @dataclass
 class _Walk:
     """The shape walk through a .cfg's layers: what has been inferred so far."""
@@ -292,7 +300,7 @@ def _upsample(walk: _Walk, sec: Section, i: int, prev, flat: bool, _resized) -> 
 
 
 def _scale_channels(walk: _Walk, sec: Section, i: int, prev, flat: bool, _resized) -> None:
-    (src,) = _sources(sec, "from", i) if i else _sources(sec, "from", 0)
+    src = _one_source(sec, i)
     if sec.get_int("scale_wh", 0):
         raise SwarmError(f"{sec.where()}: scale_wh=1 is not supported; swarm scales channels (scale_wh=0)")
     act = _activation(sec, "linear")
@@ -304,7 +312,7 @@ def _scale_channels(walk: _Walk, sec: Section, i: int, prev, flat: bool, _resize
 
 
 def _sam(walk: _Walk, sec: Section, i: int, prev, flat: bool, _resized) -> None:
-    (src,) = _sources(sec, "from", i)
+    src = _one_source(sec, i)
     act = _activation(sec, "linear")
     shapes = walk.maps(sec, [i - 1, src])
     if shapes[0] != shapes[1]:
