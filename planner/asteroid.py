@@ -41,6 +41,11 @@ from planner.units import format_bytes
 
 MAX_CUTS = 64  # candidate stage boundaries for deep models (every boundary when there are fewer)
 SIMULATED_CANDIDATES = 8  # the DP's best pipelines that are simulated to pick the plan
+# Where no pipeline fits with Asteroid's warm-ups (K = 2p - 1: a first stage of eight holds
+# fifteen micro-batches' activations, or all of them), pipelines whose stages warm up with
+# at most this many forwards, the largest first: fewer micro-batches in flight, for a
+# longer fill and drain (one: each micro-batch through every stage and back before the next).
+WARMUP_CAPS = (4, 2, 1)
 
 
 @dataclass
@@ -50,8 +55,10 @@ class Pipeline:
 
 
 class AsteroidDP:
-    def __init__(self, inputs: PlanInputs, max_stages: int | None = None, max_cuts: int = MAX_CUTS, start: int = 0):
+    def __init__(self, inputs: PlanInputs, max_stages: int | None = None, max_cuts: int = MAX_CUTS, start: int = 0,
+                 cap: int | None = None):
         self.inputs = inputs
+        self.cap = cap  # the most forwards any stage warms up with (None: Asteroid's K)
         cl = inputs.cluster
         self.order = sorted(cl.names, key=lambda n: (-cl.device(n).memory, cl.reference_time(n, inputs.microbatch),
                                                     cl.index(n)))
@@ -107,6 +114,10 @@ class AsteroidDP:
         self._group_cache[key] = tuple(out)
         return self._group_cache[key]
 
+    def warmup(self, p: int) -> int:
+        """K of the head of a p-stage pipeline: Asteroid's 2p - 1, at most M and the cap."""
+        return min(2 * p - 1, self.M, self.cap or self.M)
+
     # ---- the dynamic program ---------------------------------------------------------
     def solve(self) -> list[Pipeline]:
         """The best pipeline for each number of stages (those that exist)."""
@@ -125,7 +136,7 @@ class AsteroidDP:
                 a_new = ta[:, L]
                 self._keep(D[1], A[1], END[1], CHOICE[1], a, d_new, a_new, e, np.full(L + 1, L), 0)
         for p in range(2, P + 1):
-            K = min(2 * p - 1, M)
+            K = self.warmup(p)
             for a in range(N - p + 1):
                 for c in range(a + 1, N - p + 2):
                     ef, eb, ta = self.block(a, c, K)
@@ -262,35 +273,54 @@ def pipeline_plan(inputs: PlanInputs, dp: AsteroidDP, pipe: Pipeline) -> Plan:
         if len(names) == 1:
             stages.append(Stage(first, last, "single", names))
             continue
-        K = min(2 * (P - p) - 1, inputs.microbatches)
+        K = dp.warmup(P - p)
         alloc = dp.t.allocation_of(list(range(a, c)), K, first, last)
         alloc = {d: y for d, y in (alloc or {}).items() if y > 0}
         if len(alloc) == 1:
             stages.append(Stage(first, last, "single", list(alloc)))
         else:
             stages.append(Stage(first, last, "dp", list(alloc), allocation=alloc))
+    if dp.cap is not None:
+        for p, stage in enumerate(stages):
+            stage.warmup = dp.warmup(P - p)
     return inputs.plan(stages, "asteroid")
 
 
 def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None) -> Plan:
+    """Asteroid's best pipeline; where none fits with Asteroid's warm-ups, the fastest that
+    fits with fewer micro-batches in flight (WARMUP_CAPS)."""
     if inputs.batch_size % inputs.microbatches:
         raise NoPlan(f"Asteroid splits micro-batches inside groups: the batch ({inputs.batch_size}) must split "
                      f"evenly into {inputs.microbatches} micro-batches")
-    dp = AsteroidDP(inputs, max_stages)
-    pipelines = dp.solve()
-    if not pipelines:
-        raise NoPlan(memory_shortfall(inputs, dp))
-    best: tuple[float, Plan, Timeline] | None = None
+    found, shortfall = [], None
+    for cap in (None, *(k for k in WARMUP_CAPS if k < inputs.microbatches)):
+        dp = AsteroidDP(inputs, max_stages, cap=cap)
+        pipelines = dp.solve()
+        if not pipelines:
+            shortfall = shortfall or memory_shortfall(inputs, dp)
+            continue
+        found.append((_fastest(inputs, dp, pipelines), pipelines))
+        if found[-1][0][1].fits:
+            break
+    if not found:
+        raise NoPlan(shortfall)
+    (plan, timeline), pipelines = found[-1] if found[-1][0][1].fits else found[0]
+    plan.predicted = timeline.summary()
+    plan.predicted["asteroid_estimate_s"] = min(p.estimate for p in pipelines)
+    return inputs.with_overlap(plan)
+
+
+def _fastest(inputs: PlanInputs, dp: AsteroidDP, pipelines: list[Pipeline]) -> tuple[Plan, Timeline]:
+    """Of the DP's best estimates, the plan the simulator finds fastest among those that fit
+    (the best estimate where none does)."""
+    best = None
     for pipe in sorted(pipelines, key=lambda q: q.estimate)[:SIMULATED_CANDIDATES]:
         plan = pipeline_plan(inputs, dp, pipe)
         timeline = inputs.simulate(plan)
         key = timeline.step_time if timeline.fits else float("inf")
         if best is None or key < best[0]:
             best = (key, plan, timeline)
-    _, plan, timeline = best
-    plan.predicted = timeline.summary()
-    plan.predicted["asteroid_estimate_s"] = min(p.estimate for p in pipelines)
-    return inputs.with_overlap(plan)
+    return best[1], best[2]
 
 
 def memory_shortfall(inputs: PlanInputs, dp: AsteroidDP) -> str:

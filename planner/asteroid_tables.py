@@ -52,7 +52,8 @@ class AsteroidTables:
         cum_p = np.concatenate([[0.0], np.cumsum(mem.param_bytes)])
         cum_a = np.concatenate([[0.0], np.cumsum(mem.act_bytes)])
         copies = 2 + OPTIMIZER_STATE_FLOATS[mem.optimizer]
-        self.weights = copies * (cum_p[self.vj] - cum_p[self.vi])
+        spans = cum_p[self.vj] - cum_p[self.vi]
+        self.weights = copies * spans + mem.kept_charge(spans * mem.state_copies)  # MemoryModel.weights, every range
         self.act = mem.slack * (cum_a[self.vj] - cum_a[self.vi])
         self.grad_peak = mem.slack * mem.transient_table[self.vi, self.vj]
         self.param_bytes = cum_p[self.vj] - cum_p[self.vi]

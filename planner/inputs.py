@@ -12,7 +12,7 @@ from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError, Stage
-from planner.simulator import Timeline, simulate
+from planner.simulator import Timeline, backups_with_room, simulate
 
 
 class NoPlan(PlanError):
@@ -57,7 +57,21 @@ class PlanInputs:
                     microbatches=microbatches or self.microbatches, stages=stages, devices=devices, planner=planner)
 
     def simulate(self, plan: Plan) -> Timeline:
-        return simulate(plan, self.desc, self.mem, self.cluster)
+        """The plan's timeline. Where the backups the pipeline's order gives (backup_holders)
+        leave a device short of memory, and holders chosen for room fit, the plan takes
+        those (plan.backups, which the run keeps)."""
+        timeline = simulate(plan, self.desc, self.mem, self.cluster)
+        if timeline.fits or plan.backups or not self.mem.kept:
+            return timeline
+        roomy = Plan.from_dict(plan.to_dict())
+        roomy.backups = backups_with_room(plan, self.mem, timeline)
+        if not roomy.backups:
+            return timeline
+        trial = simulate(roomy, self.desc, self.mem, self.cluster)
+        if trial.fits:
+            plan.backups = roomy.backups
+            return trial
+        return timeline
 
     def finish(self, plan: Plan) -> Plan:
         """Simulate the plan and record the prediction in it; or the same plan with its gangs

@@ -67,6 +67,13 @@ JEMALLOC_GROWTH = 0.0
 # what it frees, does not hand that room to maps of other sizes (its peaks above grow
 # with the buffers on top of everything saved); jemalloc's size classes do.
 REUSES_FREED = {"glibc": False, "jemalloc": True}
+# A device keeps, besides its working copy, a snapshot of its stages' weights and optimizer
+# state to roll back to, and the state of the stage it backs up for another device
+# (swarm.execution.worker). The measurements above were of yolov2-16, whose whole state is
+# 26 MiB (sgd): what they found, and the reserves set from them, hold that much. A device's
+# kept states beyond KEPT_IN_RESERVE are counted on top (MemoryModel.kept_charge): a stage of
+# yolov3 at 416 keeps up to 470 MiB.
+KEPT_IN_RESERVE = 32 * 2**20
 # the slack and growth of each allocator a device's profile may name; any other: glibc's
 ALLOCATORS = {"glibc": (RESIDENT_SLACK, SHARE_GROWTH), "jemalloc": (JEMALLOC_SLACK, JEMALLOC_GROWTH)}
 
@@ -152,6 +159,9 @@ class MemoryModel:
     #                              WHOLE_MODEL_RESERVE, the job's reserve, which such a stage leaves unused)
     growth: float = 0.0  # the slack's growth per sample of a share beyond GROWTH_FROM (SHARE_GROWTH on devices)
     reuse: bool = True  # the backward's buffers take the room of the saved tensors already freed (REUSES_FREED)
+    kept: bool = False  # a device also keeps a copy of its stages' weights and optimizer state to roll back to
+    #                     (for_devices: the runtime's rollback, swarm.execution.worker), and the stage
+    #                     it backs up for another device (planner.simulator)
 
     def __post_init__(self):
         self.act_bytes = np.asarray(self.act_bytes, dtype=float)
@@ -200,7 +210,8 @@ class MemoryModel:
         a whole-model stage keeps."""
         known = allocator if allocator in ALLOCATORS else "glibc"
         slack, growth = ALLOCATORS[known]
-        held = dict(slack=slack, whole_reserve=WHOLE_MODEL_RESERVE, growth=growth, reuse=REUSES_FREED[known])
+        held = dict(slack=slack, whole_reserve=WHOLE_MODEL_RESERVE, growth=growth, reuse=REUSES_FREED[known],
+                    kept=True)
         if act_bytes is None:
             return cls(desc, estimate_activation_bytes(desc), optimizer, **held)
         return cls(desc, act_bytes, optimizer, measured=True, **held)
@@ -212,9 +223,30 @@ class MemoryModel:
 
     # ---- per stage -------------------------------------------------------------------
     def weights(self, first: int, last: int) -> float:
-        """Mem(MOD) + Mem(OPT): parameters, their gradients, and the optimizer's state."""
+        """Mem(MOD) + Mem(OPT): parameters, their gradients, and the optimizer's state; with
+        `kept`, also the snapshot of the parameters and state that a device rolls back to
+        (kept_charge: the part beyond the reserves)."""
         per_param_copies = 2 + OPTIMIZER_STATE_FLOATS[self.optimizer]
-        return per_param_copies * (self._cum_params[last] - self._cum_params[first])
+        return per_param_copies * (self._cum_params[last] - self._cum_params[first]) + self.kept_charge(self.state(first, last))
+
+    def kept_charge(self, kept: float) -> float:
+        """What a device keeping `kept` bytes (or an array of them) of snapshots and backups
+        needs for them beyond the reserves (KEPT_IN_RESERVE); nothing for the papers' model
+        (kept False)."""
+        if not self.kept:
+            return 0.0 * kept
+        charge = np.maximum(np.asarray(kept, dtype=float) - KEPT_IN_RESERVE, 0.0)
+        return float(charge) if charge.ndim == 0 else charge
+
+    @property
+    def state_copies(self) -> int:
+        """Floats per parameter of a stage's state as a snapshot or a backup holds it: the
+        parameter and the optimizer's state, not its gradient."""
+        return 1 + OPTIMIZER_STATE_FLOATS[self.optimizer]
+
+    def state(self, first: int, last: int) -> float:
+        """Bytes of a snapshot or backup of layers [first, last)."""
+        return self.state_copies * (self._cum_params[last] - self._cum_params[first])
 
     def share_factor(self, batch: float) -> float:
         """How much more than `slack` a share of `batch` samples holds per byte (SHARE_GROWTH)."""

@@ -14,11 +14,10 @@ is refused; a plan under it may still come close to the limit.
 """
 from __future__ import annotations
 
-from planner.backups import backup_holders
-from planner.memory import OPTIMIZER_STATE_FLOATS, MemoryModel
+from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
-from planner.simulator import Overflow, simulate
+from planner.simulator import Overflow, kept_states, simulate
 from planner.synthetic import flops_cluster
 from planner.units import format_bytes
 
@@ -45,28 +44,13 @@ def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], opti
     budgets = {d: max(0, int(known[d] - runtime)) if d in known else 2**60 for d in plan.used_devices()}
     cluster = flops_cluster(desc, {d: (1.0, budget) for d, budget in budgets.items()})
     timeline = simulate(plan, desc, model, cluster, validate=False)
-    kept = _kept_states(plan, model, optimizer)
+    kept = kept_states(plan, model)
     out = []
     for d in known:
         need = timeline.peak_memory.get(d, 0.0) + kept.get(d, 0.0)
         if need > budgets[d]:
             out.append(Overflow(d, need, budgets[d], plan.stages_of_device(d)))
     return sorted(out, key=lambda o: o.have - o.need)
-
-
-def _kept_states(plan: Plan, model: MemoryModel, optimizer: str) -> dict[str, float]:
-    """Bytes each device keeps of weights and optimizer state beside its working copy: the
-    snapshot of its own stages and the backups it holds for others."""
-    per_param = 1 + OPTIMIZER_STATE_FLOATS[optimizer]
-    states = [per_param * float(model.param_bytes[s.first:s.last].sum()) for s in plan.stages]
-    kept: dict[str, float] = {}
-    for p, s in enumerate(plan.stages):
-        for d in set(s.devices):
-            kept[d] = kept.get(d, 0.0) + states[p]
-    for p, holder in (plan.backups or backup_holders(plan)).items():
-        if holder not in plan.stages[p].devices:
-            kept[holder] = kept.get(holder, 0.0) + states[p]
-    return kept
 
 
 def describe(overflows: list[Overflow], runtime: float = RUNTIME_FLOOR) -> str:

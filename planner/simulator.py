@@ -31,6 +31,7 @@ import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 
+from planner.backups import backup_holders
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
@@ -106,6 +107,42 @@ class Timeline:
                 "throughput": self.throughput,
                 "peak_memory": {d: int(v) for d, v in self.peak_memory.items()},
                 "busy_s": {d: v for d, v in self.busy.items()}, "fits": self.fits}
+
+
+def kept_states(plan: Plan, mem: MemoryModel, backups: dict[int, str] | None = None) -> dict[str, float]:
+    """Bytes each device keeps of weights and optimizer state beside its working copy: the
+    snapshot of its own stages and the backup of each stage it holds for another device
+    (`backups`, by default the plan's)."""
+    kept: dict[str, float] = {}
+    for s in plan.stages:
+        for d in set(s.devices):
+            kept[d] = kept.get(d, 0.0) + mem.state(s.first, s.last)
+    if backups is None:
+        backups = plan.backups or backup_holders(plan)
+    for p, holder in backups.items():
+        s = plan.stages[p]
+        if holder not in s.devices:
+            kept[holder] = kept.get(holder, 0.0) + mem.state(s.first, s.last)
+    return kept
+
+
+def backups_with_room(plan: Plan, mem: MemoryModel, timeline: Timeline) -> dict[int, str]:
+    """Backup holders chosen for memory rather than by the pipeline's order: each stage that
+    needs a backup (backup_holders), the largest first, goes to the device other than its
+    own with the most memory left over (`timeline`'s peaks without any backup)."""
+    topology = backup_holders(plan)
+    with_backups, own = kept_states(plan, mem, topology), kept_states(plan, mem, {})
+    left = {d: timeline.budgets[d] - (peak - mem.kept_charge(with_backups.get(d, 0.0))
+                                      + mem.kept_charge(own.get(d, 0.0)))
+            for d, peak in timeline.peak_memory.items()}
+    chosen = {}
+    for p in sorted(topology, key=lambda q: -mem.state(plan.stages[q].first, plan.stages[q].last)):
+        stage = plan.stages[p]
+        size = mem.state(stage.first, stage.last)
+        holder = max((d for d in left if d not in stage.devices), key=lambda d: left[d], default=topology[p])
+        chosen[p] = holder
+        left[holder] = left.get(holder, 0.0) - size
+    return chosen
 
 
 def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster) -> list[StageWork]:
@@ -450,6 +487,12 @@ class _Run:
         for w in self.works:
             for d, b in w.weights.items():
                 static[d] += b
+        if self.mem.kept:  # each device's snapshots and backups, charged once for the device (kept_charge)
+            for d, kept in kept_states(self.plan, self.mem).items():
+                if d in static:
+                    charged = sum(self.mem.kept_charge(self.mem.state(s.first, s.last))
+                                  for s in self.plan.stages if d in s.devices)
+                    static[d] += self.mem.kept_charge(kept) - charged
         changes = defaultdict(list)
         for e in self.events:
             if e.kind not in ("F", "B"):
