@@ -1,6 +1,7 @@
 """The darknet parser and model zoo: published shapes, parameter counts, clear errors."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,47 @@ def test_darknets_own_training_options_are_accepted_and_named_once():
     assert {"net.angle", "net.burn_in", "yolo.jitter", "yolo.nms_kind"} <= set(options)
     assert len(options) == len(set(options)) and not {"net.width", "net.height", "net.channels"} & set(options)
     describe_model(path, 64)  # accepted
+
+
+# The built-in graph networks: each head's output at darknet's own size (416 for the
+# detectors, 224 for the classifiers, darknet53's 256), and parameters where a published
+# count exists for the same layers (MobileNetV2 as torchvision builds it; YOLOv4-tiny).
+PUBLISHED = {
+    "yolov3-tiny": (416, [(255, 13, 13), (255, 26, 26)], None),
+    "yolov4-tiny": (416, [(255, 13, 13), (255, 26, 26)], 6_056_606),
+    "yolov7-tiny": (416, [(255, 52, 52), (255, 26, 26), (255, 13, 13)], None),
+    "darknet53": (256, [(1000, 1, 1)], None),
+    "resnet18": (224, [(1000, 1, 1)], None),
+    "resnet50": (224, [(1000, 1, 1)], None),
+    "mobilenetv2": (224, [(1000, 1, 1)], 3_504_872),
+    "efficientnet-b0": (224, [(1000, 1, 1)], None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_built_in_graph_networks_have_their_published_shapes(name):
+    size, outs, params = PUBLISHED[name]
+    desc = describe_model(name, size)
+    assert [desc.layers[o].out_shape for o in desc.outputs] == outs
+    assert params is None or desc.params == params
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_every_built_in_model_trains_two_steps_and_evaluates(name):
+    """At its default size, on the built-in shapes with their classes, as `swarm train
+    --model NAME` runs it: two real optimizer steps that change the weights, then the
+    held-out metric of its head (mAP for a detector, accuracy for a classifier)."""
+    from swarm.data.shapes import SyntheticShapes
+    from swarm.local.evaluate import evaluate
+    from swarm.local.trainer import TrainConfig, train
+
+    summary = train(TrainConfig(model=name, batch_size=2, steps=2, seed=1), threads=1, evaluate_at_end=False,
+                    log=lambda s: None)
+    assert summary["steps"] == 2 and math.isfinite(summary["first_loss"]) and math.isfinite(summary["last_loss"])
+    trainer = summary["trainer"]
+    fresh, desc, _ = build_model(name, trainer.cfg.img_size, trainer.cfg.classes, seed=1)
+    assert any(not torch.equal(v, trainer.net.state_dict()[k]) for k, v in fresh.state_dict().items()
+               if v.is_floating_point())
+    result = evaluate(trainer.net, desc, SyntheticShapes("heldout", desc.img_size, desc.in_channels, size=4))
+    assert result.metric == ("mAP@0.5" if desc.detects else "top-1 accuracy")
+    assert 0.0 <= result.value <= 1.0 and result.samples == 4

@@ -32,15 +32,13 @@ DEFAULT_REPEATS = 5
 
 def default_classes(model: str, img_size: ImageSize | int | None = None) -> int | None:
     """The head's classes when none are given, as `swarm train` picks them: a built-in
-    detector gets the built-in data's classes; anything else keeps its .cfg's."""
+    model gets the built-in data's classes; a .cfg file keeps its own."""
     from swarm.data import open_datasets
     from swarm.zoo import BUILTIN, describe_model
 
     if model not in BUILTIN:
         return None
     desc = describe_model(model, img_size)
-    if desc.loss != "region":
-        return None
     return open_datasets(None, desc.img_size, desc.in_channels)[0].num_classes
 
 

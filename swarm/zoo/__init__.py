@@ -18,11 +18,14 @@ from swarm.zoo.build import describe, make_modules
 from swarm.zoo.darknet import Section, parse_cfg
 from swarm.zoo.heads import darknet_only, scale_anchors
 
-BUILTIN = ("yolov2-16", "yolov2", "yolov2-tiny", "vgg16", "alexnet", "lenet5")
+BUILTIN = ("yolov2-16", "yolov2", "yolov2-tiny", "yolov3-tiny", "yolov4-tiny", "yolov7-tiny", "darknet53", "resnet18",
+           "resnet50", "mobilenetv2", "efficientnet-b0", "vgg16", "alexnet", "lenet5")
 # The input size a built-in model trains, plans and is evaluated at unless --img-size says
 # otherwise, whatever the data (a .cfg file's own [net] size for other models; lenet5's own 32):
 # small enough that the main job trains in minutes on one machine.
-DEFAULT_IMG_SIZE = {"yolov2-16": 128, "yolov2": 128, "yolov2-tiny": 128, "vgg16": 64, "alexnet": 96}
+DEFAULT_IMG_SIZE = {"yolov2-16": 128, "yolov2": 128, "yolov2-tiny": 128, "yolov3-tiny": 128, "yolov4-tiny": 128,
+                    "yolov7-tiny": 128, "darknet53": 64, "resnet18": 64, "resnet50": 64, "mobilenetv2": 64,
+                    "efficientnet-b0": 64, "vgg16": 64, "alexnet": 96}
 
 
 MAX_IMG_SIZE = 2048  # on each side
