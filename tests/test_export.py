@@ -128,6 +128,44 @@ def test_darknet_export_has_darknets_layout_and_imports_as_the_same_tensors(trai
     _same_weights(_started_from(weights, **DETECTOR, classes=state["config"]["classes"]).net.state_dict(), model)
 
 
+def _region_as_opencv_gives_it(out: torch.Tensor, head: dict) -> np.ndarray:
+    """A [region] head's raw map (b, anchors x (5 + classes), h, w) decoded as OpenCV's darknet
+    reader's region layer writes it (modules/dnn/src/layers/region_layer.cpp): one row per
+    cell and anchor, (y, x, anchor) order: x, y, w, h as fractions of the image, the
+    objectness, then each class's softmax times the objectness where above `thresh`, else 0."""
+    num, classes = head["num"], head["classes"]
+    b, _, gh, gw = out.shape
+    p = out.double().view(b, num, 5 + classes, gh, gw).permute(0, 3, 4, 1, 2)
+    anchors = torch.tensor(head["anchors"], dtype=torch.float64)
+    gy, gx = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+    boxes = torch.empty_like(p)
+    boxes[..., 0] = (gx[..., None] + p[..., 0].sigmoid()) / gw
+    boxes[..., 1] = (gy[..., None] + p[..., 1].sigmoid()) / gh
+    boxes[..., 2] = p[..., 2].exp() * anchors[:, 0] / gw
+    boxes[..., 3] = p[..., 3].exp() * anchors[:, 1] / gh
+    boxes[..., 4] = p[..., 4].sigmoid()
+    prob = p[..., 5:].softmax(-1) * boxes[..., 4:5]
+    boxes[..., 5:] = torch.where(prob > head["thresh"], prob, torch.zeros_like(prob))
+    return boxes.reshape(b, gh * gw * num, 5 + classes).numpy()
+
+
+def test_a_darknet_export_gives_the_torch_output_in_opencvs_darknet_reader(trained, tmp_path, capsys):
+    """Not our own reader: OpenCV's (cv2.dnn.readNetFromDarknet) builds the exported .cfg and
+    .weights and computes what torch computes (a [region] written without softmax=1 was
+    refused by it, and darknet itself would read the class scores without their softmax)."""
+    import cv2
+
+    _export(capsys, trained["detector"], "darknet", tmp_path / "det")
+    assert "softmax=1" in (tmp_path / "det.cfg").read_text()
+    _, desc, _ = checkpoint_network(load_checkpoint(trained["detector"]), str(trained["detector"]))
+    x = _other_batch(trained["detector"])
+    reader = cv2.dnn.readNetFromDarknet(str(tmp_path / "det.cfg"), str(tmp_path / "det.weights"))
+    reader.setInput(x.numpy())
+    got = reader.forward()
+    expected = _region_as_opencv_gives_it(_torch_output(trained["detector"], x), desc.extra)
+    _assert_close(got, torch.from_numpy(expected))
+
+
 def test_darknet_round_trip_of_a_classifier_with_connected_layers(trained, tmp_path, capsys):
     state = load_checkpoint(trained["classifier"])
     _export(capsys, trained["classifier"], "darknet", tmp_path / "cls.weights")  # the suffix is optional

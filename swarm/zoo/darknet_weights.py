@@ -168,7 +168,8 @@ def _last_layer_mismatch(source: str, desc: ModelDesc, d: LayerDesc, keys: list[
 def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str, list[str]]:
     """The .cfg text for exported weights: `text` with [net] width/height set to the trained
     size, the last layer's filters/output and [region] classes set to the trained class
-    count, and [region] anchors to those the network was trained with (scaled from the
+    count, [region] softmax=1 (the class scores' softmax, which darknet applies only when
+    told), and [region] anchors to those the network was trained with (scaled from the
     file's own size: read back at the size the file now gives, they are not scaled again);
     the rest of the file, comments included, unchanged. And notes on what darknet itself
     reads differently."""
@@ -182,6 +183,7 @@ def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str,
     region = next((n for n, s in enumerate(sections) if s.name == "region"), None)
     if region is not None:
         edits.append((region, "classes", str(desc.extra["classes"])))
+        edits.append((region, "softmax", "1"))  # darknet's default is none: its readers would take raw class scores
         edits.append((region, "anchors", ", ".join(f"{v:.6g}" for anchor in desc.extra["anchors"] for v in anchor)))
     notes = [f"{s.where()}: size= makes a local average pool in swarm; darknet's [avgpool] is always global"
              for s in layer_sections if s.name == "avgpool" and "size" in s.options]

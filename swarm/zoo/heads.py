@@ -80,7 +80,9 @@ def region_head(sec: Section, classes_override: int | None) -> dict:
         classes = classes_override
     if sec.get_int("coords", 4) != 4:
         raise SwarmError(f"{sec.where()}: only coords=4 is supported")
-    sec.get_int("softmax", 1)  # darknet's YOLOv2 cfgs say softmax=1: swarm's region head always applies it
+    if sec.get_int("softmax", 1) != 1:  # darknet's YOLOv2 cfgs say softmax=1; swarm's head always applies it
+        raise SwarmError(f"{sec.where()}: softmax={sec.options['softmax']}: swarm's [region] head takes a softmax over "
+                         "the class scores (softmax=1, as darknet's YOLOv2 cfgs say)")
     head = {
         "loss": "region", "classes": classes, "num": num, "anchors": _anchors(sec, num),
         "object_scale": sec.get_float("object_scale", 5.0), "noobject_scale": sec.get_float("noobject_scale", 1.0),
