@@ -166,6 +166,62 @@ def test_a_darknet_export_gives_the_torch_output_in_opencvs_darknet_reader(train
     _assert_close(got, torch.from_numpy(expected))
 
 
+def _yolo_as_opencv_gives_it(out: torch.Tensor, head: dict, img_hw: tuple[int, int]) -> np.ndarray:
+    """A [yolo] head's raw map decoded as OpenCV's darknet reader writes it (its region layer
+    in YOLO form): rows as for [region]; x and y with scale_x_y, w and h from the masked
+    anchors in pixels of the input, logistic objectness and classes, each class times the
+    objectness. With new_coords=1 the conv before it has applied the logistic already: w and h
+    are 4 v^2 times the anchor."""
+    num, classes = len(head["mask"]), head["classes"]
+    b, _, gh, gw = out.shape
+    p = out.double().view(b, num, 5 + classes, gh, gw).permute(0, 3, 4, 1, 2)
+    anchors = torch.tensor([head["anchors"][m] for m in head["mask"]], dtype=torch.float64)
+    gy, gx = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+    act = (lambda v: v) if head["new_coords"] else torch.sigmoid
+    size = (lambda v: 4 * v * v) if head["new_coords"] else torch.exp
+    s, (h, w) = head["scale_x_y"], img_hw
+    boxes = torch.empty_like(p)
+    boxes[..., 0] = (gx[..., None] + (act(p[..., 0]) - 0.5) * s + 0.5) / gw
+    boxes[..., 1] = (gy[..., None] + (act(p[..., 1]) - 0.5) * s + 0.5) / gh
+    boxes[..., 2] = size(p[..., 2]) * anchors[:, 0] / w
+    boxes[..., 3] = size(p[..., 3]) * anchors[:, 1] / h
+    boxes[..., 4] = act(p[..., 4])
+    boxes[..., 5:] = act(p[..., 5:]) * boxes[..., 4:5]
+    return boxes.reshape(b, gh * gw * num, 5 + classes).numpy()
+
+
+# Networks of every head kind and block darknet writes, that OpenCV's darknet reader also
+# builds (it refuses darknet's own resnet18 and resnet50, whose [shortcut]s add maps of
+# different shapes, and relu6 (mobilenetv2), and stops in a shape check on efficientnet-b0,
+# whatever the weights): two [yolo] heads, CSP route groups, three heads with new_coords, residual blocks.
+OPENCV_NETWORKS = {"yolov3-tiny": 64, "yolov4-tiny": 64, "yolov7-tiny": 64, "darknet53": 64}
+
+
+@pytest.mark.parametrize("name", sorted(OPENCV_NETWORKS))
+def test_a_trained_graph_network_exports_to_darknet_as_opencv_reads_it(name, tmp_path, capsys):
+    """After two optimizer steps: OpenCV's reader gives every head's output as torch does
+    (a detector's decoded as OpenCV decodes it, a classifier's softmax)."""
+    import cv2
+
+    checkpoint = tmp_path / "m.pt"
+    cfg = TrainConfig(model=name, img_size=OPENCV_NETWORKS[name], batch_size=2, steps=2, seed=3)
+    train(cfg, save=str(checkpoint), threads=1, evaluate_at_end=False, log=lambda s: None)
+    assert "read back identical" in _export(capsys, checkpoint, "darknet", tmp_path / "m")
+    _, desc, _ = checkpoint_network(load_checkpoint(checkpoint), str(checkpoint))
+    x = _other_batch(checkpoint)
+    reader = cv2.dnn.readNetFromDarknet(str(tmp_path / "m.cfg"), str(tmp_path / "m.weights"))
+    reader.setInput(x.numpy())
+    got = reader.forward(reader.getUnconnectedOutLayersNames())
+    out = _torch_output(checkpoint, x)
+    if desc.detects:
+        assert len(got) == len(out) == len(desc.extra["heads"]) > 1
+        for mine, head, raw in zip(got, desc.extra["heads"], out):
+            expected = _yolo_as_opencv_gives_it(raw, head, desc.img_size.hw)
+            _assert_close(mine.reshape(expected.shape), torch.from_numpy(expected))
+    else:
+        _assert_close(got[0].reshape(len(x), -1), torch.softmax(out.flatten(1).double(), 1))
+
+
 def test_darknet_round_trip_of_a_classifier_with_connected_layers(trained, tmp_path, capsys):
     state = load_checkpoint(trained["classifier"])
     _export(capsys, trained["classifier"], "darknet", tmp_path / "cls.weights")  # the suffix is optional
@@ -309,6 +365,12 @@ def test_every_head_is_exported_and_computes_what_torch_computes(two_heads, tmp_
         _assert_close(g, e)
 
 
-def test_darknet_format_of_a_network_with_yolo_heads_is_refused_in_one_line(two_heads, tmp_path):
-    _one_line_error(run_swarm("export", "--checkpoint", two_heads, "--format", "darknet", "--out", "m", cwd=tmp_path),
-                    "has [yolo] heads: export it as onnx or torchscript")
+def test_darknet_format_of_a_network_with_a_detection_head_is_refused_in_one_line(tmp_path):
+    """YOLOv1's [detection] head is the one darknet head not written back."""
+    from pathlib import Path
+
+    cfg = TrainConfig(model=str(Path(__file__).resolve().parent / "cfg" / "darknet" / "yolov1-tiny.cfg"), img_size=64,
+                      batch_size=2, steps=1, seed=3)
+    train(cfg, save=str(tmp_path / "y1.pt"), threads=1, evaluate_at_end=False, log=lambda s: None)
+    _one_line_error(run_swarm("export", "--checkpoint", "y1.pt", "--format", "darknet", "--out", "m", cwd=tmp_path),
+                    "has a [detection] head: export it as onnx or torchscript")

@@ -141,10 +141,8 @@ class ExportMismatch(Exception):
 
 def darknet_unwritten(desc) -> str | None:
     """What of the network --format darknet does not write yet, in words (None: all of it)."""
-    if desc.loss in ("yolo", "detection"):
-        return "[yolo] heads" if desc.loss == "yolo" else "a [detection] head"
-    if any(d.groups > 1 for d in desc.layers):
-        return "grouped convolutions"
+    if desc.loss == "detection":
+        return "a [detection] head"
     return None
 
 
@@ -196,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
         if args.format == "darknet":
             unwritten = darknet_unwritten(desc)
             if unwritten:
-                raise SwarmError(f"--format darknet writes networks with a [region] or [softmax] head and ungrouped "
-                                 f"convolutions; {desc.name} has {unwritten}: export it as onnx or torchscript")
+                raise SwarmError(f"--format darknet writes networks with [yolo], [region] or [softmax] heads; "
+                                 f"{desc.name} has {unwritten}: export it as onnx or torchscript")
             if cfg_text is None:
                 _, cfg_text, _ = model_source(state["model_name"])
             seen = int(state["step"]) * int(state.get("config", {}).get("batch_size", 0))

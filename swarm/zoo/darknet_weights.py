@@ -167,12 +167,12 @@ def _last_layer_mismatch(source: str, desc: ModelDesc, d: LayerDesc, keys: list[
 
 def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str, list[str]]:
     """The .cfg text for exported weights: `text` with [net] width/height set to the trained
-    size, the last layer's filters/output and [region] classes set to the trained class
-    count, [region] softmax=1 (the class scores' softmax, which darknet applies only when
-    told), and [region] anchors to those the network was trained with (scaled from the
-    file's own size: read back at the size the file now gives, they are not scaled again);
-    the rest of the file, comments included, unchanged. And notes on what darknet itself
-    reads differently."""
+    size; the last layer's filters/output, the [region]'s classes and each [yolo]'s (with the
+    filters of the conv before it) set to the trained class count; [region] softmax=1 (the
+    class scores' softmax, which darknet applies only when told); and the anchors of every
+    head to those the network was trained with (scaled from the file's own size: read back at
+    the size the file now gives, they are not scaled again). The rest of the file, comments
+    included, unchanged. And notes on what darknet itself reads differently."""
     sections = parse_cfg(text, source)
     layer_sections = sections[1:1 + len(desc.layers)]
     edits: list[tuple[int, str, str]] = [(0, "width", str(desc.img_size.width)),
@@ -180,6 +180,12 @@ def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str,
     last = max(d.index for d, _ in weighted_layers(desc))
     key = "filters" if desc.layers[last].kind == "conv" else "output"
     edits.append((1 + last, key, str(desc.layers[last].out_shape[0])))
+    for head in desc.extra.get("heads") or []:  # each [yolo]: its classes, its anchors at the trained size,
+        n = 1 + head["layer"]                    # and the conv before it sized for them
+        edits.append((n, "classes", str(head["classes"])))
+        edits.append((n, "anchors", ", ".join(f"{v:.6g}" for anchor in head["anchors"] for v in anchor)))
+        if sections[n - 1].name == "convolutional":
+            edits.append((n - 1, "filters", str(desc.layers[head["layer"] - 1].out_shape[0])))
     region = next((n for n, s in enumerate(sections) if s.name == "region"), None)
     if region is not None:
         edits.append((region, "classes", str(desc.extra["classes"])))
