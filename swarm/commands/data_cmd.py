@@ -1,4 +1,5 @@
-"""`swarm data sample DIR`: a small data set in the YOLO folder format, to look at and train on."""
+"""`swarm data sample DIR`: a small data set in the YOLO folder format (or, with --task classify,
+one folder of images per class), to look at and train on."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,9 @@ def add_parser(sub) -> None:
                                      "built-in shapes at --width x --height, so `swarm train --data DIR` works on "
                                      "it at once, and it shows what your own folder should look like.")
     s.add_argument("dir", metavar="DIR", help="the folder to write (must not exist, or be empty)")
+    s.add_argument("--task", choices=("detect", "classify"), default="detect",
+                   help="detect (default): the YOLO layout above; classify: DIR/train/CLASS/*.jpg and "
+                        "DIR/val/CLASS/*.jpg, each picture in the folder of its largest shape, for a classifier")
     s.add_argument("--count", type=SAMPLE_COUNT, default=200, help="images in all (default: 200)")
     s.add_argument("--val", type=float, default=0.1, help="share of them held out in val/ (default: 0.1)")
     s.add_argument("--width", type=SAMPLE_SIZES, default=320, help="image width in pixels (default: 320)")
@@ -45,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     shapes = {"train": SyntheticShapes("train", size, 3, size=args.count - held),
               "val": SyntheticShapes("heldout", size, 3, size=held)}
     try:
+        if args.task == "classify":
+            return _write_classes(root, shapes, args)
         for split, data in shapes.items():
             (root / split / "images").mkdir(parents=True, exist_ok=True)
             (root / split / "labels").mkdir(parents=True, exist_ok=True)
@@ -60,4 +66,26 @@ def run(args: argparse.Namespace) -> int:
         raise SwarmError(f"cannot write {root}: {exc.strerror or exc}") from None
     print(f"wrote {args.count - held} training and {held} held-out images ({args.width}x{args.height}, "
           f"{len(CLASSES)} classes) to {root}; train on it with: swarm train --data {root}")
+    return 0
+
+
+def _write_classes(root, shapes: dict, args: argparse.Namespace) -> int:
+    """Each picture under SPLIT/CLASS/, CLASS the name of its largest shape's class."""
+    from PIL import Image
+
+    from swarm.data import class_targets
+    from swarm.data.shapes import CLASSES
+
+    counts = {}
+    for split, data in shapes.items():
+        for k in range(len(data)):
+            arr, boxes = data.load(k)
+            name = CLASSES[int(class_targets(boxes[None])[0])]
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(arr.transpose(1, 2, 0)).save(folder / f"{split}{k:05d}.jpg", quality=90)
+            counts[split] = counts.get(split, 0) + 1
+    print(f"wrote {counts['train']} training and {counts['val']} held-out images ({args.width}x{args.height}) in "
+          f"one folder per class ({', '.join(CLASSES)}) to {root}; train a classifier on it with: "
+          f"swarm train --model resnet18 --data {root}")
     return 0

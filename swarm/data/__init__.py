@@ -6,21 +6,32 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from planner.image_size import ImageSize
+from swarm.data.image_folder import folder_classes, is_image_folder, open_image_folder
 from swarm.data.shapes import SyntheticShapes
-from swarm.data.yolo_dir import open_yolo_directory
+from swarm.data.yolo_dir import class_names, open_yolo_directory
 from swarm.errors import SwarmError
 
 
 def open_datasets(data: str | None, img_size: ImageSize | int, channels: int):
-    """(train, held-out) for `--data` (None: the built-in synthetic shapes) at `img_size`
-    (W x H; an int is a square)."""
+    """(train, held-out) for `--data` (None: the built-in synthetic shapes; a folder in the
+    YOLO layout, or one folder of images per class) at `img_size` (W x H; an int is a square)."""
     img_size = ImageSize.of(img_size)
     if data is None or data == "synthetic":
         return SyntheticShapes("train", img_size, channels), SyntheticShapes("heldout", img_size, channels)
+    if Path(data).is_dir() and is_image_folder(Path(data)):
+        return open_image_folder(data, img_size, channels)
     return open_yolo_directory(data, img_size, channels)
+
+
+def data_class_names(root: Path) -> list[str] | None:
+    """The class names of the data set at `root`: a class-per-folder set's folder names, a YOLO
+    set's names file (None: it has none)."""
+    return folder_classes(root) if is_image_folder(root) else class_names(root)
 
 
 def steps_per_epoch(n: int, batch_size: int) -> int:

@@ -10,7 +10,8 @@ import torch
 
 from planner.image_size import ImageSize
 from swarm.data.shapes import CLASSES as SHAPES
-from swarm.data.yolo_dir import class_names, image_to_input
+from swarm.data import data_class_names
+from swarm.data.yolo_dir import image_to_input
 from swarm.errors import SwarmError
 from swarm.local.checkpoint import load_network
 from swarm.zoo.loss import make_loss
@@ -112,7 +113,7 @@ def names_for(data: str | None, count: int) -> list[str]:
     """Class names of the data a checkpoint was trained on, when this machine has them."""
     if data is None or data == "synthetic":
         return list(SHAPES)
-    names = class_names(Path(data)) if Path(data).is_dir() else None
+    names = data_class_names(Path(data)) if Path(data).is_dir() else None
     return list(names) if names else [str(c) for c in range(count)]
 
 

@@ -265,6 +265,10 @@ def prepare(cfg: TrainConfig, cfg_text: str | None = None):
     cfg.img_size = default_img_size(cfg.model, cfg.img_size)  # the same with --data: no silent change of size
     desc0 = describe_model(cfg.model, cfg.img_size, None, cfg_text)
     train_set, heldout = open_datasets(cfg.data, desc0.img_size, desc0.in_channels)
+    if desc0.detects and getattr(train_set, "task", "detect") == "classify":
+        raise SwarmError(f"{cfg.data} holds one folder of images per class, which trains a classifier; {cfg.model} "
+                         "is a detector and needs boxes: give a folder in the YOLO layout (`swarm data sample DIR` "
+                         "writes one)")
     if cfg.classes is None and cfg.model in BUILTIN:
         cfg.classes = train_set.num_classes
     return cfg, train_set, heldout
