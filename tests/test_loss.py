@@ -98,3 +98,28 @@ def test_region_loss_over_blocks_adds_up_to_the_whole_grid():
     (g_blocks,) = torch.autograd.grad(total, out)
     assert torch.allclose(whole, total, rtol=1e-5)
     assert torch.allclose(g_whole, g_blocks, rtol=1e-5, atol=1e-7)
+
+
+def test_coco_average_precision_reads_the_envelope_at_101_recalls():
+    from swarm.local.evaluate import coco_average_precision
+
+    assert coco_average_precision(np.array([0.9, 0.8]), np.array([True, True]), 2) == 1.0
+    # a miss then a hit: precision 1/2 up to recall 1/2 (51 of the 101 points), then nothing
+    assert abs(coco_average_precision(np.array([0.9, 0.8]), np.array([False, True]), 2) - 51 * 0.5 / 101) < 1e-12
+    assert abs(coco_average_precision(np.array([0.9]), np.array([True]), 2) - 51 / 101) < 1e-12
+
+
+def test_coco_map_over_iou_thresholds_and_its_greedy_matching():
+    from swarm.local.evaluate import COCO_IOUS, coco_mean_average_precision
+
+    truth = [np.array([[0, 0.5, 0.5, 0.4, 0.4]], dtype=np.float32)]
+    # a box moved right by 0.06 of the image: 0.34 x 0.4 shared, IoU 0.136 / 0.184 = 0.739, a hit at 0.5 .. 0.7
+    iou = 0.34 * 0.4 / (2 * 0.16 - 0.34 * 0.4)
+    shifted = [np.array([[0, 0.9, 0.5, 0.56, 0.4, 0.4]], dtype=np.float32)]
+    means, per_class = coco_mean_average_precision(shifted, truth, 2)
+    assert np.isnan(per_class[1]).all()
+    assert [round(v) for v in per_class[0]] == [1 if t <= iou else 0 for t in COCO_IOUS] == [1] * 5 + [0] * 5
+    assert abs(means.mean() - 5 / 10) < 1e-12
+    # two detections of one truth: the better scored takes it, the other is a false positive
+    twice = [np.array([[0, 0.9, 0.5, 0.5, 0.4, 0.4], [0, 0.8, 0.5, 0.5, 0.4, 0.4]], dtype=np.float32)]
+    assert coco_mean_average_precision(twice, truth, 1)[0][0] == 1.0
