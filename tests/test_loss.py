@@ -107,6 +107,7 @@ def test_coco_average_precision_reads_the_envelope_at_101_recalls():
     # a miss then a hit: precision 1/2 up to recall 1/2 (51 of the 101 points), then nothing
     assert abs(coco_average_precision(np.array([0.9, 0.8]), np.array([False, True]), 2) - 51 * 0.5 / 101) < 1e-12
     assert abs(coco_average_precision(np.array([0.9]), np.array([True]), 2) - 51 / 101) < 1e-12
+    assert coco_average_precision(np.array([]), np.array([], dtype=bool), 2) == 0.0  # nothing found
 
 
 def test_coco_map_over_iou_thresholds_and_its_greedy_matching():
@@ -120,6 +121,9 @@ def test_coco_map_over_iou_thresholds_and_its_greedy_matching():
     assert np.isnan(per_class[1]).all()
     assert [round(v) for v in per_class[0]] == [1 if t <= iou else 0 for t in COCO_IOUS] == [1] * 5 + [0] * 5
     assert abs(means.mean() - 5 / 10) < 1e-12
+    # a class with truths and no detection in any image counts as 0, one with neither is left out
+    none = coco_mean_average_precision([np.zeros((0, 6), np.float32)], truth, 2)
+    assert none[0][0] == 0.0 and (none[1][0] == 0).all() and np.isnan(none[1][1]).all()
     # two detections of one truth: the better scored takes it, the other is a false positive
     twice = [np.array([[0, 0.9, 0.5, 0.5, 0.4, 0.4], [0, 0.8, 0.5, 0.5, 0.4, 0.4]], dtype=np.float32)]
     assert coco_mean_average_precision(twice, truth, 1)[0][0] == 1.0

@@ -68,11 +68,13 @@ def coco_average_precision(scores: np.ndarray, matched: np.ndarray, n_truth: int
     the 101 recalls 0, 0.01, ..., 1 (0 beyond the last recall reached), averaged."""
     if n_truth == 0:
         return float("nan")
+    if not len(scores):  # truths, and nothing found
+        return 0.0
     order = np.argsort(-scores, kind="stable")
     tp = np.cumsum(matched[order].astype(np.float64))
     fp = np.cumsum(1.0 - matched[order].astype(np.float64))
     recall = tp / n_truth
-    precision = np.maximum.accumulate((tp / np.maximum(tp + fp, 1e-12))[::-1])[::-1] if len(tp) else tp
+    precision = np.maximum.accumulate((tp / np.maximum(tp + fp, 1e-12))[::-1])[::-1]
     at = np.searchsorted(recall, COCO_RECALLS, side="left")
     return float(np.where(at < len(precision), precision[np.minimum(at, len(precision) - 1)], 0.0).mean())
 
