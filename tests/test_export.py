@@ -374,3 +374,44 @@ def test_darknet_format_of_a_network_with_a_detection_head_is_refused_in_one_lin
     train(cfg, save=str(tmp_path / "y1.pt"), threads=1, evaluate_at_end=False, log=lambda s: None)
     _one_line_error(run_swarm("export", "--checkpoint", "y1.pt", "--format", "darknet", "--out", "m", cwd=tmp_path),
                     "has a [detection] head: export it as onnx or torchscript")
+
+
+def test_a_depthwise_network_round_trips_whole_and_as_a_backbone(tmp_path, capsys):
+    """mobilenetv2 (depthwise and grouped 1x1 convolutions, [shortcut]s) written in darknet's
+    layout reads back bit for bit, whole and as `darknet partial` would cut its first five
+    weighted layers; the layers after those start as without --weights."""
+    checkpoint = tmp_path / "m.pt"
+    train(TrainConfig(model="mobilenetv2", img_size=64, batch_size=2, steps=2, seed=3), save=str(checkpoint),
+          threads=1, evaluate_at_end=False, log=lambda s: None)
+    state = load_checkpoint(checkpoint)
+    model, classes = state["model"], state["config"]["classes"]
+    _export(capsys, checkpoint, "darknet", tmp_path / "m")
+    _same_weights(_started_from(tmp_path / "m.weights", model="mobilenetv2", img_size=64, classes=classes)
+                  .net.state_dict(), model)
+    desc = _started_from(tmp_path / "m.weights", model="mobilenetv2", img_size=64, classes=classes).desc
+    covered = [d.index for d, _ in weighted_layers(desc)][:5]
+    assert any(desc.layers[i].groups > 1 for i in covered)  # a depthwise layer among them
+    size = 20 + 4 * sum(model[k].numel() for k in model if int(k.split(".")[1]) in covered
+                        and not k.endswith("num_batches_tracked"))
+    backbone = tmp_path / "m.conv.5"
+    backbone.write_bytes((tmp_path / "m.weights").read_bytes()[:size])
+    trainer = _started_from(backbone, model="mobilenetv2", img_size=64, classes=classes)
+    assert f"5 of {len(weighted_layers(desc))} layers with weights loaded" in trainer.started_from
+    loaded = trainer.net.state_dict()
+    _same_weights(loaded, model, covered)
+    fresh = LocalTrainer(TrainConfig(model="mobilenetv2", img_size=64, classes=classes, seed=11)).net.state_dict()
+    rest = [k for k in fresh if int(k.split(".")[1]) not in covered]
+    assert rest and all(torch.equal(loaded[k], fresh[k]) for k in rest)
+
+
+def test_a_checkpoint_whose_weights_are_not_finite_is_refused_in_one_line(tmp_path):
+    """A diverged run's weights (here one tensor set to NaN) are not exported in any format."""
+    train(TrainConfig(**CLASSIFIER, batch_size=2, steps=1, seed=3), save=str(tmp_path / "c.pt"), threads=1,
+          evaluate_at_end=False, log=lambda s: None)
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    key = next(k for k, v in state["model"].items() if v.is_floating_point())
+    state["model"][key][0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    for fmt in ("darknet", "torchscript"):
+        _one_line_error(run_swarm("export", "--checkpoint", "nan.pt", "--format", fmt, "--out", "m", cwd=tmp_path),
+                        "holds weights that are not finite", key)

@@ -185,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     state = load_checkpoint(args.checkpoint)
     net, desc, cfg_text = checkpoint_network(state, args.checkpoint, args.img_size)
+    broken = [k for k, v in net.state_dict().items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if broken:
+        raise SwarmError(f"{args.checkpoint} holds weights that are not finite ({broken[0]}, and {len(broken) - 1} "
+                         "more tensors): its training diverged; export an earlier checkpoint, or train again with a "
+                         "smaller --lr")
     out = Path(args.out)
     folder = out.parent if str(out.parent) else Path(".")
     if not folder.is_dir():
