@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.data import make_batch, open_datasets, step_indices
+from swarm.data import open_datasets, training_batch
 from swarm.local.trainer import LocalTrainer, TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ def _train(cfg: TrainConfig, trainer_class=LocalTrainer, steps: int = 3, **kw) -
     trainer = trainer_class(TrainConfig(**vars(cfg)), **kw)
     data, _ = open_datasets(None, cfg.img_size, 3)
     for s in range(steps):
-        trainer.step(*make_batch(data, step_indices(len(data), cfg.batch_size, s, cfg.seed)))
+        trainer.step(*training_batch(trainer, data, s))
     return {k: v.detach().cpu() for k, v in trainer.net.state_dict().items()}
 
 

@@ -17,7 +17,7 @@ import torch
 
 from planner.image_size import ImageSize
 from planner.plan import Plan, Stage
-from swarm.data import make_batch, open_datasets, step_indices
+from swarm.data import open_datasets, training_batch
 from swarm.execution.inprocess import train_plan_in_process
 from swarm.execution.stage import StageCopy
 from swarm.local.trainer import LocalTrainer, TrainConfig
@@ -34,7 +34,7 @@ def _local(cfg: TrainConfig, steps: int = STEPS) -> dict:
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, cfg.img_size, 3)
     for s in range(steps):
-        trainer.step(*make_batch(data, step_indices(len(data), cfg.batch_size, s, cfg.seed)))
+        trainer.step(*training_batch(trainer, data, s))
     return trainer.net.state_dict()
 
 
@@ -320,7 +320,7 @@ def test_optimizer_state_comes_back_for_resume():
     local = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, 64, 3)
     for s in range(STEPS):
-        local.step(*make_batch(data, step_indices(len(data), 8, s, 7)))
+        local.step(*training_batch(local, data, s))
     ours, theirs = planned.optimizer.state_dict(), local.optimizer.state_dict()
     assert ours["param_groups"] == theirs["param_groups"]
     for k, st in theirs["state"].items():

@@ -80,14 +80,14 @@ def test_ddp_writes_one_metrics_line_per_step(ddp_run):
 
 def train_locally(settings: dict) -> tuple[dict, list[float], dict]:
     """LocalTrainer's run of `settings`: (its first weights, each step's loss, its last weights)."""
-    from swarm.data import make_batch, step_indices
+    from swarm.data import training_batch
     from swarm.local.trainer import LocalTrainer, TrainConfig, prepare
 
     torch.set_num_threads(1)
     cfg, train_set, _ = prepare(TrainConfig(**settings))
     trainer = LocalTrainer(cfg)
     start = {k: v.clone() for k, v in trainer.net.state_dict().items()}
-    losses = [trainer.step(*make_batch(train_set, step_indices(len(train_set), cfg.batch_size, s, cfg.seed)))
+    losses = [trainer.step(*training_batch(trainer, train_set, s))
               for s in range(cfg.steps)]
     return start, losses, trainer.net.state_dict()
 

@@ -12,7 +12,7 @@ from planner.planners import make_plan
 from planner.plan import Plan
 from planner.recost import RECOST_GAIN, RATIO_BOUNDS, corrected, own_compute, recost, speed_ratios
 from planner.synthetic import flops_cluster
-from swarm.data import make_batch, open_datasets, step_indices
+from swarm.data import open_datasets, training_batch
 from swarm.execution.inprocess import train_plan_in_process
 from swarm.local.trainer import LocalTrainer, TrainConfig
 from swarm.zoo import describe_model
@@ -140,7 +140,7 @@ def test_a_run_that_switches_to_a_re_costed_plan_ends_with_the_local_weights(bac
     data, _ = open_datasets(None, 64, 3)
     local = LocalTrainer(cfg)
     for s in range(STEPS):
-        local.step(*make_batch(data, step_indices(len(data), 8, s, cfg.seed)))
+        local.step(*training_batch(local, data, s))
 
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     first = simple_plan("dp", trainer.desc, ["d0", "d1", "d2", "d3"], 8, 4)

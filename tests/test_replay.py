@@ -14,7 +14,7 @@ from planner.backups import backup_holders
 from planner.baselines import simple_plan
 from planner.plan import Plan, Stage
 from planner.replan import lightweight, replan
-from swarm.data import make_batch, open_datasets, step_indices
+from swarm.data import open_datasets, training_batch
 from swarm.execution.inprocess import train_plan_in_process
 from swarm.local.trainer import LocalTrainer, TrainConfig
 from swarm.zoo import describe_model
@@ -34,7 +34,7 @@ def local_weights():
     trainer = LocalTrainer(cfg)
     data, _ = open_datasets(None, 64, 3)
     for s in range(STEPS):
-        trainer.step(*make_batch(data, step_indices(len(data), 8, s, cfg.seed)))
+        trainer.step(*training_batch(trainer, data, s))
     return trainer.net.state_dict()
 
 

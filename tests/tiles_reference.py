@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from swarm.data import make_batch, open_datasets, step_indices
+from swarm.data import open_datasets, training_batch
 from swarm.local.tiled import TiledTrainer
 from swarm.local.trainer import LocalTrainer, TrainConfig
 
@@ -37,5 +37,5 @@ def train_float64(cfg: TrainConfig, steps: int, grid=None, sync: str = "all", la
     trainer = LocalTrainer(cfg) if grid is None else TiledTrainer(cfg, grid=grid, sync=sync, last=last)
     train_set, _ = open_datasets(cfg.data, trainer.desc.img_size, trainer.desc.in_channels)
     for step in range(steps):
-        trainer.step(*make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed)))
+        trainer.step(*training_batch(trainer, train_set, step))
     return {k: v.clone() for k, v in trainer.net.state_dict().items()}

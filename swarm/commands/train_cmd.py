@@ -70,6 +70,10 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-decay", type=non_negative_float, help="weight decay on weights (default: 5e-4)")
     p.add_argument("--warmup", type=non_negative_int, help="steps of learning-rate warm-up (default: 20)")
     p.add_argument("--seed", type=non_negative_int, help="fixes initial weights and sample order (default: 0)")
+    p.add_argument("--augment", choices=("on", "off"), help="on (default): each training sample shifted, flipped and "
+                   "recoloured as the cfg's jitter, flip, hue, saturation, exposure, angle and mosaic say (darknet's "
+                   "defaults where it says nothing), drawn from the sample and the step so every plan sees the same; "
+                   "off: samples as they are")
     p.add_argument("--dtype", choices=("float32", "float64"), help="arithmetic of weights and activations (default "
                    "float32; float64 is slower but makes every plan agree with --strategy local to ~1e-12)")
     p.add_argument("--accelerator", choices=("cpu", "cuda"), help="where this machine computes with --strategy "
@@ -177,6 +181,7 @@ def training_config(args: argparse.Namespace):
 
         state = load_checkpoint(args.resume)
         saved = state.get("config", {})
+        saved = {"augment": False, **saved}  # a run from before augmentation trained without it
         cfg = TrainConfig(**{f.name: saved[f.name] for f in fields(TrainConfig) if f.name in saved})
         cfg.model = state["model_name"] if "model" not in saved else saved["model"]
         if args.model and args.model != cfg.model:
@@ -186,6 +191,8 @@ def training_config(args: argparse.Namespace):
                              f"{state['img_size'].to_json()}")
     for f in fields(TrainConfig):
         value = getattr(args, f.name, None)
+        if f.name == "augment" and value is not None:
+            value = value == "on"
         if value is not None:
             setattr(cfg, f.name, value)
     if not (args.strategy == "local" or (args.in_process and args.strategy == "tiles")):

@@ -67,14 +67,25 @@ def microbatch_bounds(batch_size: int, microbatches: int) -> list[tuple[int, int
     return bounds
 
 
-def make_batch(dataset, indices) -> tuple[np.ndarray, np.ndarray]:
-    """Images (B, C, S, S) uint8 and boxes (B, N, 5) float32, padded with class -1."""
-    images, boxes = zip(*(dataset.load(int(i)) for i in indices))
-    most = max(len(b) for b in boxes)
+def make_batch(dataset, indices, augmenter=None, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Images (B, C, S, S) uint8 and boxes (B, N, 5) float32, padded with class -1; with an
+    `augmenter` (swarm.data.augment), each sample as augmented for `step`."""
+    if augmenter is not None:
+        images, boxes = zip(*(augmenter.sample(dataset, int(i), step) for i in indices))
+    else:
+        images, boxes = zip(*(dataset.load(int(i)) for i in indices))
+    most = max(max(len(b) for b in boxes), 1)
     targets = np.full((len(indices), most, 5), -1.0, dtype=np.float32)
     for k, b in enumerate(boxes):
         targets[k, :len(b)] = b
     return np.stack(images), targets
+
+
+def training_batch(trainer, dataset, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The mini-batch of `step` as `trainer` (swarm.local.trainer.LocalTrainer) trains on it:
+    its seeded samples, augmented as its config says."""
+    cfg = trainer.cfg
+    return make_batch(dataset, step_indices(len(dataset), cfg.batch_size, step, cfg.seed), trainer.augmenter, step)
 
 
 def class_targets(targets: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ from planner.backups import Move, backup_holders, layer_sources
 from planner.plan import Plan, PlanError
 from planner.replan import replan
 from planner.routing import Block, Layout, runs, stage_parts
-from swarm.data import class_targets, make_batch, microbatch_bounds, step_indices
+from swarm.data import class_targets, microbatch_bounds, training_batch
 from swarm.errors import SwarmError
 from swarm.execution import channels
 from swarm.execution.blocks import cut
@@ -163,8 +163,7 @@ class TrainingCoordinator:
         return await self.ep.mailbox.get(key, self.job.timeout_s)
 
     def load_batch(self, step: int):
-        cfg = self.trainer.cfg
-        return make_batch(self.train_set, step_indices(len(self.train_set), cfg.batch_size, step, cfg.seed))
+        return training_batch(self.trainer, self.train_set, step)
 
     async def feed(self, step: int, batch) -> None:
         images, targets = batch

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from planner.image_size import ImageSize
-from swarm.data import (class_targets, make_batch, microbatch_bounds, open_datasets, sample_keys, step_indices,
+from swarm.data import (class_targets, microbatch_bounds, open_datasets, sample_keys, training_batch,
                         steps_per_epoch)
 from swarm.errors import SwarmError
 from swarm.host.resources import usable_cores
+from swarm.data.augment import Augment, Augmenter
 from swarm.local.checkpoint import load_initial_weights, save_checkpoint
 from swarm.local.compute_device import compute_device
 from swarm.local.progress import Progress
@@ -49,6 +50,7 @@ class TrainConfig:
     classes: int | None = None  # built-in models: None means the data set's number of classes
     dtype: str = "float32"  # float64: slower, but any plan then matches local to ~1e-12 (see README)
     weights: str | None = None  # darknet .weights or swarm checkpoint loaded over the seeded initial weights
+    augment: bool = True  # the cfg's augmentation options (jitter, flip, hue, ...); False: samples as they are
     accelerator: str | None = None  # where this machine computes: cpu, cuda, None: its accelerator if torch sees one
 
     def __post_init__(self) -> None:
@@ -174,6 +176,8 @@ class LocalTrainer:
         self.net.to(self.device, torch_dtype(cfg.dtype))
         self.net.train()
         self.loss_fn = make_loss(self.desc)
+        self.augment = Augment.from_cfg(self.cfg_text, cfg.model) if cfg.augment else Augment()
+        self.augmenter = Augmenter(self.augment, cfg.seed, not self.desc.detects) if self.augment.active else None
         self.optimizer = make_optimizer(self.net.named_parameters(), cfg)
         self.step_count = 0
         self.started_from = None  # what --weights loaded, in words
@@ -314,11 +318,10 @@ class StepReporter:
 def run_local_steps(trainer: "LocalTrainer", train_set, start: int, total: int, report: StepReporter) -> None:
     """Train `trainer` in this process from step `start` to `total`, loading the next batch
     while the current one trains."""
-    cfg = trainer.cfg
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarm-data")
 
     def fetch(step: int):
-        return make_batch(train_set, step_indices(len(train_set), cfg.batch_size, step, cfg.seed))
+        return training_batch(trainer, train_set, step)
 
     try:
         pending = pool.submit(fetch, start) if start < total else None
@@ -360,7 +363,8 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
     log(f"model {desc.name}: {len(desc.layers)} layers, {desc.params / 1e6:.2f} M parameters, "
         f"{desc.img_size} input, {desc.flops / 1e9:.2f} GFLOPs forward per sample")
     log(f"data: {train_set.name}, {len(train_set)} images, {train_set.num_classes} classes; "
-        f"batch {cfg.batch_size} in {cfg.microbatches} micro-batch(es); {n_threads} thread(s); seed {cfg.seed}")
+        f"batch {cfg.batch_size} in {cfg.microbatches} micro-batch(es); {n_threads} thread(s); seed {cfg.seed}; "
+        f"augmentation: {trainer.augment.describe() if cfg.augment else 'off'}")
     start = trainer.step_count
     if start >= total_steps:
         log(f"the checkpoint is already at step {start} of {total_steps}; nothing to train")

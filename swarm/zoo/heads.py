@@ -41,13 +41,18 @@ DARKNET_OWN = {
 }
 
 
+# What swarm's data pipeline reads of them (swarm.data.augment).
+AUGMENTATION = {"net": {"jitter", "hue", "saturation", "exposure", "flip", "angle", "mosaic"},
+                "yolo": {"jitter"}, "region": {"jitter"}, "detection": {"jitter"}}
+
+
 def darknet_only(sections: list[Section]) -> list[str]:
     """The darknet-only options a .cfg sets, as "section.option" once each (for the log); the
-    [net] size and channels, which swarm reads, are not among them."""
+    [net] size and channels and the augmentation options, which swarm reads, are not among them."""
     seen = []
     for sec in sections:
         for key in sec.options:
-            if sec.name == "net" and key in ("width", "height", "channels"):
+            if sec.name == "net" and key in ("width", "height", "channels") or key in AUGMENTATION.get(sec.name, ()):
                 continue
             if key in DARKNET_OWN.get(sec.name, ()) and f"{sec.name}.{key}" not in seen:
                 seen.append(f"{sec.name}.{key}")
