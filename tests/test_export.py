@@ -234,8 +234,8 @@ def test_darknet_round_trip_of_a_classifier_with_connected_layers(trained, tmp_p
 
 
 def test_older_darknet_headers_read_the_same(trained):
-    """Version 0.1 files keep `seen` in an int32; versions of 1000 and up store connected weights
-    transposed (darknet's load_weights_upto)."""
+    """Version 0.1 files keep `seen` in an int32; versions above 1000 store connected weights
+    transposed (darknet's load_weights_upto: `(major > 1000) || (minor > 1000)`)."""
     state = load_checkpoint(trained["classifier"])
     _, desc, _ = checkpoint_network(state, "classifier")
     arrays = {k: v.numpy() for k, v in state["model"].items()}
@@ -246,7 +246,7 @@ def test_older_darknet_headers_read_the_same(trained):
     write_weights(buffer, arrays, desc, seen=12)
     current = read_weights(buffer.getvalue(), shapes, desc)
     old = struct.pack("<3ii", 0, 1, 0, 12) + buffer.getvalue()[20:]
-    transposed = bytearray(struct.pack("<3ii", 1000, 0, 0, 12))
+    transposed = bytearray(struct.pack("<3ii", 1001, 0, 0, 12))
     for _, keys in weighted_layers(desc):
         for key in keys:
             transposed += np.ascontiguousarray(arrays[key].T if key.endswith("fc.weight") else arrays[key],

@@ -179,7 +179,8 @@ def test_every_head_gets_a_gradient_where_its_truths_are():
 def test_the_gradients_at_a_truths_slot_are_darknets_deltas():
     """d loss / d output = -delta of darknet's forward_yolo_layer, at the slot that learns a truth:
     box (2 - w h) iou_normalizer (decoded - target), objectness obj_normalizer (p - 1), classes
-    cls_normalizer (p - y) with y smoothed by label_smooth_eps."""
+    cls_normalizer (p - y) with y smoothed by label_smooth_eps. darknet's backward_yolo_layer
+    copies its deltas to the layer below, so the centre's delta is taken by the logit as it is."""
     cls, cx, cy, w, h = 1, 0.3, 0.7, 0.4, 0.6
     t = torch.tensor([[[cls, cx, cy, w, h]]], dtype=torch.float64)
     n = best_anchor(w, h)
@@ -194,14 +195,43 @@ def test_the_gradients_at_a_truths_slot_are_darknets_deltas():
     sig = torch.sigmoid(raw)
     scale = (2 - w * h) * 0.6
     target = [cx * gw - i, cy * gh - j, math.log(w * W / ANCHORS[n][0]), math.log(h * H / ANCHORS[n][1])]
-    assert g[0].item() == pytest.approx(scale * (sig[0] - target[0]).item() * (sig[0] * (1 - sig[0])).item())
-    assert g[1].item() == pytest.approx(scale * (sig[1] - target[1]).item() * (sig[1] * (1 - sig[1])).item())
+    assert g[0].item() == pytest.approx(scale * (sig[0] - target[0]).item())  # no logistic derivative
+    assert g[1].item() == pytest.approx(scale * (sig[1] - target[1]).item())
     assert g[2].item() == pytest.approx(scale * (raw[2] - target[2]).item())
     assert g[3].item() == pytest.approx(scale * (raw[3] - target[3]).item())
     assert g[4].item() == pytest.approx(1.5 * (sig[4] - 1).item())
     y = torch.full((C,), 0.1, dtype=torch.float64)
     y[cls] = 0.9
     assert g[5:].tolist() == pytest.approx((0.7 * (sig[5:] - y)).tolist())
+
+
+@pytest.mark.parametrize("kind,new_coords", [("ciou", False), ("giou", False), ("ciou", True)])
+def test_the_gradients_of_an_iou_loss_are_darknets_deltas(kind, new_coords):
+    """darknet's delta_yolo_box for an IoU loss: the IoU's derivatives by the decoded box
+    (cx, cy, w, h relative to the image), times iou_normalizer, the sizes' times exp(tw) (as
+    they are with new_coords), handed to the outputs unchanged (no logistic, no 1/grid)."""
+    cls, cx, cy, w, h = 1, 0.3, 0.7, 0.4, 0.6
+    t = torch.tensor([[[cls, cx, cy, w, h]]], dtype=torch.float64)
+    n = best_anchor(w, h)
+    k, a = (0, n - 3) if n >= 3 else (1, n)
+    gh, gw = GRIDS[k]
+    i, j = int(cx * gw), int(cy * gh)
+    outs = random_outs(1, seed=5, scale=0.5)
+    if new_coords:
+        outs = [torch.sigmoid(o).detach().requires_grad_() for o in outs]
+    loss = yolo(iou_loss=kind, iou_normalizer=0.07, new_coords=new_coords, scale_x_y=1.05)
+    grads = torch.autograd.grad(loss(outs, t, 1), outs)
+    raw = slot(outs, k)[0, a, :, j, i].detach()
+    g = grads[k].view(1, 3, 5 + C, gh, gw)[0, a, :4, j, i]
+    # the decoded box by hand, as a leaf, and the IoU loss's derivatives by it
+    s = 1.05
+    xy = raw[:2] if new_coords else torch.sigmoid(raw[:2])
+    centre = [(xy[0] * s - (s - 1) / 2 + i) / gw, (xy[1] * s - (s - 1) / 2 + j) / gh]
+    size = (2 * raw[2:4]) ** 2 if new_coords else torch.exp(raw[2:4])
+    box = torch.stack([*centre, size[0] * ANCHORS[n][0] / W, size[1] * ANCHORS[n][1] / H]).requires_grad_()
+    (d,) = torch.autograd.grad(iou_loss(box[None], t[0, :, 1:], kind).sum(), box)
+    want = 0.07 * d * torch.cat([torch.ones(2, dtype=d.dtype), torch.ones(2, dtype=d.dtype) if new_coords else size])
+    assert g.tolist() == pytest.approx(want.tolist(), rel=1e-9, abs=1e-15)
 
 
 def test_a_truth_is_learnt_only_by_the_head_whose_mask_holds_its_best_anchor():

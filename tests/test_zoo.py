@@ -256,7 +256,8 @@ def test_darknets_own_training_options_are_accepted_and_named_once():
 
     path = str(Path(__file__).resolve().parent / "cfg" / "darknet" / "yolov4-tiny.cfg")
     options = darknet_only_options(path)
-    assert {"net.angle", "net.burn_in", "yolo.jitter", "yolo.nms_kind"} <= set(options)
+    assert {"net.burn_in", "net.policy", "yolo.nms_kind"} <= set(options)
+    assert not {"net.hue", "net.saturation", "yolo.jitter"} & set(options)  # the augmentation reads them
     assert len(options) == len(set(options)) and not {"net.width", "net.height", "net.channels"} & set(options)
     describe_model(path, 64)  # accepted
 

@@ -231,7 +231,7 @@ def note_darknet_only(cfg, state: dict | None, log) -> None:
     options = darknet_only_options(cfg.model, state.get("cfg") if state else None)
     if options:
         log(f"{Path(cfg.model).name}: darknet's own training options are not used (swarm's flags set the schedule "
-            f"and batch, its data pipeline the augmentation): {', '.join(options)}")
+            f"and batch): {', '.join(options)}")
 
 
 def runner_for(args: argparse.Namespace, log):

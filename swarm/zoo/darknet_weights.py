@@ -14,7 +14,8 @@ from swarm.zoo.darknet import parse_cfg
 # The file, as darknet's save_weights writes it and load_weights_upto reads it (src/parser.c):
 #
 #   int32 major, minor, revision          0, 2, 0 here
-#   seen: uint64 images trained on        (int32 when major*10 + minor < 2, or major or minor >= 1000)
+#   seen: uint64 images trained on        (int32 when major*10 + minor < 2, or major or minor >= 1000;
+#                                         above 1000, connected weights are stored transposed)
 #   then, for every [convolutional] and [connected] layer in order, float32 little-endian:
 #     convolutional, batch_normalize=1:   biases (BN beta), scales (BN gamma), rolling mean, rolling variance,
 #                                         weights (filters, channels, size, size)
@@ -52,14 +53,14 @@ def header_size(major: int, minor: int) -> int:
 
 def looks_like_darknet(head: bytes, size: int) -> bool:
     """Whether a file of `size` bytes starting with `head` (16 bytes or more) can be darknet
-    weights: small version numbers, and whole float32 values after the header."""
+    weights: small version numbers, and the whole header. (One cut short inside a value
+    still is: read_weights says where it ends.)"""
     if len(head) < 16:
         return False
     major, minor, revision = struct.unpack("<3i", head[:12])
     if not (0 <= major < 1 << 16 and 0 <= minor < 1 << 16 and 0 <= revision < 1 << 16):
         return False
-    rest = size - header_size(major, minor)
-    return rest >= 0 and rest % 4 == 0
+    return size >= header_size(major, minor)
 
 
 def write_weights(f, state: Mapping[str, np.ndarray], desc: ModelDesc, seen: int = 0) -> int:
@@ -97,22 +98,27 @@ def read_weights(data: bytes, shapes: Mapping[str, tuple[int, ...]], desc: Model
         raise SwarmError(f"{source} is too short for darknet weights ({len(data)} bytes; the header alone is 16)")
     major, minor, revision = struct.unpack("<3i", data[:12])
     start = header_size(major, minor)
+    if len(data) < start:
+        raise SwarmError(f"{source} is too short for darknet weights ({len(data)} bytes; the header of version "
+                         f"{major}.{minor} alone is {start})")
     seen = struct.unpack("<Q", data[12:20])[0] if start == 20 else struct.unpack("<i", data[12:16])[0]
-    if (len(data) - start) % 4:
-        raise SwarmError(f"{source} is not darknet weights: {len(data) - start} bytes after the header "
-                         "are not whole float32 values")
-    values = np.frombuffer(data, dtype=FLOAT, offset=start)
-    transpose = major >= 1000 or minor >= 1000  # connected weights stored (inputs, outputs)
+    values = np.frombuffer(data, dtype=FLOAT, count=(len(data) - start) // 4, offset=start)
+    loose = (len(data) - start) % 4  # bytes of a float32 value cut short: the file ends inside it
+    transpose = major > 1000 or minor > 1000  # connected weights stored (inputs, outputs), as darknet reads them
     layers = weighted_layers(desc)
     tensors: dict[str, np.ndarray] = {}
     covered: list[int] = []
     pos = 0
     for n, (d, keys) in enumerate(layers):
         left = len(values) - pos
-        if left == 0:
+        if left == 0 and not loose:
             break
         need = sum(int(np.prod(shapes[k])) for k in keys)
         last = n == len(layers) - 1
+        if loose and left < need:
+            raise SwarmError(f"{source} ends inside layer {d.index} ({describe_layer(d)}) in the middle of a value: "
+                             f"it needs {need} values ({_shapes(keys, shapes)}), the file has {left} and {loose} "
+                             "bytes left (a copy cut short?)")
         if last and left != need:
             raise SwarmError(_last_layer_mismatch(source, desc, d, keys, shapes, left, need))
         if left < need:
@@ -132,6 +138,10 @@ def read_weights(data: bytes, shapes: Mapping[str, tuple[int, ...]], desc: Model
                              "read as its BatchNorm variances are negative or not finite, so the file holds a "
                              "different network from there on")
         covered.append(d.index)
+    if loose and pos == len(values):
+        raise SwarmError(f"{source} goes on {loose} bytes after the last layer with weights, {layers[-1][0].index} "
+                         f"({describe_layer(layers[-1][0])}): less than a value, so not weights written for "
+                         f"{desc.name}")
     return DarknetWeights(tensors, covered, len(layers), (major, minor, revision), int(seen))
 
 

@@ -34,10 +34,11 @@ class YoloLoss:
     Every truth goes to the anchor of best shape among all the head's anchors (and to every
     other anchor with IoU above `iou_thresh`), in the cell holding its centre; a head learns it
     only when that anchor is in its mask. Predictions whose best IoU with any truth exceeds
-    `truth_thresh` learn that truth too. Terms of a sample (the objectness, class and mse size
-    terms have darknet's deltas as their gradients; for the centre and the IoU losses darknet
-    leaves out the logistic's and the decoding's derivatives, and these are the losses its
-    deltas stand for):
+    `truth_thresh` learn that truth too. Terms of a sample, each with darknet's deltas as its
+    gradient by the head's outputs (darknet's yolo layer hands its deltas back unchanged, so
+    the box terms' gradients leave out the logistic's and the decoding's derivatives: the
+    centre's reach tx, ty as they are, the size's through exp(tw) alone, or as they are with
+    `new_coords`; the option normalizers are sized for these gradients):
       box     mse: 0.5 (2 - w h) iou_normalizer |(offset, tw, th) - target|^2, or
               iou_normalizer (1 - IoU/GIoU/DIoU/CIoU) on the decoded box (gradient elementwise
               clipped at max_delta); with iou_thresh < 1 a cell's box terms are averaged over
@@ -173,10 +174,13 @@ class YoloLoss:
         raw = flat[slot, :4]  # (P, 4)
         anchor = anchors[mask[pa]]  # (P, 2)
         scale = 2.0 - pt[:, 3] * pt[:, 4]
+        # darknet's deltas reach the outputs unchanged (its yolo layer's backward copies them):
+        # the centre's as if d(centre)/d(tx) were 1, the size's through exp(tw) alone
+        through = raw - raw.detach()
         if head["iou_loss"] == "mse":
             s = head["scale_x_y"]
-            xy = raw[:, :2] if head["new_coords"] else torch.sigmoid(raw[:, :2])
-            xy = xy * s - (s - 1) / 2
+            xy = raw[:, :2].detach() if head["new_coords"] else torch.sigmoid(raw[:, :2].detach())
+            xy = xy * s - (s - 1) / 2 + through[:, :2]
             size = torch.stack([pt[:, 3] * self.img_w, pt[:, 4] * self.img_h], -1).clamp(min=1e-9)  # pixels
             twh = torch.sqrt(size / (4 * anchor)) if head["new_coords"] else torch.log(size / anchor)
             target = torch.cat([torch.stack([pt[:, 1] * gw - pi, pt[:, 2] * gh - pj], -1), twh], -1)
@@ -184,7 +188,10 @@ class YoloLoss:
         else:
             if math.isfinite(head["max_delta"]):
                 raw = _ClipGrad.apply(raw, head["max_delta"] / batch_total)
-            decoded = self.decode(raw, k, anchor, (pi.to(dt), pj.to(dt)), (gh, gw))
+            with torch.no_grad():
+                decoded = self.decode(raw, k, anchor, (pi.to(dt), pj.to(dt)), (gh, gw))
+                size_factor = 1.0 if head["new_coords"] else torch.exp(raw[:, 2:4].clamp(max=10))
+            decoded = decoded + torch.cat([through[:, :2], through[:, 2:4] * size_factor], -1)
             box = iou_loss(decoded, pt[:, 1:5], head["iou_loss"])
         loss = head["iou_normalizer"] * (box / per_slot).sum()
 
