@@ -12,7 +12,7 @@ from planner.plan import Plan, Stage
 from swarm.data import make_batch, open_datasets, step_indices, training_batch
 from swarm.data.augment import Augment, Augmenter
 from swarm.errors import SwarmError
-from swarm.local.trainer import LocalTrainer, TrainConfig
+from swarm.local.trainer import LocalTrainer
 from tests.test_execution import _cfg, _local, _planned, _worst
 
 CFG = Path(__file__).resolve().parent / "cfg" / "darknet"

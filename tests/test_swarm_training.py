@@ -129,3 +129,21 @@ def test_replicas_of_dp_groups_on_the_testbed_equal_local(bed, local_runs, tmp_p
     assert "2 replicas taking 3,1 micro-batches" in r.stderr
     diff = worst(weights(out), local_runs(tuple(YOLO16), "float64").weights())
     assert diff[0] < 1e-9, diff
+
+
+def test_a_classifier_on_an_image_folder_under_dp_equals_local(bed, tmp_path):
+    """resnet18 on a class-per-folder data set (`swarm data sample --task classify`), dp over
+    the four devices, augmented as its cfg says (flip): the local trainer's weights; and the
+    run ends with the held-out top-1 accuracy."""
+    data = tmp_path / "classes"
+    r = run_swarm("data", "sample", data, "--task", "classify", "--count", "60", "--width", "80", "--height", "64")
+    assert r.returncode == 0, r.stderr
+    flags = ["--model", "resnet18", "--data", str(data), "--img-size", "64", "--batch-size", "8", "--microbatches",
+             "2", "--steps", "2", "--seed", "7", "--dtype", "float64"]
+    local = LocalRun(tmp_path / "local.pt", *flags, "--no-eval")
+    out = tmp_path / "swarm.pt"
+    r = swarm_in("dev0", "train", *flags, "--strategy", "dp", "--devices", "4", "--save", out)
+    assert r.returncode == 0, r.stderr
+    assert "augmentation: flip=1" in r.stderr and "top-1 accuracy = " in r.stdout
+    diff = worst(weights(out), local.weights())
+    assert diff[0] < 1e-9, diff
