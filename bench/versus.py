@@ -19,7 +19,11 @@ would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
 measured speeds; its re-costing, when auto does it, is printed under the run and kept in
 --json), ddp is bench/peers/ddp.py under torchrun, one node inside each device's namespace and
 cgroups (bench/peers/run_ddp.py), and pipe is bench/peers/pipe.py the same way: torch's own
-pipeline (torch.distributed.pipelining, Schedule1F1B), one stage per device. Each round runs
+pipeline (torch.distributed.pipelining, Schedule1F1B), one stage per device; alone is every
+device training its own share of the batch (batch / devices) with `swarm train --strategy
+local`, all at once, each in its cgroup, exchanging nothing: the sum of their rates is what the
+devices compute together on this host, whose cores they share (a ceiling for every run, lower
+than one device's rate times the devices when the host is the limit). Each round runs
 every run once, in the order of --runs, reversed every other round (so neither gains from the
 machine's drift).
 
@@ -60,8 +64,9 @@ from swarm.testbed import testbed
 HERE = Path(__file__).resolve().parent
 SWARM_RUNS = ("auto", "dp", "pp", "tiles", "hybrid")
 PREDICTED = re.compile(r"^predicted on [a-z ]+: ([0-9.]+) samples/s, ([0-9.]+) s a step$")
-# plan: the plan file --plan names (`swarm plan --out`); fixed: auto's first plan, never re-costed (--recost off)
-RUNS = (*SWARM_RUNS, "fixed", "plan", "ddp", "pipe")
+# plan: the plan file --plan names (`swarm plan --out`); fixed: auto's first plan, never re-costed (--recost off);
+# alone: every device trains its share of the batch by itself, all at once (no exchange): the ceiling on this host
+RUNS = (*SWARM_RUNS, "fixed", "plan", "ddp", "pipe", "alone")
 
 
 class Parser(argparse.ArgumentParser):
@@ -195,6 +200,37 @@ def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dic
             **read_output(r.stdout + r.stderr)}
 
 
+def train_alone(args: argparse.Namespace, metrics: Path, logs: Path) -> dict:
+    """Every device at once, each in its own cgroup, trains its share of the batch (batch /
+    devices, one micro-batch) by itself with `swarm train --strategy local`: what the devices
+    compute together when nothing is exchanged, on this host whose cores they share. A step's
+    rate is the sum of the devices' rates at that step."""
+    from peers.run_ddp import environment, stop, wait_nodes
+    from swarm.testbed.names import device_name
+
+    share = max(1, args.batch_size // args.devices)
+    logs.mkdir(parents=True, exist_ok=True)
+    nodes, files = [], []
+    for k in range(args.devices):
+        files.append(metrics.with_name(f"{metrics.stem}-{device_name(k)}.jsonl"))
+        command = [sys.executable, "-m", "swarm", "testbed", "exec", "--in-cgroup", device_name(k), "--",
+                   sys.executable, "-m", "swarm", "train", "--strategy", "local", "--model", args.model, "--img-size",
+                   str(args.img_size), "--batch-size", str(share), "--steps", str(args.steps), "--seed", "1",
+                   "--metrics", str(files[-1]), "--no-eval", "--save", str(files[-1].with_suffix(".pt"))]
+        with open(logs / f"alone-{device_name(k)}.log", "w") as log:
+            nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment(),
+                                          start_new_session=True))
+    failed, timed_out = wait_nodes(nodes, args.timeout)
+    stop(nodes)
+    if failed is not None or timed_out:
+        return {"error": out_of_memory() or (f"timed out after {args.timeout:g} s" if timed_out else
+                                             f"{device_name(failed)} failed: see {logs}")}
+    per_device = [[json.loads(line) for line in f.read_text().splitlines()] for f in files]
+    steps = [{"step": i + 1, "samples_per_s": sum(d[i]["samples_per_s"] for d in per_device),
+              "per_device": [d[i]["samples_per_s"] for d in per_device]} for i in range(args.steps)]
+    return {"steps": steps}
+
+
 def read_output(text: str) -> dict:
     """From what swarm train printed: the plan it started with ("plan" and "stage" lines),
     what re-costing measured, chose (its plan's lines) and did ("recost"), and what the
@@ -247,6 +283,8 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
             result = run_ddp(args.devices, train_args(args), metrics, work / label, args.timeout)
         elif run == "pipe":
             result = run_peer(PIPE, args.devices, train_args(args), metrics, work / label, args.timeout)
+        elif run == "alone":
+            result = train_alone(args, metrics, work / label)
         else:
             result = swarm_train(bench, run, args, metrics)
     result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory(),
