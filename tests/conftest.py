@@ -1,13 +1,27 @@
-"""Test set-up shared by every test: discovery pinned to loopback, small thread counts."""
+"""Test set-up shared by every test: discovery pinned to loopback, small thread counts, no silent skips in CI."""
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Under CI=true (.ci/run sets it) nothing CI is meant to run may skip: a test skips there only
+# for one of these reasons, what a CI machine may lack without the suite testing less than CI
+# means it to; any other skip (no root for the testbed, a testbed already up, a test extra
+# not installed) fails the test (pytest_runtest_makereport below).
+IN_CI = os.environ.get("CI", "").lower() == "true"
+ALLOWED_SKIPS = (
+    "no CUDA device on this machine",  # test_cuda, test_tiles_graph
+    "a CUDA device is here",           # test_planner_cli: what a machine without CUDA prints
+    "jemalloc is not installed here",  # test_malloc, test_memory_model: an optional system library
+    "systemd-analyze not installed",   # test_deploy_unit: .ci/run installs it where it can and says when not
+    "no external interface here",      # test_discovery: a container with loopback alone
+)
 
 # Discovery and connections never leave the machine in tests: every swarm command (and
 # every subprocess a test starts) sees this unless a test pins another interface itself.
@@ -50,6 +64,44 @@ def pytest_xdist_make_scheduler(config, log):
             return "machine-wide" if _module_of(nodeid) in MACHINE_WIDE else nodeid
 
     return MachineWideTogether(config, log)
+
+
+def _skip_reason(report) -> str:
+    if isinstance(report.longrepr, tuple):  # (path, line, "Skipped: why")
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return str(report.longrepr)
+
+
+def _fail_unexpected_skip(report, testbed: bool = False) -> None:
+    """Under CI=true, turn a skip whose reason is not in ALLOWED_SKIPS into a failure."""
+    if not IN_CI or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if any(allowed in reason for allowed in ALLOWED_SKIPS):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"skipped under CI=true: {reason}\nIn CI a test may skip only for what a CI machine may "
+                       f"lack (ALLOWED_SKIPS in tests/conftest.py); give this machine what the test needs"
+                       + (" (the testbed tests: root, and no testbed up)" if testbed else "") + ".")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_unexpected_skip(outcome.get_result(), item.get_closest_marker("testbed") is not None)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_unexpected_skip(outcome.get_result())  # a module skipped as a whole
+
+
+def pytest_runtest_setup(item):
+    """Before a testbed test (and its fixtures): clear a testbed left by an earlier run whose
+    processes are all gone, so that it does not keep this one from running."""
+    if item.get_closest_marker("testbed") is not None and os.geteuid() == 0:
+        clear_stale_testbed()
 
 
 @pytest.fixture(autouse=True)
@@ -116,13 +168,83 @@ def bed_in_use() -> bool:
         return True
 
 
+def testbed_processes() -> list[int]:
+    """The live processes of a namespace testbed on this machine, found without its record:
+    those whose command line names its folder (its agents), those running `swarm testbed`
+    (an `up` before it has started an agent), and those in its namespaces or cgroups."""
+    import shutil
+
+    from swarm.testbed import cgroups, netns, testbed
+    from swarm.testbed.names import state_dir
+
+    folder = f"{state_dir()}/".encode()
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if any(folder in arg for arg in args) or any(
+                arg == b"testbed" and args[i - 1].rpartition(b"/")[2] == b"swarm" for i, arg in enumerate(args) if i):
+            found.add(int(entry.name))
+    if shutil.which("ip"):
+        for ns in netns.namespaces():
+            found |= set(netns.namespace_pids(ns))
+    host = cgroups.detect()
+    for group in host.group_dirs() if host else []:
+        for directory in [group, *(group.iterdir() if group.is_dir() else [])]:
+            found |= set(cgroups.processes(directory))
+    found.discard(os.getpid())
+    return sorted(pid for pid in found if testbed._alive(pid))
+
+
+def testbed_left_over() -> bool:
+    """Whether anything of a namespace testbed is on this machine: its record (readable or not),
+    its namespaces, links or cgroups."""
+    import shutil
+
+    from swarm.testbed import cgroups, netns, testbed
+
+    host = cgroups.detect()
+    return (testbed.record_path().exists() or any(d.exists() for d in (host.group_dirs() if host else []))
+            or bool(shutil.which("ip") and (netns.namespaces() or netns.links())))
+
+
+def clear_stale_testbed() -> None:
+    """`swarm testbed down` for a testbed an earlier run left on this machine, when none of its
+    processes is alive (a testbed in use is left alone); said as a warning."""
+    if not testbed_left_over() or testbed_processes():
+        return
+    down = run_swarm("testbed", "down", timeout=60)
+    assert down.returncode == 0, f"`swarm testbed down` of a testbed left over failed: {down.stderr}"
+    warnings.warn(f"cleared a namespace testbed left by an earlier run, its processes gone ({down.stdout.strip()})",
+                  stacklevel=1)
+
+
+def testbed_unavailable(why: str):
+    """A testbed test that cannot get its testbed: skipped, or under CI=true failed."""
+    if IN_CI:
+        pytest.fail(f"{why}; under CI=true a testbed test must run, not skip", pytrace=False)
+    pytest.skip(why)
+
+
 def namespace_testbed(devices: int = 4, *flags):
-    """A generator for a fixture: `swarm testbed up` (skipping when one is already up on
-    the machine), the testbed record, then `swarm testbed down` whatever happened."""
+    """A generator for a fixture: `swarm testbed up` (after clearing one an earlier run left;
+    skipping, or failing under CI=true, when one is in use on the machine), the testbed
+    record, then `swarm testbed down` whatever happened."""
+    from swarm.errors import SwarmError
     from swarm.testbed import testbed
 
-    if bed_in_use():
-        pytest.skip("a namespace testbed is already up on this machine")
+    if os.geteuid() != 0:
+        testbed_unavailable("the namespace testbed needs root")
+    clear_stale_testbed()
+    try:
+        in_use = testbed.load() is not None
+    except SwarmError as exc:
+        testbed_unavailable(f"a namespace testbed's processes are alive and its record is unreadable: {exc}")
+    if in_use or testbed_left_over():
+        testbed_unavailable(f"a namespace testbed is in use on this machine (processes {testbed_processes()}; "
+                            f"`swarm testbed status` shows it)")
     up = run_swarm("testbed", "up", "--devices", devices, *flags, timeout=180)
     try:
         assert up.returncode == 0, up.stderr

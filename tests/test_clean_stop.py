@@ -14,10 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import trio
+import trio.testing
 
 from swarm.execution import launch
 from swarm.execution.launch import STOP_GRACE_S, SwarmOptions, SwarmRunner
@@ -54,6 +56,30 @@ def exited(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def runnable_threads(pid: int) -> int:
+    """How many of process `pid`'s threads are running or waiting for a core (state R)."""
+    count = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            count += (task / "stat").read_text().rsplit(")", 1)[-1].split()[0] == "R"
+        except OSError:  # the thread ended
+            pass
+    return count
+
+
+def wait_until_blocked(pid: int, quiet_s: float = 0.3, limit: float = 60.0) -> None:
+    """Wait until no thread of process `pid` has been runnable for `quiet_s` (looked at every
+    10 ms): it is waiting for something, not computing. Fails after `limit` seconds."""
+    started = time.monotonic()
+    quiet_since = started
+    while time.monotonic() - quiet_since < quiet_s:
+        assert not exited(pid), f"process {pid} exited while it was expected to wait"
+        assert time.monotonic() - started < limit, f"process {pid} still computing after {limit:g} s"
+        if runnable_threads(pid):
+            quiet_since = time.monotonic()
+        time.sleep(0.01)
+
+
 def seconds_to_exit(pid: int, sig: int, limit: float = 30.0) -> float:
     os.kill(pid, sig)
     sent = time.monotonic()
@@ -76,7 +102,7 @@ def surviving_agent_stop_seconds(directory) -> tuple[float, str]:
             lines.append(line)
             if line.startswith("step 2/"):
                 os.kill(pids["dev1"], signal.SIGSTOP)
-                time.sleep(0.5)  # dev0 reaches the next exchange and waits for dev1
+                wait_until_blocked(pids["dev0"])  # dev0 has reached the next exchange and waits for dev1
                 os.kill(pids["dev1"], signal.SIGKILL)
             if "rolling back to step" in line:
                 took = seconds_to_exit(pids["dev0"], signal.SIGTERM)
@@ -118,16 +144,19 @@ def test_agent_in_a_running_job_stops_within_5_s(tmp_path):
     env, pids = loopback_testbed(tmp_path, 2)
     proc = train_in(env, *FLAGS, "--steps", 40, "--strategy", "pp", "--devices", 2, "--wait", 30,
                     "--save", tmp_path / "pp.pt")
+    lines, took = [], None
     try:
         for line in proc.stderr:
+            lines.append(line)
             if line.startswith("step 2/"):
+                took = seconds_to_exit(pids["dev1"], signal.SIGINT)
                 break
-        took = seconds_to_exit(pids["dev1"], signal.SIGINT)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log = (tmp_path / "testbed" / "dev1.log").read_text(errors="replace")
         run_swarm("testbed", "down", env=env)
+    assert took is not None, "".join(lines)  # the job was computing when the signal came
     assert took < 5.0, log
 
 
@@ -137,7 +166,7 @@ def test_stopped_coordinator_saves_the_step_it_stopped_at(tmp_path):
     env, _ = loopback_testbed(tmp_path, 2)
     out = tmp_path / "stopped.pt"
     proc = train_in(env, *FLAGS, "--steps", 40, "--strategy", "pp", "--devices", 2, "--wait", 30, "--save", out)
-    lines = []
+    lines, sent = [], None
     try:
         for line in proc.stderr:
             lines.append(line)
@@ -145,6 +174,7 @@ def test_stopped_coordinator_saves_the_step_it_stopped_at(tmp_path):
                 proc.send_signal(signal.SIGTERM)
                 sent = time.monotonic()
                 break
+        assert sent is not None, "".join(lines)  # stopped mid-run, not after it
         lines += proc.stderr.readlines()
         proc.wait(timeout=30)
         took = time.monotonic() - sent
@@ -193,16 +223,20 @@ def test_a_stop_signal_ends_the_run_even_when_its_step_cannot(monkeypatch, stuck
     monkeypatch.setattr(launch, "STOP_GRACE_S", grace)
     runner, logged = _runner(monkeypatch, stuck)
 
+    default = signal.getsignal(signal.SIGTERM)
+
     async def main():
+        signalled = []
         async with trio.open_nursery() as nursery:
-            async def signal_soon():
-                await trio.sleep(0.2)
+            async def signal_once_it_listens():
+                await trio.testing.wait_all_tasks_blocked()  # the run waits, its signal watch too
+                assert signal.getsignal(signal.SIGTERM) != default and (runner.coordinator is not None) == stuck
+                signalled.append(trio.current_time())
                 os.kill(os.getpid(), signal.SIGTERM)
-            nursery.start_soon(signal_soon)
-            started = trio.current_time()
+            nursery.start_soon(signal_once_it_listens)
             with pytest.raises(KeyboardInterrupt):
                 await runner._main(None, None, 0, 10, None)
-            return trio.current_time() - started
+            return trio.current_time() - signalled[0]
 
     took = trio.run(main)
     if stuck:

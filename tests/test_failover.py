@@ -70,6 +70,13 @@ async def wait_forever(ctx):
     await trio.sleep_forever()
 
 
+async def handled(roster, node_id: str) -> None:
+    """Wait until the agent `node_id` has handled every message this roster sent it: a Ping
+    answered on the same connection (an agent handles a connection's messages in order)."""
+    conn = roster.device(node_id).conn
+    assert await roster._probe(node_id) and roster.device(node_id).conn is conn, "the connection closed"
+
+
 @pytest.mark.trio
 async def test_an_agent_keeps_the_newest_replica_of_its_coordinator_only():
     register_job_kind("wait", wait_forever)
@@ -89,7 +96,8 @@ async def test_an_agent_keeps_the_newest_replica_of_its_coordinator_only():
                     await sender.send("node0", JobReplica(r.job_id, r.term, r.step, r.to_body()))
                 await c.send("node0", JobReplica("train-1", 0, 9, replica(step=8).to_body()))  # says 9, holds 8
                 await c.send("node0", JobReplica("train-1", 0, 8, {"not": "a replica"}))
-                await trio.sleep(0.3)
+                await handled(c, "node0")
+                await handled(other, "node0")
                 assert list(agent.replicas) == ["train-1"] and agent.replicas["train-1"].step == 4
             nursery.cancel_scope.cancel()
 
@@ -113,7 +121,7 @@ async def test_a_replaced_coordinator_is_fenced():
                     await old.job("train-1", epoch=4).assign("node0", "wait", {})
                 refused = agents[0].refused_messages
                 await old.send("node0", JobData("train-1", 4, "x", {}))
-                await trio.sleep(0.2)
+                await handled(old, "node0")
                 assert agents[0].refused_messages == refused + 1
                 assert agents[0].job.coordinator_id == "new"
                 await new.job("train-1", epoch=first_epoch(1)).release("node0")  # the run ended
@@ -152,6 +160,13 @@ async def test_the_holders_elect_a_successor_when_the_coordinator_goes(tmp_path)
                             *argv[4:]], env
                 agent.detached.command_for = recorded
                 agents.append(agent)
+            elected = trio.Event()  # set once the second agent's election is over
+            real_elect = agents[1]._elect
+
+            async def elect_and_say(job, replica):
+                await real_elect(job, replica)
+                elected.set()
+            agents[1]._elect = elect_and_say
             devices = {"a0": {"node_id": "node0", "address": "127.0.0.1:9"}}
             devices.update({f"a{i}": {"node_id": a.node_id, "address": f"127.0.0.1:{a.port}"}
                             for i, a in zip((1, 2), agents)})
@@ -163,7 +178,9 @@ async def test_the_holders_elect_a_successor_when_the_coordinator_goes(tmp_path)
                 for a in agents:
                     await job.assign(a.node_id, "wait", {})
                     await coordinator.send(a.node_id, JobReplica("train-1", 0, r.step, r.to_body()))
-                await trio.sleep(0.3)
+                for a in agents:
+                    await handled(coordinator, a.node_id)
+                    assert a.replicas == {"train-1": r}
             # the coordinator is gone: its connections closed
             while "abc123" not in agents[0].detached.runs:
                 await trio.sleep(0.1)
@@ -174,6 +191,6 @@ async def test_the_holders_elect_a_successor_when_the_coordinator_goes(tmp_path)
             assert argv.startswith("--steps 8 ") and f"--take-over {run.folder / 'replica.json'}" in argv
             assert "--run-id abc123" in argv and run.term == 1
             assert Replica.from_body(__import__("json").loads((run.folder / "replica.json").read_text())) == r
-            await trio.sleep(0.5)
+            await elected.wait()
             assert agents[1].detached.runs == {}
             nursery.cancel_scope.cancel()
