@@ -217,3 +217,33 @@ def test_optimizers_step_without_importing_dynamo_and_to_the_same_weights(tmp_pa
         assert all(torch.equal(plain["model"][k], ours["model"][k]) for k in plain["model"])
         for k, state in plain["optimizer"]["state"].items():
             assert all(torch.equal(v, ours["optimizer"]["state"][k][n]) for n, v in state.items()), (name, k)
+
+
+def test_the_learning_rate_drops_a_tenth_at_each_step_given():
+    cfg = TrainConfig(lr=0.01, warmup=4, lr_drops=[6, 8])
+    assert [round(cfg.lr_at(s), 10) for s in range(10)] == [0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01, 0.001, 0.001,
+                                                            0.0001, 0.0001]
+    cfg = TrainConfig(lr=0.01, warmup=0)
+    cfg.resolve_lr_drops(1000)
+    assert cfg.lr_drops == [800, 900]  # darknet's yolo cfgs: steps at 80% and 90% of max_batches
+    cfg.resolve_lr_drops(50)
+    assert cfg.lr_drops == [800, 900]  # fixed once a run has started (a resumed run keeps them)
+    assert TrainConfig(lr=0.01, warmup=0, lr_drops=[]).lr_at(10**6) == 0.01
+
+
+def test_a_run_drops_its_learning_rate_near_its_end_unless_told_not_to(tmp_path):
+    import json
+
+    from swarm.cli import build_parser
+    from swarm.commands.train_cmd import run_flags
+
+    for drops, want in ((None, [8, 9]), ([], [])):
+        metrics = tmp_path / f"m{drops}.jsonl"
+        train(TrainConfig(model="lenet5", batch_size=4, steps=10, warmup=0, lr=0.01, lr_drops=drops), threads=1,
+              save=str(tmp_path / "c.pt"), metrics=str(metrics), evaluate_at_end=False, log=lambda s: None)
+        lrs = [json.loads(line)["lr"] for line in metrics.read_text().splitlines()]
+        assert [k for k in range(1, 10) if lrs[k] < lrs[k - 1]] == want
+        assert load_checkpoint(str(tmp_path / "c.pt"))["config"]["lr_drops"] == want
+    args = build_parser().parse_args(["train", "--lr-drops", "80,90"])
+    assert args.lr_drops == [80, 90] and run_flags(args) == ["--lr-drops", "80,90"]
+    assert run_flags(build_parser().parse_args(["train", "--lr-drops", "none"])) == ["--lr-drops", "none"]

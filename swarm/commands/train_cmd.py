@@ -68,6 +68,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lr", type=positive_float, help="learning rate (default: 0.001)")
     p.add_argument("--momentum", type=non_negative_float, help="SGD momentum (default: 0.9)")
     p.add_argument("--weight-decay", type=non_negative_float, help="weight decay on weights (default: 5e-4)")
+    p.add_argument("--lr-drops", type=lr_drops, metavar="N,M|none", help="steps from which the learning rate is a "
+                   "tenth as large again, as darknet's policy=steps (default: at 80%% and 90%% of the run's steps); "
+                   "none: constant after the warm-up")
     p.add_argument("--warmup", type=non_negative_int, help="steps of learning-rate warm-up (default: 20)")
     p.add_argument("--seed", type=non_negative_int, help="fixes initial weights and sample order (default: 0)")
     p.add_argument("--augment", choices=("on", "off"), help="on (default): each training sample shifted, flipped and "
@@ -164,8 +167,23 @@ def run_flags(args: argparse.Namespace) -> list[str]:
         if action.dest in AGENT_FLAGS or value is None or value == action.default:
             continue
         flag = next(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(value, list):  # --lr-drops
+            value = ",".join(map(str, value)) or "none"
         flags += [flag] if action.nargs == 0 else [flag, str(value)]
     return flags
+
+
+def lr_drops(text: str) -> list[int]:
+    """`--lr-drops`: step numbers, comma-separated and increasing, or none."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        steps = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not step numbers like 800,900 (or none)") from None
+    if any(v < 1 for v in steps) or steps != sorted(set(steps)):
+        raise argparse.ArgumentTypeError(f"'{text}': give increasing step numbers of 1 or more (or none)")
+    return steps
 
 
 def training_config(args: argparse.Namespace):
@@ -181,7 +199,7 @@ def training_config(args: argparse.Namespace):
 
         state = load_checkpoint(args.resume)
         saved = state.get("config", {})
-        saved = {"augment": False, **saved}  # a run from before augmentation trained without it
+        saved = {"augment": False, "lr_drops": [], **saved}  # a run from before these trained without them
         cfg = TrainConfig(**{f.name: saved[f.name] for f in fields(TrainConfig) if f.name in saved})
         cfg.model = state["model_name"] if "model" not in saved else saved["model"]
         if args.model and args.model != cfg.model:

@@ -46,6 +46,9 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4  # on conv and fully-connected weights only, as darknet does
     warmup: int = 20  # steps of linear learning-rate warm-up
+    # steps from which the learning rate is a tenth as large again (darknet's policy=steps with
+    # scales .1); None: at 80% and 90% of the run, set when it starts (resolve_lr_drops)
+    lr_drops: list[int] | None = None
     seed: int = 0  # initial weights and the order of samples
     classes: int | None = None  # built-in models: None means the data set's number of classes
     dtype: str = "float32"  # float64: slower, but any plan then matches local to ~1e-12 (see README)
@@ -69,12 +72,19 @@ class TrainConfig:
         return 0.001
 
     def lr_at(self, step: int) -> float:
-        """Learning rate for optimizer step `step` (0-based): linear warm-up, then constant.
-        It depends on the step alone, so a resumed run follows the same schedule."""
-        base = self.resolved_lr()
+        """Learning rate for optimizer step `step` (0-based): linear warm-up, then constant,
+        a tenth as large from each of `lr_drops` on. It depends on the step alone, so a resumed
+        run follows the same schedule."""
+        base = self.resolved_lr() * 0.1 ** sum(step >= drop for drop in self.lr_drops or ())
         if self.warmup > 0 and step < self.warmup:
             return base * (step + 1) / self.warmup
         return base
+
+    def resolve_lr_drops(self, total_steps: int) -> None:
+        """Fix the default drops at 80% and 90% of a run of `total_steps` (darknet's yolo cfgs
+        drop at 80% and 90% of max_batches), before the config goes to any device."""
+        if self.lr_drops is None:
+            self.lr_drops = [int(total_steps * 0.8), int(total_steps * 0.9)] if total_steps >= 10 else []
 
 
 DEFAULT_STEPS = 300
@@ -351,6 +361,7 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
     cfg_text = state.get("cfg") if state else None
     cfg, train_set, heldout = prepare(cfg, cfg_text)
     total_steps = resolve_steps(cfg, len(train_set))
+    cfg.resolve_lr_drops(total_steps)
     trainer = make_trainer(cfg, cfg_text, state)
     check_classes(trainer.desc, cfg, train_set)
     skipped = getattr(train_set, "skipped", [])
