@@ -13,7 +13,9 @@ each device's cgroup counts its peak memory from zero). A swarm run is the comma
 would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
 
     swarm train --model yolov2-16 --img-size 416 --batch-size B --microbatches M --steps S --seed 1
-                --strategy RUN --devices N --metrics FILE --no-eval
+                --strategy RUN --devices N --metrics FILE --no-eval --augment off
+
+(without augmentation, as the peers train: the runs compare training, not the data pipeline)
 
 (`fixed` is auto with `--recost off`: its first plan kept, never re-costed on the devices'
 measured speeds; its re-costing, when auto does it, is printed under the run and kept in
@@ -190,6 +192,7 @@ def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dic
                         *(["--plan", Path(args.plan).resolve()] if run == "plan" else
                           ["--strategy", "auto", "--recost", "off", "--devices", args.devices] if run == "fixed" else
                           ["--strategy", run, "--devices", args.devices]), "--metrics", metrics, "--no-eval",
+                        "--augment", "off",
                         "--save", metrics.with_suffix(".pt"), check=False, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": out_of_memory() or f"timed out after {args.timeout:g} s"}
@@ -216,7 +219,8 @@ def train_alone(args: argparse.Namespace, metrics: Path, logs: Path) -> dict:
         command = [sys.executable, "-m", "swarm", "testbed", "exec", "--in-cgroup", device_name(k), "--",
                    sys.executable, "-m", "swarm", "train", "--strategy", "local", "--model", args.model, "--img-size",
                    str(args.img_size), "--batch-size", str(share), "--steps", str(args.steps), "--seed", "1",
-                   "--metrics", str(files[-1]), "--no-eval", "--save", str(files[-1].with_suffix(".pt"))]
+                   "--metrics", str(files[-1]), "--no-eval", "--augment", "off", "--save",
+                   str(files[-1].with_suffix(".pt"))]
         with open(logs / f"alone-{device_name(k)}.log", "w") as log:
             nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment(),
                                           start_new_session=True))

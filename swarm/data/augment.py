@@ -102,20 +102,19 @@ def _array(im) -> np.ndarray:
     return np.ascontiguousarray(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
 
 
-def _fill(img: np.ndarray):
-    return PAD_GREY if img.shape[0] == 1 else (PAD_GREY,) * 3
+def _fill(im):
+    return PAD_GREY if im.mode == "L" else (PAD_GREY,) * 3
 
 
-def crop(img: np.ndarray, boxes: np.ndarray, window: tuple[float, float, float, float],
-         keep_all: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The part `window` (x0, y0, x1, y1, in pixels, may reach outside) of `img` (C, H, W)
+def crop(im, boxes: np.ndarray, window: tuple[float, float, float, float], keep_all: bool):
+    """The part `window` (x0, y0, x1, y1, in pixels, may reach outside) of the PIL image `im`
     stretched to the whole image, grey where it is outside; boxes (class, cx, cy, w, h,
     relative) moved with it and clipped to it (those left too small dropped unless `keep_all`)."""
     from PIL import Image
 
-    _, height, width = img.shape
+    width, height = im.size
     x0, y0, x1, y1 = window
-    im = _pil(img).transform((width, height), Image.EXTENT, (x0, y0, x1, y1), Image.BILINEAR, fillcolor=_fill(img))
+    out_im = im.transform((width, height), Image.EXTENT, (x0, y0, x1, y1), Image.BILINEAR, fillcolor=_fill(im))
     sx, sy = width / (x1 - x0), height / (y1 - y0)
     out = boxes.copy()
     if len(boxes):
@@ -124,7 +123,7 @@ def crop(img: np.ndarray, boxes: np.ndarray, window: tuple[float, float, float, 
         top = ((boxes[:, 2] - boxes[:, 4] / 2) * height - y0) * sy
         bottom = ((boxes[:, 2] + boxes[:, 4] / 2) * height - y0) * sy
         out = clip_boxes(boxes[:, 0], left, top, right, bottom, width, height, keep_all)
-    return _array(im), out
+    return out_im, out
 
 
 def clip_boxes(cls, left, top, right, bottom, width: int, height: int, keep_all: bool,
@@ -142,22 +141,22 @@ def clip_boxes(cls, left, top, right, bottom, width: int, height: int, keep_all:
     return out[keep].astype(np.float32).reshape(-1, 5)
 
 
-def recolour(img: np.ndarray, rng: np.random.Generator, aug: Augment) -> np.ndarray:
-    """Hue shifted, saturation and exposure scaled (an image of one channel: exposure only)."""
-    from PIL import Image
+def _table(factor: float) -> list[int]:
+    return np.clip(np.arange(256) * factor + 0.5, 0, 255).astype(np.uint8).tolist()
 
+
+def recolour(im, rng: np.random.Generator, aug: Augment):
+    """The PIL image with its hue turned, saturation and exposure scaled (one of one channel:
+    exposure only), by per-channel tables over its HSV form."""
     dhue = rng.uniform(-aug.hue, aug.hue) if aug.hue else 0.0
     dsat = _scale(rng, aug.saturation) if aug.saturation != 1 else 1.0
     dexp = _scale(rng, aug.exposure) if aug.exposure != 1 else 1.0
     if dhue == 0 and dsat == 1 and dexp == 1:
-        return img
-    if img.shape[0] == 1:
-        return np.clip(img.astype(np.float32) * dexp + 0.5, 0, 255).astype(np.uint8)
-    hsv = np.asarray(_pil(img).convert("HSV"), dtype=np.float32).copy()
-    hsv[..., 0] = np.mod(hsv[..., 0] + dhue * 256.0, 256.0)
-    hsv[..., 1] = np.clip(hsv[..., 1] * dsat, 0, 255)
-    hsv[..., 2] = np.clip(hsv[..., 2] * dexp, 0, 255)
-    return _array(Image.fromarray((hsv + 0.5).astype(np.uint8), "HSV").convert("RGB"))
+        return im
+    if im.mode == "L":
+        return im.point(_table(dexp))
+    turn = ((np.arange(256) + int(round(dhue * 256))) % 256).tolist()
+    return im.convert("HSV").point(turn + _table(dsat) + _table(dexp)).convert("RGB")
 
 
 class Augmenter:
@@ -171,21 +170,21 @@ class Augmenter:
 
     def one(self, img: np.ndarray, boxes: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """One image's crop jitter, flip, rotation and colour."""
+        from PIL import Image
+
         aug, (_, height, width) = self.aug, img.shape
+        im = _pil(img)
         if aug.jitter:
             dl, dt, dr, db = rng.uniform(-aug.jitter, aug.jitter, size=4)
-            img, boxes = crop(img, boxes, (dl * width, dt * height, width - dr * width, height - db * height),
-                              keep_all=self.classify)
+            im, boxes = crop(im, boxes, (dl * width, dt * height, width - dr * width, height - db * height),
+                             keep_all=self.classify)
         if aug.flip and rng.random() < 0.5:
-            img = np.ascontiguousarray(img[:, :, ::-1])
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
             boxes = boxes.copy()
             boxes[:, 1] = 1.0 - boxes[:, 1]
         if aug.angle and self.classify:
-            from PIL import Image
-
-            turn = rng.uniform(-aug.angle, aug.angle)
-            img = _array(_pil(img).rotate(turn, Image.BILINEAR, fillcolor=_fill(img)))
-        return recolour(img, rng, aug), boxes
+            im = im.rotate(rng.uniform(-aug.angle, aug.angle), Image.BILINEAR, fillcolor=_fill(im))
+        return _array(recolour(im, rng, aug)), boxes
 
     def sample(self, dataset, index: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         rng = self.rng(index, step)
