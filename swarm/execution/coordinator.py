@@ -8,12 +8,22 @@ inprocess.LocalControl for devices in this process):
 
     endpoint = await control.start_epoch(epoch, job)   # (re)start every device of job.plan
     lost = await control.next_loss()                    # names of devices that died or failed
+    control.gone()                                      # names of the devices known dead now
     control.alive()                                     # names of the devices that answer now
+
+No wait without a watch: for the whole run, in every phase (the steps, and each phase of a
+recovery: roll-back, re-plan, migration, replay), a watch takes the control's news of lost
+devices (and looks at what it knows dead, in case news went astray) and cancels the phase
+under way when a device it depends on is among them. Whatever that phase waited for (a
+device's ready, a backup, the layers of a migration, an assignment) ends there, and the next
+recovery starts from what the cancelled one left, without the devices lost meanwhile. A run
+that cannot go on ends with one line (a SwarmError) saying why and where its checkpoint is.
 
 What it sends and receives, and the keys, are in channels.py.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -42,6 +52,11 @@ RECOST_AFTER = 2
 # lapsed on a busy machine, its probe went unanswered) gets this long to be heard from again
 # before a coordinator left with no other device of its plan gives the run up
 PRESUMED_GRACE_S = 5.0
+# the loss watch also looks this often at the devices the control knows dead (control.gone()),
+# so that a loss whose news went astray still ends the waits on that device
+GONE_POLL_S = 0.5
+# the phases of a recovery, as phase_hook hears of them (tests use it to lose a device in each)
+RECOVERY_PHASES = ("roll-back", "re-plan", "migration", "replay")
 
 
 @dataclass
@@ -125,6 +140,17 @@ class TrainingCoordinator:
         self.epoch_steps = 0  # steps committed in this epoch
         self.recost_epochs: set[int] = set()  # epochs started by a re-costed plan (not costed again)
         self.better = None  # a planner.recost.Recost whose plan waits for a backup step
+        # the loss watch (_watch_losses): the devices the phase under way depends on, the phase
+        # (a cancel scope), the losses that cancelled it, and the devices the recovery under way
+        # has already written off (the next one leaves them out too, if this one is cut short)
+        self.watched: set[str] = set()
+        self.phase: trio.CancelScope | None = None
+        self.news: set[str] = set()
+        self.recovering: set[str] = set()
+        # tests: async (phase) -> None, awaited as a recovery reaches each of RECOVERY_PHASES
+        # (for "re-plan", from inside the re-plan's thread, while it runs); None in a real run
+        self.phase_hook = None
+        self.checkpoint_path: str | None = None  # where save_hook writes (named when a run gives up)
 
     def take_over(self, epoch: int, step: int, holdings: dict[str, set[int]]) -> None:
         """Carry on a run whose coordinator was lost: its newest complete backup is at `step`,
@@ -138,6 +164,7 @@ class TrainingCoordinator:
         """Start `plan` on its devices from committed step `start`."""
         plan.backups = plan.backups or backup_holders(plan)
         self.plan = plan
+        self.recovering, self.watched = set(), set(plan.used_devices())
         self.epoch_steps, self.better = 0, None
         self.job = replace(self.job, plan=plan, epoch=self.epoch, start_step=start, moves=moves)
         self.layout = Layout(plan, self.trainer.desc, TileGeometry(plan, self.trainer.desc))
@@ -160,7 +187,22 @@ class TrainingCoordinator:
 
     # ---- data --------------------------------------------------------------------------
     async def get(self, key):
-        return await self.ep.mailbox.get(key, self.job.timeout_s)
+        """A device's message (ready, state: the device is the key's last element). A lost
+        device ends the wait through the loss watch; one that still counts as alive and does not
+        answer within the job's timeout ends the run, in one line."""
+        try:
+            return await self.ep.mailbox.get(key, self.job.timeout_s)
+        except trio.TooSlowError:
+            raise self.give_up(f"{key[-1]} sent no {key[0]} for step {key[1] + 1} within {self.job.timeout_s:g} s, "
+                               f"yet still counts as alive") from None
+
+    def give_up(self, why: str) -> SwarmError:
+        """The one line a run that cannot go on ends with: why, and where it can be taken up."""
+        where = ""
+        if self.checkpoint_path and os.path.exists(self.checkpoint_path):
+            where = (f"; its checkpoint (step {self.own_step}) is {self.checkpoint_path}: `swarm train --resume "
+                     f"{self.checkpoint_path}` carries it on")
+        return SwarmError(f"{why}; training stopped after step {self.furthest}{where}")
 
     def load_batch(self, step: int):
         return training_batch(self.trainer, self.train_set, step)
@@ -193,37 +235,62 @@ class TrainingCoordinator:
         """Train from the trainer's step to `total_steps` (or until asked to stop), surviving
         lost devices; then collect the weights into the trainer. `lost`: the run is taken over
         from a lost coordinator (take_over): first recover without these devices."""
-        if lost is None:
-            await self.start_epoch(self.plan, self.committed,
-                                   from_coordinator(self.plan, self.committed, len(self.trainer.desc.layers)))
-        else:
-            await self.recover(lost)
+        failure: SwarmError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_losses)
+            nursery.start_soon(self._watch_joins)
+            try:
+                await self._phases(total_steps, on_step, lost)
+            except SwarmError as exc:  # raised as itself, not in an exception group
+                failure = exc
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _phases(self, total_steps: int, on_step, lost: set[str] | None) -> None:
+        """Start (or recover), then the steps; a loss the watch reports cancels whichever is
+        under way, and the next recovery goes on from there."""
         while True:
-            lost: set[str] = set()
-            async with trio.open_nursery() as nursery:
-                scope = trio.CancelScope()
-
-                async def watch() -> None:
-                    while True:  # a loss already dealt with (reported twice, or gone from the plan) is news to no one
-                        news = await self.control.next_loss() & set(self.plan.used_devices())
-                        if news:
-                            lost.update(news)
-                            scope.cancel()
-                            return
-
-                nursery.start_soon(watch)
-                nursery.start_soon(self._watch_joins)
-                with scope:
-                    await self._steps(total_steps, on_step)
-                nursery.cancel_scope.cancel()
-            if not lost:
+            self.news = set()
+            self.phase = trio.CancelScope()
+            with self.phase:
+                if lost is None:
+                    await self.start_epoch(self.plan, self.committed,
+                                           from_coordinator(self.plan, self.committed, len(self.trainer.desc.layers)))
+                else:
+                    await self.recover(lost)
+                await self._steps(total_steps, on_step)
+            cancelled, self.phase = self.phase.cancelled_caught, None
+            if not cancelled:
                 break
+            lost = self.recovering | self.news  # a recovery cut short: its losses, and the new ones
             if self.should_stop():  # asked to stop: not worth a re-plan; the last weights collected stand
                 self.log(f"lost {', '.join(sorted(lost))} while stopping; stopping at step {self.own_step}, the "
                          f"last one whose weights were collected")
                 self.stopped_early = True
                 break
-            await self.recover(lost)
+        self.watched = set()
+
+    async def _watch_losses(self) -> None:
+        """For the whole run: a device the phase under way depends on that the control reports
+        lost, or knows dead, cancels that phase (a loss reported twice, or of a device no longer
+        in the plan, is news to no one)."""
+        while True:
+            with trio.move_on_after(GONE_POLL_S):
+                self._lost(await self.control.next_loss())
+            self._lost(self.control.gone())
+
+    def _lost(self, devices: set[str]) -> None:
+        news = set(devices) & self.watched
+        if news:
+            self.news |= news
+            self.watched -= news
+            if self.phase is not None:
+                self.phase.cancel()
+
+    async def _reached(self, phase: str) -> None:
+        if self.phase_hook is not None:
+            await self.phase_hook(phase)
 
     async def _watch_joins(self) -> None:
         while True:
@@ -273,6 +340,8 @@ class TrainingCoordinator:
             if on_step is not None:
                 on_step(StepReport(self.committed, loss, time.monotonic() - t0, busy, times, self.epoch,
                                    self.committed <= self.replay_until, backup))
+            if self.committed < self.replay_until:
+                await self._reached("replay")  # a replayed step committed, and more are to be replayed
             self.epoch_steps += 1
             if self.epoch_steps == RECOST_AFTER and not is_last and self.recost is not None \
                     and self.epoch not in self.recost_epochs and self.committed > self.replay_until:
@@ -313,16 +382,23 @@ class TrainingCoordinator:
 
     # ---- failures ----------------------------------------------------------------------
     async def recover(self, lost: set[str]) -> None:
-        """Roll back to the newest complete backup, re-plan without `lost`, start a new epoch."""
+        """Roll back to the newest complete backup, re-plan without `lost`, start a new epoch.
+        A device the recovery counts on that is lost meanwhile cancels it (the loss watch, in
+        each of its phases), and the next one starts from what this one left: without its
+        losses (`recovering`) and the new ones, from the newest backup they all have."""
         detected = trio.current_time()
         if self.recoveries_in_a_row >= self.max_recoveries:
-            raise SwarmError(f"lost {', '.join(sorted(lost))} after {self.recoveries_in_a_row} recoveries that never "
-                             f"got past step {self.furthest}; giving up")
+            raise self.give_up(f"lost {', '.join(sorted(lost))} after {self.recoveries_in_a_row} recoveries that "
+                               f"never got past step {self.furthest}")
         self.recoveries_in_a_row += 1
+        used = set(self.plan.used_devices())
+        # roll-back: which devices are left, and so the newest backup they all have
+        self.recovering, self.watched = set(lost), used - lost
         alive = set(self.control.alive())
-        if not (set(self.plan.used_devices()) & alive) - lost - {self.own_device}:
-            alive = await self.heard_again(set(self.plan.used_devices()) - alive - lost)
-        dead = (set(self.plan.used_devices()) - alive) | lost
+        if not (used & alive) - lost - {self.own_device}:
+            alive = await self.heard_again(used - alive - lost)
+        dead = (used - alive) | lost
+        self.recovering, self.watched = dead, used - dead
         self.joined |= lost & alive  # lost for a broken link, it still answers: taken in again at a backup step
         survivors = [d for d in self.plan.used_devices() if d not in dead]
         if self.replicate is not None and not set(survivors) - {self.own_device}:
@@ -330,14 +406,16 @@ class TrainingCoordinator:
                              f"{self.committed}: those that are alive elect another coordinator from this run's "
                              f"replica, which carries the run on; this one gives up")
         if not survivors:
-            raise SwarmError(f"lost every device of the plan ({', '.join(sorted(dead))}); training stopped after "
-                             f"step {self.committed}")
-        try:
-            change = replan(self.plan, self.trainer.desc, dead, survivors, self.strategy, prefer=self.recovery)
-        except PlanError as exc:
-            raise SwarmError(f"lost {', '.join(sorted(dead))} and cannot re-plan over {', '.join(survivors)}: {exc}"
-                             ) from None
+            raise self.give_up(f"lost every device of the plan ({', '.join(sorted(dead))})")
         self.backups.lose(dead)
+        await self._reached("roll-back")
+        # re-plan, in a thread (a heavy one takes a while, and heartbeats go on meanwhile)
+        try:
+            change = await trio.to_thread.run_sync(self._replan, dead, survivors)
+        except PlanError as exc:
+            raise self.give_up(f"lost {', '.join(sorted(dead))} and cannot re-plan over {', '.join(survivors)}: "
+                               f"{exc}") from None
+        await trio.lowlevel.checkpoint()  # a device lost while it ran: that plan is stale, and this is cancelled
         layer_count = len(self.trainer.desc.layers)
         if self.recovery == "heavy":
             moves, start = from_coordinator(change.plan, self.own_step, layer_count), self.own_step
@@ -350,7 +428,15 @@ class TrainingCoordinator:
         self.epoch += 1
         self.recoveries.append(Recovery(self.epoch, sorted(dead), change.how, change.why, start, detected,
                                         plan=change.plan))
+        # migration: the new epoch's devices go back to `start`, taking the layers they lack
         await self.start_epoch(change.plan, start, moves)
+        await self._reached("migration")
+
+    def _replan(self, dead: set[str], survivors: list[str]):
+        """planner.replan over the survivors (in a thread: no trio here but the test hook)."""
+        if self.phase_hook is not None:
+            trio.from_thread.run(self.phase_hook, "re-plan")
+        return replan(self.plan, self.trainer.desc, dead, survivors, self.strategy, prefer=self.recovery)
 
     async def heard_again(self, presumed: set[str]) -> set[str]:
         """The devices alive once one of `presumed` (not alive, but not the loss recovered

@@ -12,19 +12,27 @@ import trio
 
 from planner.baselines import simple_plan
 from planner.plan import Plan
-from swarm.errors import run_trio
+from swarm.errors import SwarmError, run_trio
 from swarm.execution.channels import COORDINATOR
-from swarm.execution.coordinator import TrainingCoordinator
+from swarm.execution.coordinator import RECOVERY_PHASES, TrainingCoordinator
 from swarm.execution.endpoint import LocalNetwork
 from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import DeviceWorker, JobSpec
 from swarm.local.trainer import LocalTrainer
 
 
+# a worker that fails waits this long for a loss that explains it (a new epoch cancels it),
+# as RosterControl does for a part that failed on a device that is fine; then the run stops
+FAILURE_GRACE_S = 10.0
+# a phase event's loss is given this long to be noticed while its phase goes on
+NOTICE_S = 0.05
+
+
 class LocalControl:
     """Devices in this process with epochs: each epoch gets a fresh in-memory network (so
     nothing of an older epoch reaches a newer one); killing a device cancels its worker and
-    forgets everything it held, as a power cut would."""
+    forgets everything it held, as a power cut would. A dead device cannot take a part in a
+    new epoch (as an assignment to it fails): its loss is reported again."""
 
     def __init__(self, devices: list[str], nursery: trio.Nursery):
         self.devices = list(devices)
@@ -49,6 +57,9 @@ class LocalControl:
         network = LocalNetwork()
         coordinator = network.endpoint(COORDINATOR)
         for d in job.plan.used_devices():
+            if d in self.dead:
+                self._loss_send.send_nowait({d})
+                continue
             scope = trio.CancelScope()
             self.scopes[d] = scope
             self.nursery.start_soon(self._run, scope, DeviceWorker(network.endpoint(d), job, self.stores[d]))
@@ -57,14 +68,23 @@ class LocalControl:
     @staticmethod
     async def _run(scope: trio.CancelScope, worker: DeviceWorker) -> None:
         with scope:
-            await worker.run()
+            try:
+                await worker.run()
+            except Exception as exc:  # noqa: BLE001 (one line, unless a new epoch makes it moot first)
+                await trio.sleep(FAILURE_GRACE_S)
+                raise SwarmError(f"{worker.device} failed: {type(exc).__name__}: {exc}") from exc
 
     def kill(self, device: str) -> None:
+        self.vanish(device)
+        self._loss_send.send_nowait({device})
+
+    def vanish(self, device: str) -> None:
+        """A device that dies and whose loss is reported to no one (the news went astray):
+        only gone() knows it, as a roster knows a device dead whatever was reported."""
         if device in self.scopes:
             self.scopes.pop(device).cancel()
         self.stores[device] = DeviceStore()
         self.dead.add(device)
-        self._loss_send.send_nowait({device})
 
     def revive(self, device: str) -> None:
         """A device that comes back (empty-handed) or a new one."""
@@ -85,6 +105,9 @@ class LocalControl:
     def alive(self) -> list[str]:
         return [d for d in self.devices if d not in self.dead and d not in self.silent]
 
+    def gone(self) -> set[str]:
+        return set(self.dead)
+
     async def next_loss(self) -> set[str]:
         return await self._loss_recv.receive()
 
@@ -98,12 +121,20 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
                           recovery: str = "auto", recost=None):
     """Train `trainer` (its weights are the start, and receive the result) to `total_steps`
     with `plan`, all devices in this process. `events` are (committed step,
-    "kill"|"revive"|"silence"|"hear", device, delay seconds): after that step commits, wait
-    `delay`, then do it; `recovery` as `swarm train --recovery` says; `recost` as
-    TrainingCoordinator.recost. Returns the coordinator (its `recoveries` say what happened)."""
+    "kill"|"vanish"|"revive"|"silence"|"hear", device, delay seconds): after that step
+    commits, wait `delay`, then do it ("vanish": killed, and its loss reported to no one); or
+    (phase, action, device, delay) with a phase of coordinator.RECOVERY_PHASES: the first time
+    a recovery reaches that phase, wait `delay`, do it, and let the phase go on for NOTICE_S, so
+    that the loss lands in that phase ("re-plan": while the re-plan's thread waits for it).
+    `recovery` as `swarm train --recovery` says; `recost` as TrainingCoordinator.recost.
+    Returns the coordinator (its `recoveries` say what happened)."""
     plan.validate(trainer.desc)
     job = JobSpec(plan, trainer.cfg, trainer.cfg_text, timeout_s=timeout_s, backup_interval=backup_interval)
-    pending = sorted(events)
+    pending = sorted(e for e in events if not isinstance(e[0], str))
+    in_phases = [e for e in events if isinstance(e[0], str)]
+    unknown = {e[0] for e in in_phases} - set(RECOVERY_PHASES)
+    if unknown:
+        raise ValueError(f"no recovery phase {', '.join(sorted(unknown))}; there are {', '.join(RECOVERY_PHASES)}")
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -123,6 +154,14 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
                 await trio.sleep(delay)
                 getattr(control, action)(device)
 
+            async def reached(phase: str) -> None:
+                for event in [e for e in in_phases if e[0] == phase]:
+                    in_phases.remove(event)
+                    await act(*event[1:])
+                    await trio.sleep(NOTICE_S)
+
+            if in_phases:
+                coordinator.phase_hook = reached
             await coordinator.run(total_steps, stepped)
             nursery.cancel_scope.cancel()
             return coordinator

@@ -368,6 +368,7 @@ class SwarmRunner:
                 coordinator.take_over(first_epoch(replica.term + 1), replica.step,
                                       {d: set(layers) for d, layers in replica.holdings.items()})
                 lost = {n for n, node in replica_nodes(replica).items() if node == replica.coordinator} - set(names)
+            coordinator.checkpoint_path = o.save_path if save_hook else None
             if o.run_id:
                 coordinator.replicate = lambda: self._replicate(cluster, control, coordinator)
                 coordinator.own_device = next((n for n, d in names.items() if d.node_id == own_agent(cluster)), None)
@@ -510,10 +511,21 @@ class RosterControl:
         return sorted(out)
 
     async def next_loss(self) -> set[str]:
+        """Lost devices: a loss that only concerned an older epoch (a broken link) is news no
+        longer, unless the device does not answer now (it died: a loss reported while the
+        coordinator was between epochs must not be dropped with that epoch)."""
         while True:
             epoch, names = await self._loss_recv.receive()
             if epoch is None or epoch >= self.epoch:
                 return names
+            gone = set(names) - set(self.alive())
+            if gone:
+                return gone
+
+    def gone(self) -> set[str]:
+        """The devices the swarm knows dead or departed (whether or not their loss was reported)."""
+        return {name for name, d in self.names.items()
+                if getattr(self.cluster.device(d.node_id), "health", None) in ("dead", "left")}
 
     async def next_join(self) -> set[str]:
         return await self._join_recv.receive()

@@ -17,6 +17,12 @@ sides, and names where the rest is.
    moves; at the new epoch's start each device sends what others take from it and gathers
    its stages' states (DeviceBackups.send_moves and states_for). Devices that join or come
    back are taken in the same way at a complete backup step.
+5. A loss during a recovery. The coordinator's loss watch runs through every phase (roll-back,
+   re-plan, migration, replay: coordinator.RECOVERY_PHASES), so a device lost in one cancels
+   the recovery there and starts the next over the survivors, from the newest backup they all
+   still have (or the coordinator's own copy). Whatever waited on the device ends with it: the
+   coordinator's waits with the cancelled phase, the workers' with their epoch, which the next
+   epoch cancels. tests/test_recovery_faults.py loses a device in each phase.
 
 Layer states are flat dicts keyed like the model's state_dict ("layers.12.conv.weight",
 "layers.12.bn.running_mean") plus optimizer slots ("layers.12.conv.weight|momentum_buffer"),
@@ -167,11 +173,6 @@ class DeviceStore:
                 snap.states = select(snap.states, layers)
         if step in self.held:
             self.held[step] = select(self.held[step], layers)
-
-    def nbytes(self) -> int:
-        """The bytes of every tensor it keeps."""
-        kept = [s.states for s in self.snapshots] + list(self.held.values())
-        return sum(t.nbytes for states in kept for t in states.values())
 
     def states_at(self, step: int, layers) -> LayerStates:
         """This device's knowledge of `layers` at `step`: its own snapshot and what it holds."""
