@@ -21,6 +21,7 @@ import torch
 import trio
 import trio.testing
 
+from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.execution import launch
 from swarm.execution.launch import STOP_GRACE_S, SwarmOptions, SwarmRunner
 from tests.conftest import ROOT, run_swarm
@@ -67,7 +68,7 @@ def runnable_threads(pid: int) -> int:
     return count
 
 
-def wait_until_blocked(pid: int, quiet_s: float = 0.3, limit: float = 60.0) -> None:
+def wait_until_blocked(pid: int, limit: float, quiet_s: float = 0.3) -> None:
     """Wait until no thread of process `pid` has been runnable for `quiet_s` (looked at every
     10 ms): it is waiting for something, not computing. Fails after `limit` seconds."""
     started = time.monotonic()
@@ -102,7 +103,9 @@ def surviving_agent_stop_seconds(directory) -> tuple[float, str]:
             lines.append(line)
             if line.startswith("step 2/"):
                 os.kill(pids["dev1"], signal.SIGSTOP)
-                wait_until_blocked(pids["dev0"])  # dev0 has reached the next exchange and waits for dev1
+                # dev0 reaches the next exchange and waits for dev1, which the coordinator still
+                # counts in (a silent device is lost once it has been suspect and failed its probe)
+                wait_until_blocked(pids["dev0"], limit=BUSY_SUSPECT_AFTER + BUSY_PROBE_TIMEOUT)
                 os.kill(pids["dev1"], signal.SIGKILL)
             if "rolling back to step" in line:
                 took = seconds_to_exit(pids["dev0"], signal.SIGTERM)
