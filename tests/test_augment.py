@@ -179,12 +179,12 @@ def test_training_sees_augmented_samples_and_augment_off_does_not(tmp_path):
     assert np.array_equal(training_batch(off, data, 0)[0], make_batch(data, step_indices(len(data), 8, 0, 7))[0])
 
 
-@pytest.mark.parametrize("kind", ["pp2", "dp"])
-def test_a_plan_with_mosaic_and_every_option_equals_local(tmp_path, kind):
+def test_a_plan_with_mosaic_and_every_option_equals_local(tmp_path):
+    """A dp group sharing each micro-batch unevenly (every plan kind trains augmented against
+    local in tests/test_execution.py and tests/test_graph_plans.py, with the cfgs' options)."""
     model = _mosaic_cfg(tmp_path)
     cfg = _cfg(model, 2)
-    stages = ([Stage(0, 13, "single", ["d0"]), Stage(13, 38, "single", ["d1"])] if kind == "pp2" else
-              [Stage(0, 38, "dp", ["d0", "d1", "d2"], allocation={"d0": 2, "d1": 1, "d2": 1})])
+    stages = [Stage(0, 38, "dp", ["d0", "d1", "d2"], allocation={"d0": 2, "d1": 1, "d2": 1})]
     trainer = _planned(cfg, Plan(model, 64, 8, 2, stages))
     worst, key = _worst(trainer.net.state_dict(), _local(cfg))
     assert worst < 1e-9, (key, worst)

@@ -9,7 +9,7 @@ from swarm.local.trainer import LocalTrainer, TrainConfig, train
 
 @pytest.mark.slow
 def test_yolov2_16_learns_the_synthetic_shapes():
-    cfg = TrainConfig(model="yolov2-16", img_size=64, steps=300, batch_size=16, seed=1)
+    cfg = TrainConfig(model="yolov2-16", img_size=64, steps=300, batch_size=16, seed=1, augment=False, lr_drops=[])
     summary = train(cfg, threads=2, log=lambda s: None)
     untrained = LocalTrainer(TrainConfig(model="yolov2-16", img_size=64, seed=1, classes=5))
     from swarm.data import open_datasets

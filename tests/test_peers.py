@@ -79,12 +79,13 @@ def test_ddp_writes_one_metrics_line_per_step(ddp_run):
 
 
 def train_locally(settings: dict) -> tuple[dict, list[float], dict]:
-    """LocalTrainer's run of `settings`: (its first weights, each step's loss, its last weights)."""
+    """LocalTrainer's run of `settings`: (its first weights, each step's loss, its last weights);
+    without augmentation, as the peers train."""
     from swarm.data import training_batch
     from swarm.local.trainer import LocalTrainer, TrainConfig, prepare
 
     torch.set_num_threads(1)
-    cfg, train_set, _ = prepare(TrainConfig(**settings))
+    cfg, train_set, _ = prepare(TrainConfig(**{**settings, "augment": False}))
     trainer = LocalTrainer(cfg)
     start = {k: v.clone() for k, v in trainer.net.state_dict().items()}
     losses = [trainer.step(*training_batch(trainer, train_set, s))
