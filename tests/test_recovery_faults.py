@@ -25,7 +25,6 @@ import re
 from types import SimpleNamespace
 
 import pytest
-import torch
 import trio
 
 from planner.backups import backup_holders
@@ -35,6 +34,7 @@ from swarm.data import open_datasets, training_batch
 from swarm.errors import SwarmError
 from swarm.execution.inprocess import LocalControl, train_plan_in_process
 from swarm.local.trainer import LocalTrainer, TrainConfig
+from tests.test_replay import _worst
 
 STEPS = 4
 DEVICES = ["d0", "d1", "d2", "d3"]
@@ -63,16 +63,6 @@ def _run(events, plan=None, backup_interval: int = 1, timeout_s: float = TIMEOUT
     coordinator = train_plan_in_process(plan, trainer, data, STEPS, events=events, backup_interval=backup_interval,
                                         timeout_s=timeout_s)
     return trainer, coordinator
-
-
-def _worst(a: dict, b: dict) -> float:
-    worst = 0.0
-    for k in a:
-        if a[k].is_floating_point():
-            worst = max(worst, float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)))
-        else:
-            assert torch.equal(a[k], b[k]), k
-    return worst
 
 
 def _check_equal_to_local(trainer, coordinator, local_weights, lost: set[str]) -> None:

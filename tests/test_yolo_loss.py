@@ -176,17 +176,24 @@ def test_every_head_gets_a_gradient_where_its_truths_are():
         assert g[0, :, 4].abs().sum() > 0  # objectness everywhere
 
 
+def one_truth():
+    """One truth box, its best anchor n, the head k and mask slot a that learn it, that head's
+    grid and the truth's cell (i, j)."""
+    cx, cy, w, h = 0.3, 0.7, 0.4, 0.6
+    t = torch.tensor([[[1, cx, cy, w, h]]], dtype=torch.float64)
+    n = best_anchor(w, h)
+    k, a = (0, n - 3) if n >= 3 else (1, n)
+    gh, gw = GRIDS[k]
+    return t, n, k, a, (gh, gw), (int(cx * gw), int(cy * gh))
+
+
 def test_the_gradients_at_a_truths_slot_are_darknets_deltas():
     """d loss / d output = -delta of darknet's forward_yolo_layer, at the slot that learns a truth:
     box (2 - w h) iou_normalizer (decoded - target), objectness obj_normalizer (p - 1), classes
     cls_normalizer (p - y) with y smoothed by label_smooth_eps. darknet's backward_yolo_layer
     copies its deltas to the layer below, so the centre's delta is taken by the logit as it is."""
-    cls, cx, cy, w, h = 1, 0.3, 0.7, 0.4, 0.6
-    t = torch.tensor([[[cls, cx, cy, w, h]]], dtype=torch.float64)
-    n = best_anchor(w, h)
-    k, a = (0, n - 3) if n >= 3 else (1, n)
-    gh, gw = GRIDS[k]
-    i, j = int(cx * gw), int(cy * gh)
+    t, n, k, a, (gh, gw), (i, j) = one_truth()
+    cls, cx, cy, w, h = t[0, 0].tolist()
     outs = random_outs(1, seed=11)
     loss = yolo(iou_normalizer=0.6, obj_normalizer=1.5, cls_normalizer=0.7, label_smooth_eps=0.2)
     grads = torch.autograd.grad(loss(outs, t, 1), outs)
@@ -201,7 +208,7 @@ def test_the_gradients_at_a_truths_slot_are_darknets_deltas():
     assert g[3].item() == pytest.approx(scale * (raw[3] - target[3]).item())
     assert g[4].item() == pytest.approx(1.5 * (sig[4] - 1).item())
     y = torch.full((C,), 0.1, dtype=torch.float64)
-    y[cls] = 0.9
+    y[int(cls)] = 0.9
     assert g[5:].tolist() == pytest.approx((0.7 * (sig[5:] - y)).tolist())
 
 
@@ -210,12 +217,8 @@ def test_the_gradients_of_an_iou_loss_are_darknets_deltas(kind, new_coords):
     """darknet's delta_yolo_box for an IoU loss: the IoU's derivatives by the decoded box
     (cx, cy, w, h relative to the image), times iou_normalizer, the sizes' times exp(tw) (as
     they are with new_coords), handed to the outputs unchanged (no logistic, no 1/grid)."""
-    cls, cx, cy, w, h = 1, 0.3, 0.7, 0.4, 0.6
-    t = torch.tensor([[[cls, cx, cy, w, h]]], dtype=torch.float64)
-    n = best_anchor(w, h)
-    k, a = (0, n - 3) if n >= 3 else (1, n)
-    gh, gw = GRIDS[k]
-    i, j = int(cx * gw), int(cy * gh)
+    t, n, k, a, (gh, gw), (i, j) = one_truth()
+    cls, cx, cy, w, h = t[0, 0].tolist()
     outs = random_outs(1, seed=5, scale=0.5)
     if new_coords:
         outs = [torch.sigmoid(o).detach().requires_grad_() for o in outs]
