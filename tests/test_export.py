@@ -4,6 +4,7 @@ layers), and files that do not fit or are not checkpoints get one line, not a tr
 from __future__ import annotations
 
 import importlib.util
+import io
 import struct
 import warnings
 
@@ -191,10 +192,13 @@ def _yolo_as_opencv_gives_it(out: torch.Tensor, head: dict, img_hw: tuple[int, i
 
 
 # Networks of every head kind and block darknet writes, that OpenCV's darknet reader also
-# builds (it refuses darknet's own resnet18 and resnet50, whose [shortcut]s add maps of
-# different shapes, and relu6 (mobilenetv2), and stops in a shape check on efficientnet-b0,
-# whatever the weights): two [yolo] heads, CSP route groups, three heads with new_coords, residual blocks.
-OPENCV_NETWORKS = {"yolov3-tiny": 64, "yolov4-tiny": 64, "yolov7-tiny": 64, "darknet53": 64}
+# builds (it refuses relu6 (mobilenetv2), and stops in a shape check on efficientnet-b0,
+# whatever the weights): two [yolo] heads, CSP route groups, three heads with new_coords, residual
+# blocks, and resnet18's and resnet50's [shortcut]s that add a map of twice the size (and fewer
+# channels), which it refuses as darknet's cfgs write them and reads as the export writes them,
+# the subsampling as layers of its own.
+OPENCV_NETWORKS = {"yolov3-tiny": 64, "yolov4-tiny": 64, "yolov7-tiny": 64, "darknet53": 64, "resnet18": 64,
+                   "resnet50": 64}
 
 
 @pytest.mark.parametrize("name", sorted(OPENCV_NETWORKS))
@@ -222,6 +226,113 @@ def test_a_trained_graph_network_exports_to_darknet_as_opencv_reads_it(name, tmp
         _assert_close(got[0].reshape(len(x), -1), torch.softmax(out.flatten(1).double(), 1))
 
 
+def _conv(filters: int, stride: int = 1, act: str = "leaky", size: int = 3) -> str:
+    return (f"[convolutional]\nbatch_normalize=1\nfilters={filters}\nsize={size}\nstride={stride}\npad=1\n"
+            f"activation={act}\n")
+
+
+# Two [shortcut]s that add a larger map (layer 0's 16x16 at strides 2 and 4, with fewer channels),
+# then a route that names layers before both of them, counted back and from the start.
+SUBSAMPLING = ("[net]\nwidth=16\nheight=16\nchannels=3\n\n# 0\n" + _conv(4) + "\n# 1\n" + _conv(8, 2, "linear")
+               + "\n# 2\n[shortcut]\nfrom=-2\nactivation=leaky\n\n# 3\n" + _conv(8, 2) + "\n# 4\n[shortcut]\nfrom=0\n"
+               "\n# 5\n[route]\nlayers=-4,2\n\n# 6\n" + _conv(8, 2) + "\n# 7\n[shortcut]\nfrom=-3\n\n# 8\n[avgpool]\n"
+               "\n# 9\n[convolutional]\nfilters=5\nsize=1\nstride=1\npad=1\nactivation=linear\n\n[softmax]\n")
+
+
+def _written_and_read_back(text: str, tmp_path, size: int = 16):
+    """(network, the .cfg darknet_cfg writes for it, that .cfg's network as swarm reads it with
+    the written weights): BatchNorm statistics drawn, so that every layer's arrays matter."""
+    from swarm.zoo import build_model
+    from swarm.zoo.darknet_weights import darknet_cfg
+
+    net, desc, _ = build_model("m.cfg", size, seed=5, cfg_text=text)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for k, v in net.state_dict().items():
+            if k.endswith(("running_mean", "bn.bias")):
+                v.copy_(torch.randn(v.shape, generator=gen) * 0.1)
+            elif k.endswith("running_var"):
+                v.copy_(torch.rand(v.shape, generator=gen) + 0.5)
+    written, _ = darknet_cfg(text, desc, "m.cfg")
+    buffer = io.BytesIO()
+    write_weights(buffer, {k: v.numpy() for k, v in net.state_dict().items()}, desc)
+    (tmp_path / "m.cfg").write_text(written)
+    (tmp_path / "m.weights").write_bytes(buffer.getvalue())
+    back, back_desc, _ = build_model("m.cfg", size, seed=7, cfg_text=written)
+    state = back.state_dict()
+    loaded = read_weights(buffer.getvalue(), {k: v.shape for k, v in state.items()}, back_desc)
+    assert len(loaded.layers) == loaded.of_layers
+    state.update({k: torch.from_numpy(v) for k, v in loaded.tensors.items()})
+    back.load_state_dict(state)
+    return net.eval(), written, back.eval()
+
+
+def _sections(text: str) -> list[tuple[str, dict]]:
+    from swarm.zoo.darknet import parse_cfg
+
+    return [(s.name, s.options) for s in parse_cfg(text)[1:]]
+
+
+def test_a_shortcut_adding_a_larger_map_is_written_as_layers_darknet_opencv_and_swarm_read_alike(tmp_path):
+    """Each from= map larger than the map before its [shortcut] is written as [route] to it,
+    [maxpool] size=1 stride=k (every k-th pixel), [route] back; the layer indices after those
+    (a route's, counted back and from the start) name the same layers as before, and so do the
+    comments that number them. OpenCV's reader (which refuses the [shortcut]s as written first)
+    and swarm's give the network's output."""
+    import cv2
+
+    net, written, back = _written_and_read_back(SUBSAMPLING, tmp_path)
+    subsampled = [("route", {"layers": "-2"}), ("maxpool", {"size": "1", "stride": "2", "padding": "0"}),
+                  ("route", {"layers": "-3"})]
+    assert _sections(written)[2:14] == [*subsampled, ("shortcut", {"from": "-2", "activation": "leaky"}),
+                                        ("convolutional", _sections(SUBSAMPLING)[3][1]),
+                                        ("route", {"layers": "-7"}),
+                                        ("maxpool", {"size": "1", "stride": "4", "padding": "0"}),
+                                        ("route", {"layers": "-3"}), ("shortcut", {"from": "8"}),
+                                        ("route", {"layers": "-10,5"}),  # layers 1 and 2, now 1 and 5
+                                        ("convolutional", _sections(SUBSAMPLING)[6][1]), ("shortcut", {"from": "-3"})]
+    assert "# 2-4, added on export: layer 0's 16x16 map sampled with stride 2 to 8x8" in written
+    assert [n for n in range(16) if f"\n# {n}\n" in written] == [0, 1, 5, 6, 10, 11, 12, 13, 14, 15]
+    x = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = net(x)
+        _assert_close(back(x), expected)
+    reader = cv2.dnn.readNetFromDarknet(str(tmp_path / "m.cfg"), str(tmp_path / "m.weights"))
+    reader.setInput(x.numpy())
+    _assert_close(reader.forward().reshape(len(x), -1), torch.softmax(expected.flatten(1).double(), 1))
+
+
+def test_a_shortcut_adding_two_larger_maps_and_a_yolo_embedding_layer_are_renumbered(tmp_path):
+    """Each of several larger from= maps gets its [route], [maxpool] pair, then one [route]
+    back; a [yolo] head's embedding_layer= (AlexeyAB's darknet) is moved on as a route's layers
+    are; swarm's reader gives the network's outputs."""
+    text = ("[net]\nwidth=16\nheight=16\n\n" + _conv(4) + _conv(8, 2) + _conv(8, 2) + "[shortcut]\nfrom=-3,-2\n"
+            + _conv(18, 1, "linear", 1) + "[yolo]\nmask=0,1,2\nanchors=2,3, 4,5, 6,7\nclasses=1\nnum=3\n"
+            "embedding_layer=-4\n")
+    net, written, back = _written_and_read_back(text, tmp_path)
+    assert [(name, options.get("layers", options.get("from", options.get("stride"))))
+            for name, options in _sections(written)[3:9]] == [
+        ("route", "-3"), ("maxpool", "4"), ("route", "-4"), ("maxpool", "2"), ("route", "-5"), ("shortcut", "-4,-2")]
+    assert _sections(written)[10][1]["embedding_layer"] == "-9"  # layer 1, as before
+    x = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        _assert_close(back(x), net(x))
+
+
+def test_a_shortcut_adding_a_smaller_map_is_written_as_it_is_with_a_note(tmp_path):
+    """darknet's shortcut_cpu adds a smaller map at every k-th pixel of the larger: no layers
+    both readers know do that, so the [shortcut] stays as it was, and the export says so."""
+    from swarm.zoo import build_model
+    from swarm.zoo.darknet_weights import darknet_cfg
+
+    text = "[net]\nwidth=16\nheight=16\n\n" + _conv(4, 2) + _conv(4) + "[upsample]\nstride=2\n[shortcut]\nfrom=-2\n"
+    _, desc, _ = build_model("m.cfg", 16, seed=5, cfg_text=text)
+    written, notes = darknet_cfg(text, desc, "m.cfg")
+    assert written == text
+    assert notes == ["m.cfg:21 [shortcut]: adds layer 1's map, 2 times smaller, at stride 2 as darknet's shortcut_cpu "
+                     "does; AlexeyAB's darknet and OpenCV's reader add maps of one size only"]
+
+
 def test_darknet_round_trip_of_a_classifier_with_connected_layers(trained, tmp_path, capsys):
     state = load_checkpoint(trained["classifier"])
     _export(capsys, trained["classifier"], "darknet", tmp_path / "cls.weights")  # the suffix is optional
@@ -240,8 +351,6 @@ def test_older_darknet_headers_read_the_same(trained):
     _, desc, _ = checkpoint_network(state, "classifier")
     arrays = {k: v.numpy() for k, v in state["model"].items()}
     shapes = {k: v.shape for k, v in arrays.items()}
-    import io
-
     buffer = io.BytesIO()
     write_weights(buffer, arrays, desc, seen=12)
     current = read_weights(buffer.getvalue(), shapes, desc)

@@ -147,7 +147,8 @@ def darknet_unwritten(desc) -> str | None:
 
 
 def export_darknet(net, desc, cfg_text: str, source: str, out: Path, seen: int) -> tuple[list[Path], str, list[str]]:
-    """Write OUT.cfg and OUT.weights; read the weights back to check every tensor."""
+    """Write OUT.cfg and OUT.weights; read the weights back to check every tensor, and build the
+    written pair with swarm's own reader to check that it computes the network's outputs."""
     import io
     import os
 
@@ -172,7 +173,34 @@ def export_darknet(net, desc, cfg_text: str, source: str, out: Path, seen: int) 
     if back.layers != [d.index for d in desc.layers if d.kind in ("conv", "connected")] or \
             not all(np.array_equal(v, state[k]) for k, v in back.tensors.items()):
         raise ExportMismatch(f"{weights_path} does not read back as the weights written")
-    return [cfg_path, weights_path], f"{count} values in {len(back.layers)} layers, read back identical", notes
+    outputs = _darknet_read_back(net, desc, cfg_path, text, weights_path, data)
+    check = f"{count} values in {len(back.layers)} layers, read back identical; {outputs}"
+    return [cfg_path, weights_path], check, notes
+
+
+def _darknet_read_back(net, desc, cfg_path: Path, text: str, weights_path: Path, data: bytes) -> str:
+    """The written .cfg built by swarm's reader (with any layers the writer added), the written
+    .weights loaded into it, run on the check batch against the network."""
+    import torch
+
+    from swarm.zoo import build_model
+    from swarm.zoo.darknet_weights import read_weights
+
+    try:
+        back, back_desc, _ = build_model(str(cfg_path), desc.img_size, cfg_text=text)
+        state = back.state_dict()
+        weights = read_weights(data, {k: tuple(v.shape) for k, v in state.items()}, back_desc, str(weights_path))
+    except SwarmError as exc:
+        raise ExportMismatch(f"swarm does not read it back: {exc}") from None
+    if len(weights.layers) != weights.of_layers:
+        raise ExportMismatch(f"{weights_path} covers {len(weights.layers)} of the {weights.of_layers} layers with "
+                             f"weights in {cfg_path}")
+    state.update({k: torch.from_numpy(v) for k, v in weights.tensors.items()})
+    back.load_state_dict(state)
+    x = check_input(desc)
+    with torch.no_grad():
+        got = back.to(torch.float32).eval()(x)
+    return _verdict("swarm's reader on the written .cfg and .weights", net, x, got)
 
 
 def run(args: argparse.Namespace) -> int:

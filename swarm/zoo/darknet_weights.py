@@ -10,6 +10,7 @@ import numpy as np
 from planner.model_desc import LayerDesc, ModelDesc
 from swarm.errors import SwarmError
 from swarm.zoo.darknet import parse_cfg
+from swarm.zoo.darknet_shortcuts import resized_shortcut_inputs, with_explicit_subsampling
 
 # The file, as darknet's save_weights writes it and load_weights_upto reads it (src/parser.c):
 #
@@ -181,8 +182,9 @@ def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str,
     filters of the conv before it) set to the trained class count; [region] softmax=1 (the
     class scores' softmax, which darknet applies only when told); and the anchors of every
     head to those the network was trained with (scaled from the file's own size: read back at
-    the size the file now gives, they are not scaled again). The rest of the file, comments
-    included, unchanged. And notes on what darknet itself reads differently."""
+    the size the file now gives, they are not scaled again); and a [shortcut] that adds a
+    larger map with the subsampling as layers of its own (darknet_shortcuts). The rest of
+    the file, comments included, unchanged. And notes on what darknet itself reads differently."""
     sections = parse_cfg(text, source)
     layer_sections = sections[1:1 + len(desc.layers)]
     edits: list[tuple[int, str, str]] = [(0, "width", str(desc.img_size.width)),
@@ -203,6 +205,9 @@ def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str,
         edits.append((region, "anchors", ", ".join(f"{v:.6g}" for anchor in desc.extra["anchors"] for v in anchor)))
     notes = [f"{s.where()}: size= makes a local average pool in swarm; darknet's [avgpool] is always global"
              for s in layer_sections if s.name == "avgpool" and "size" in s.options]
+    notes += [f"{layer_sections[layer].where()}: adds layer {src}'s map, {sample} times smaller, at stride {sample} as "
+              "darknet's shortcut_cpu does; AlexeyAB's darknet and OpenCV's reader add maps of one size only"
+              for layer, src, _, sample in resized_shortcut_inputs(desc) if sample > 1]
 
     lines = text.splitlines()
     starts = [s.line - 1 for s in sections] + [len(lines)]  # 0-based header lines
@@ -220,4 +225,4 @@ def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str,
             else:
                 lines.insert(header + 1, f"{key}={value}")
                 end += 1
-    return "\n".join(lines) + "\n", notes
+    return with_explicit_subsampling("\n".join(lines) + "\n", desc, source), notes
