@@ -79,7 +79,7 @@ async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.
     ring. Fewer messages cost less CPU, but every round waits for one partner's previous
     round, and on devices with a CPU quota some partner is often late: on 8 devices of 0.2
     core at 100 Mbit, dp trained 8% faster summing straight than halving and doubling
-    (docs/planner.md, "swarm vs torchrun")."""
+    (bench/RESULTS.md, "Sums straight to each chunk's owner")."""
     n = len(group)
     if n == 1:
         return flat
