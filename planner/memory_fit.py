@@ -39,18 +39,51 @@ def memory_overflows(plan: Plan, desc: ModelDesc, memory: dict[str, float], opti
     known = {d: m for d, m in memory.items() if m and d in plan.used_devices()}
     if not known:
         return []
-    model, runtime = MemoryModel.estimated(desc, optimizer), RUNTIME_FLOOR
-    # speeds do not change what a device keeps, only when: any will do; unknown memory: no limit
+    runtime = RUNTIME_FLOOR
     budgets = {d: max(0, int(known[d] - runtime)) if d in known else 2**60 for d in plan.used_devices()}
+    needs = _least_needs(plan, desc, optimizer, budgets)
+    out = [Overflow(d, needs[d], budgets[d], plan.stages_of_device(d)) for d in known if needs[d] > budgets[d]]
+    return sorted(out, key=lambda o: o.have - o.need)
+
+
+def _least_needs(plan: Plan, desc: ModelDesc, optimizer: str, budgets: dict[str, float]) -> dict[str, float]:
+    """Each device's least possible peak beside the runtime (memory_overflows)."""
+    model = MemoryModel.estimated(desc, optimizer)
+    # speeds do not change what a device keeps, only when: any will do; unknown memory: no limit
     cluster = flops_cluster(desc, {d: (1.0, budget) for d, budget in budgets.items()})
     timeline = simulate(plan, desc, model, cluster, validate=False)
     kept = kept_states(plan, model)
-    out = []
-    for d in known:
-        need = timeline.peak_memory.get(d, 0.0) + kept.get(d, 0.0)
-        if need > budgets[d]:
-            out.append(Overflow(d, need, budgets[d], plan.stages_of_device(d)))
-    return sorted(out, key=lambda o: o.have - o.need)
+    return {d: timeline.peak_memory.get(d, 0.0) + kept.get(d, 0.0) for d in plan.used_devices()}
+
+
+def room_left(plan: Plan, desc: ModelDesc, optimizer: str = "sgd") -> dict[str, tuple[float, float, bool]]:
+    """{device: (need, have, predicted)} for each device of `plan` whose memory its facts give
+    (plan.devices[d]["memory"]: what the device could spare when the plan was made): the most
+    it is predicted to hold at a step's peak, the runtime included. Where the planner
+    simulated the plan (plan.predicted["memory_left"]), its prediction: `have` less what its
+    budget leaves; otherwise (a plan written by hand or by a simple strategy) the least it can
+    need, as memory_overflows counts it, and `predicted` is False. A device whose layers run
+    on an accelerator is left out (its plan counts the accelerator's memory)."""
+    facts = {d: plan.devices.get(d) or {} for d in plan.used_devices()}
+    have = {d: float(f.get("memory") or 0) for d, f in facts.items() if not f.get("accelerator")}
+    have = {d: m for d, m in have.items() if m}
+    left = (plan.predicted or {}).get("memory_left") or {}
+    if have and all(d in left for d in have):
+        return {d: (m - left[d], m, True) for d, m in have.items()}
+    needs = _least_needs(plan, desc, optimizer, {d: 2**60 for d in plan.used_devices()}) if have else {}
+    return {d: (needs[d] + RUNTIME_FLOOR, m, False) for d, m in have.items()}
+
+
+def describe_room(room: dict[str, tuple[float, float, bool]]) -> str | None:
+    """room_left as `swarm train` prints it under its plan: "memory at a step's peak, of what
+    each device can spare: dev0 700 MiB of 880 MiB, dev1 ..." (None for no device)."""
+    if not room:
+        return None
+    least = not all(predicted for _, _, predicted in room.values())
+    parts = [f"{d} {format_bytes(need)} of {format_bytes(have)}" + (" (SHORT)" if need > have else "")
+             for d, (need, have, _) in room.items()]
+    return (f"memory at a step's peak{' (at least)' if least else ''}, of what each device can spare: "
+            + ", ".join(parts))
 
 
 def describe(overflows: list[Overflow], runtime: float = RUNTIME_FLOOR) -> str:
@@ -69,4 +102,4 @@ def describe(overflows: list[Overflow], runtime: float = RUNTIME_FLOOR) -> str:
     return "; ".join(clauses)
 
 
-__all__ = ["RUNTIME_FLOOR", "describe", "memory_overflows"]
+__all__ = ["RUNTIME_FLOOR", "describe", "describe_room", "memory_overflows", "room_left"]

@@ -61,6 +61,9 @@ def plan_table(plan: Plan, timeline: Timeline) -> str:
         rows.append([str(i), layers, s.mode, stage_devices(s), str(min(warm[i], plan.microbatches)), sync_text(s)])
     stages = table(rows, ["stage", "layers", "mode", "devices (samples per micro-batch)", "warm-up", ""])
     dev_rows = []
+    # what a live device could spare when planned (swarm/host/resources.py), of which its budget is
+    # what the runtime leaves: shown where the plan's devices say
+    spare = {d: (plan.devices.get(d) or {}).get("spare") for d in plan.used_devices()}
     for d in plan.used_devices():
         peak, budget = timeline.peak_memory[d], timeline.budgets[d]
         busy = timeline.busy.get(d, 0.0)
@@ -68,8 +71,11 @@ def plan_table(plan: Plan, timeline: Timeline) -> str:
         name = f"{d} ({accelerator})" if accelerator else d
         dev_rows.append([name, ",".join(str(p) for p in plan.stages_of_device(d)), format_seconds(busy),
                          f"{100 * busy / timeline.step_time:.0f}%" if timeline.step_time else "-",
-                         format_bytes(peak), format_bytes(budget), "yes" if peak <= budget else "NO"])
-    devices = table(dev_rows, ["device", "stages", "busy", "use", "peak memory", "budget", "fits"])
+                         format_bytes(peak), format_bytes(budget), format_bytes(budget - peak)]
+                        + ([format_bytes(spare[d]) if spare[d] else "-"] if any(spare.values()) else [])
+                        + ["yes" if peak <= budget else "NO"])
+    devices = table(dev_rows, ["device", "stages", "busy", "use", "peak memory", "budget", "left"]
+                    + (["spare"] if any(spare.values()) else []) + ["fits"])
     summary = (f"predicted step {format_seconds(timeline.step_time)}, {timeline.throughput:.3g} samples/s"
                + ("" if timeline.fits else " - DOES NOT FIT"))
     return "\n\n".join([head, stages, devices, summary])

@@ -106,6 +106,7 @@ class Timeline:
         return {"step_time_s": self.step_time, "settled_step_s": self.settled_s or self.step_time,
                 "throughput": self.throughput,
                 "peak_memory": {d: int(v) for d, v in self.peak_memory.items()},
+                "memory_left": {d: int(self.budgets[d] - v) for d, v in self.peak_memory.items()},
                 "busy_s": {d: v for d, v in self.busy.items()}, "fits": self.fits}
 
 

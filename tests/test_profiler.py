@@ -104,14 +104,14 @@ def test_batch_sizes_that_would_outgrow_the_memory_are_not_run(monkeypatch):
     per_sample = 1.4 * memory_guard.MemoryGuard(describe_model("lenet5"), "sgd", limit=1).estimate
     margin, share = memory_guard.MemoryGuard.MARGIN, memory_guard.MemoryGuard.SHARE
     # room for one sample's estimated peak, and well short of 4096 samples'
-    monkeypatch.setattr(memory_guard, "usable_memory", lambda: int((rss + 2 * margin * per_sample + 2**26) / share))
+    monkeypatch.setattr(memory_guard, "spare_memory", lambda: int((rss + 2 * margin * per_sample + 2**26) / share))
     said = []
     profile = profile_model("lenet5", None, batch_sizes=(1, 4096), repeats=1, threads=1, log=said.append)
     assert profile.costs.batch_sizes == (1,) and set(profile.step_time) == {1} and set(profile.peak_bytes) == {1}
     assert any(m.startswith("batch 4096: skipped, it would need about") for m in said)
     assert profile.costs.fwd_range(0, 7, 8) == pytest.approx(8 * profile.costs.fwd_range(0, 7, 1))
 
-    monkeypatch.setattr(memory_guard, "usable_memory", lambda: rss)
+    monkeypatch.setattr(memory_guard, "spare_memory", lambda: rss)
     with pytest.raises(SwarmError, match="cannot profile the model: layer 0 alone on 1 sample would need about"):
         profile_model("lenet5", None, batch_sizes=(1, 2), repeats=1, threads=1)
 
@@ -152,7 +152,7 @@ def test_a_model_too_big_to_step_whole_is_measured_in_pieces(monkeypatch):
     state = memory_guard.MemoryGuard(desc, "sgd", limit=1).state
     # room for the model's gradients but not their momentum as well: not a whole step, nor one
     # piece of every layer (their gradients and activations)
-    monkeypatch.setattr(memory_guard, "usable_memory",
+    monkeypatch.setattr(memory_guard, "spare_memory",
                         lambda: int((memory_guard.settled_rss() + state / 2) / memory_guard.MemoryGuard.SHARE))
     said = []
     pieces = profile_model("yolov2", 64, batch_sizes=(1,), repeats=1, threads=1, clock="cpu", log=said.append)

@@ -71,13 +71,13 @@ def test_a_coordinator_with_another_token_sees_them_refuse(loopback_testbed):
 
 
 def test_table_format():
-    d = Member("n1", "10.0.0.2", 4750, name="pi-1", cores=4, memory=2**30, accelerator="cpu", version="0.1.0",
-               health="alive", last_seen=time.time() - 1.2)
+    d = Member("n1", "10.0.0.2", 4750, name="pi-1", cores=4, memory=2**30, spare=700 * 2**20, accelerator="cpu",
+               version="0.1.0", health="alive", last_seen=time.time() - 1.2)
     lost = Member("10.0.0.3:4750", "10.0.0.3", 4750, health="unreachable", error="connection refused")
     lines = format_table([d, lost]).splitlines()
-    assert lines[0].split() == ["NAME", "ADDRESS", "CORES", "MEMORY", "ACCEL", "VERSION", "LAST", "SEEN", "HEALTH",
-                                "JOB"]
-    assert lines[1].split()[:7] == ["pi-1", "10.0.0.2:4750", "4", "1.0", "GiB", "cpu", "0.1.0"]
+    assert lines[0].split() == ["NAME", "ADDRESS", "CORES", "MEMORY", "SPARE", "ACCEL", "VERSION", "LAST", "SEEN",
+                                "HEALTH", "JOB"]
+    assert lines[1].split()[:9] == ["pi-1", "10.0.0.2:4750", "4", "1.0", "GiB", "700", "MiB", "cpu", "0.1.0"]
     assert "1.2 s ago" in lines[1] and "alive" in lines[1]
     assert "unreachable: connection refused" in lines[2] and "never" in lines[2]
 

@@ -19,7 +19,8 @@ class Member:
     port: int
     name: str = "?"
     cores: int = 0
-    memory: int = 0                  # bytes
+    memory: int = 0                  # bytes: the device's (physical, or its cgroup's limit)
+    spare: int | None = None         # bytes it could spare for a plan when it last said (None: not known)
     accelerator: str = "?"
     accelerator_memory: int = -1     # bytes of its own; 0: none (a CPU, or shared with the host); -1: not known
     version: str = "?"

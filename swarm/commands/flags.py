@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from swarm.host.resources import parse_size
+
 
 def _number(kind, noun: str, ok, rule: str):
     """An argparse type: `kind` of the text, checked by `ok`, with messages a user can act on."""
@@ -36,6 +38,14 @@ def image_size(text: str):
 
 
 IMG_SIZE_HELP = "N (a square) or WxH, width by height such as 608x352"
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size such as 300M, 1G or 0 (parse_size)."""
+    value = parse_size(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (e.g. 300M, 1G, 0)")
+    return value
 
 
 def port_number(text: str) -> int:

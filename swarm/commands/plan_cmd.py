@@ -141,21 +141,23 @@ def cluster_from_file(path: str, desc, profiles: LocalProfiles):
 
 
 def this_machine(desc, profiles: LocalProfiles, why: str):
-    """A cluster of this machine alone: its profile, and its memory less what the runtime uses."""
+    """A cluster of this machine alone: its profile, and what it can spare now (with the default
+    reserve, swarm/host/resources.py) less what the runtime uses."""
     import platform
 
     import numpy as np
 
     from planner.cluster import Cluster, Device
     from planner.memory import JOB_BYTES
-    from swarm.host.resources import usable_memory
+    from swarm.host.resources import spare_memory
 
     profile = profiles.local()
     name = platform.node() or "this-machine"
-    budget = max(0.0, usable_memory() - profile.runtime_bytes - JOB_BYTES)
+    spare = spare_memory()
+    budget = max(0.0, spare - profile.runtime_bytes - JOB_BYTES)
     say(f"{why}; planning for this machine alone (to plan other devices: `swarm join` on them, or describe them "
         "with --devices CLUSTER.json, see docs/planner.md)")
-    facts = {"cores": profile.device.get("cores")}
+    facts = {"cores": profile.device.get("cores"), "spare": spare}
     if profile.device.get("allocator"):
         facts["allocator"] = profile.device["allocator"]
     return Cluster([Device(name, profile.costs, budget, facts=facts)],

@@ -10,14 +10,16 @@ from swarm.commands.flags import add_network_args, add_token_args, positive_int
 from swarm.commands.logs import setup_logging
 from swarm.errors import run_trio
 
-COLUMNS = ("NAME", "ADDRESS", "CORES", "MEMORY", "ACCEL", "VERSION", "LAST SEEN", "HEALTH", "JOB")
+COLUMNS = ("NAME", "ADDRESS", "CORES", "MEMORY", "SPARE", "ACCEL", "VERSION", "LAST SEEN", "HEALTH", "JOB")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="list the devices of the swarm", description=(
         "Find the agents on the network (mDNS, plus --peers), connect to each, and list them with "
-        "their cores, memory, accelerator (and its own memory, or 'shared' where it shares the device's, as "
-        "on a Jetson), version, when they were last heard from, and health."))
+        "their cores, memory (all of it, and what it can spare for a plan now: the memory available beside "
+        "everything else that runs there, less the reserve `swarm join --reserve` keeps back), accelerator (and "
+        "its own memory, or 'shared' where it shares the device's, as on a Jetson), version, when they were last "
+        "heard from, and health."))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
                    help="how long to look for devices (default: 2)")
@@ -92,6 +94,13 @@ def _memory(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n else "?"
 
 
+def _spare(d) -> str:
+    """What the device could spare when it last said (three figures: 991 MiB, 3.52 GiB)."""
+    from planner.units import format_bytes
+
+    return "?" if d.spare is None else format_bytes(d.spare)
+
+
 def _accelerator(d) -> str:
     """cpu; cuda with its own memory, or shared (a Jetson: the MEMORY column is all of it)."""
     if d.accelerator in ("cpu", "?"):
@@ -110,7 +119,7 @@ def format_table(devices) -> str:
     for d in devices:
         health = d.health + (f": {d.error}" if d.error and d.health in ("unreachable", "refused", "dead") else "")
         job = f"{d.job_id} ({d.job_state})" if d.job_id else "-"
-        rows.append((d.name, f"{d.address}:{d.port}", str(d.cores or "?"), _memory(d.memory), _accelerator(d),
-                     d.version, _ago(d.last_seen), health, job))
+        rows.append((d.name, f"{d.address}:{d.port}", str(d.cores or "?"), _memory(d.memory), _spare(d),
+                     _accelerator(d), d.version, _ago(d.last_seen), health, job))
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows)

@@ -6,16 +6,14 @@ import re
 
 from swarm.commands.flags import positive_float, positive_int
 from swarm.errors import SwarmError
-
-UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+from swarm.host.resources import parse_size
 
 
 def memory_size(text: str) -> int:
     """'1G', '512M', '1GiB', '2048' (bytes) -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if not match:
+    value = parse_size(text)
+    if value is None:
         raise argparse.ArgumentTypeError(f"'{text}' is not a size (e.g. 1G, 512M)")
-    value = int(float(match.group(1)) * UNITS[match.group(2)])
     if value < 32 * 2**20:
         raise argparse.ArgumentTypeError(f"{text} is too little memory for an agent (at least 32M)")
     return value

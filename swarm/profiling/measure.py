@@ -45,12 +45,13 @@ def default_classes(model: str, img_size: ImageSize | int | None = None) -> int 
 def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = None, classes: int | None = None,
                   batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS, threads: int | None = None,
                   cfg_text: str | None = None, optimizer: str = "sgd", log=None, clock: str = "wall",
-                  device=None, stop: threading.Event | None = None) -> DeviceProfile:
+                  device=None, stop: threading.Event | None = None, memory_limit: int | None = None) -> DeviceProfile:
     """Measure this device running `model` on `device` (a torch.device; None: the host CPU),
     with the built-in synthetic data for inputs. clock "cpu" counts this thread's CPU time
     instead of the wall clock (one thread only, on the CPU); on CUDA, CUDA events time the
     work. A model too big to step whole in the host's memory is measured in pieces
-    (measure_in_pieces).
+    (measure_in_pieces). `memory_limit`: the bytes the profile may count on (MemoryGuard's
+    limit; None: what this device can spare now, with the default reserve).
 
     A model with a BatchNorm over a 1x1 map cannot train on one sample (one value per
     channel; swarm.local.batchnorm_check): it is measured at 2 samples wherever it would have
@@ -112,7 +113,7 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
 
     opt = make_optimizer(net.named_parameters(), TrainConfig(optimizer=optimizer))
     runtime = None
-    fits = MemoryGuard(desc, optimizer)
+    fits = MemoryGuard(desc, optimizer, limit=memory_limit)
     in_pieces = device == HOST and not fits(batch_sizes[0], {})
     if in_pieces:  # too big to step whole here: each layer's times from passes over pieces of the model
         measured, fwd, bwd, saved, runtime, cuts = measure_in_pieces(net, desc, loss_fn, data, batch_sizes, fits,

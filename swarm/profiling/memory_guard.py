@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from swarm.host import malloc
 from swarm.host.peaks import Peaks
-from swarm.host.resources import usable_memory
+from swarm.host.resources import spare_memory
 
 OPTIMIZER_COPIES = {"sgd": 2, "adam": 3}  # weights + optimizer state, in floats per parameter
 CANNOT_PROFILE = "cannot profile the model"  # the model is too big to measure whole on this device
@@ -37,14 +37,15 @@ class MemoryGuard:
     """Which batch sizes this process can profile without outgrowing its memory (a cgroup
     limit on a small device: profiling past it gets the whole agent killed). A batch size is
     run when the resident size now, plus its predicted peak above that, stays within a share
-    of the usable memory. The peak is predicted per sample from the largest measured so far,
-    or before any measurement from the memory model's estimate, with a margin for what
-    neither sees (the allocator's slack, the temporaries of a backward); before the first
-    step, also the gradients and optimizer state that step allocates (a model of 50 M
-    parameters holds 400 MB of them under SGD, which a 1 GiB device does not have beside the
-    model, its activations and the agent)."""
+    of what the device can spare (`limit`, by default swarm.host.resources.spare_memory: the
+    memory available, plus this process's own, less the default reserve). The peak is
+    predicted per sample from the largest measured so far, or before any measurement from
+    the memory model's estimate, with a margin for what neither sees (the allocator's slack,
+    the temporaries of a backward); before the first step, also the gradients and optimizer
+    state that step allocates (a model of 50 M parameters holds 400 MB of them under SGD,
+    which a 1 GiB device does not have beside the model, its activations and the agent)."""
 
-    SHARE = 0.85  # of usable memory; the rest is the agent's own and the kernel's
+    SHARE = 0.85  # of the memory to spare; the rest for what the estimates miss and the kernel's
     MARGIN = 1.3  # measured peaks run 1.3-1.4x the estimate; measured per-sample peaks vary by ~1.2x
 
     def __init__(self, desc, optimizer: str, limit: int | None = None):
@@ -54,7 +55,7 @@ class MemoryGuard:
         self.model = model = MemoryModel.estimated(desc, optimizer)
         self.estimate = model.activations(0, n, 1) + model.buffers(0, n, 1)  # bytes per sample
         self.state = OPTIMIZER_COPIES[optimizer] * sum(d.param_bytes for d in desc.layers)  # gradients, slots
-        self.limit = limit if limit is not None else usable_memory()
+        self.limit = limit if limit is not None else spare_memory()
         self.base = settled_rss()
         self.piece_extra = 0.0  # what pieces measured so far held beyond their estimate
 

@@ -42,7 +42,8 @@ def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None =
                     state_dir: Path | None = None, batch_sizes=DEFAULT_BATCH_SIZES, repeats: int = DEFAULT_REPEATS,
                     threads: int | None = None, cfg_text: str | None = None, refresh: bool = False,
                     log=None, clock: str = "wall", accelerator: str = "cpu",
-                    stop: threading.Event | None = None) -> tuple[DeviceProfile, bool, Path]:
+                    stop: threading.Event | None = None, memory_limit: int | None = None
+                    ) -> tuple[DeviceProfile, bool, Path]:
     """The cached profile of this device for the model on `accelerator` ("cpu" or "cuda",
     as swarm.local.compute_device takes it), or a fresh one (then cached); a fresh one raises
     ProfileStopped once `stop` is set.
@@ -68,7 +69,7 @@ def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None =
         except SwarmError:
             pass  # a stale or broken cache entry: measure again
     profile = profile_model(model, desc.img_size, classes, batch_sizes, repeats, threads, cfg_text, log=log,
-                            clock=clock, device=device, stop=stop)
+                            clock=clock, device=device, stop=stop, memory_limit=memory_limit)
     write_profile(profile, path)
     return profile, False, path
 
