@@ -3,11 +3,14 @@
 among agents on loopback whose coordinator went away."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import trio
 
 from swarm.agent import Agent, AgentConfig
 from swarm.agent.failover import TERM_EPOCHS, Replica, elect, first_epoch, term_of
+from swarm.agent.quorum import Vote
 from swarm.agent.jobs import register_job_kind
 from swarm.cluster import JobError, open_roster
 from swarm.net import Credentials, resolve_network
@@ -150,7 +153,8 @@ async def test_the_holders_elect_a_successor_when_the_coordinator_goes(tmp_path)
             agents = []
             for i in (1, 2):
                 config = AgentConfig(name=f"a{i}", node_id=f"node{i}", token=TOKEN, network=network, port=0,
-                                     advertise=False, state_dir=tmp_path / f"a{i}", check_run_flags=check_detached_flags)
+                                     advertise=False, state_dir=tmp_path / f"a{i}", check_run_flags=check_detached_flags,
+                                     election_timeout=1.0)
                 agent = await nursery.start(Agent(config).run)
                 real = agent._run_command
 
@@ -160,13 +164,6 @@ async def test_the_holders_elect_a_successor_when_the_coordinator_goes(tmp_path)
                             *argv[4:]], env
                 agent.detached.command_for = recorded
                 agents.append(agent)
-            elected = trio.Event()  # set once the second agent's election is over
-            real_elect = agents[1]._elect
-
-            async def elect_and_say(job, replica):
-                await real_elect(job, replica)
-                elected.set()
-            agents[1]._elect = elect_and_say
             devices = {"a0": {"node_id": "node0", "address": "127.0.0.1:9"}}
             devices.update({f"a{i}": {"node_id": a.node_id, "address": f"127.0.0.1:{a.port}"}
                             for i, a in zip((1, 2), agents)})
@@ -190,7 +187,65 @@ async def test_the_holders_elect_a_successor_when_the_coordinator_goes(tmp_path)
             argv = (run.folder / "argv").read_text()
             assert argv.startswith("--steps 8 ") and f"--take-over {run.folder / 'replica.json'}" in argv
             assert "--run-id abc123" in argv and run.term == 1
-            assert Replica.from_body(__import__("json").loads((run.folder / "replica.json").read_text())) == r
-            await elected.wait()
+            won = dataclasses.replace(r, elected_term=1, elected_by=["node1", "node2"])  # both voted for node1
+            assert Replica.from_body(__import__("json").loads((run.folder / "replica.json").read_text())) == won
+            assert agents[1].voters["train-1"].vote == Vote(1, "node1") == Vote.load(tmp_path / "a2/votes/train-1.json")
             assert agents[1].detached.runs == {}
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_holder_follows_its_coordinator_until_it_votes_in_a_newer_term(tmp_path):
+    """A holder answers its coordinator's lease asks; refuses a vote while it hears from it;
+    grants one (written down) once the election timeout has passed; and from then on refuses
+    the old coordinator's lease and assignments, naming the newer term."""
+    from swarm.agent.quorum import Vote
+    from swarm.net import connect_peer
+    from swarm.wire import LeaseAsk, VoteAsk
+
+    register_job_kind("wait", wait_forever)
+    network = resolve_network("lo")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            config = AgentConfig(name="a0", node_id="node0", token=TOKEN, network=network, port=0, advertise=False,
+                                 state_dir=tmp_path, election_timeout=0.5)
+            agent = await nursery.start(Agent(config).run)
+            r = replica(holders=["node0", "node1"])
+            async with open_roster(Credentials("coordinator", TOKEN), network, peers=[("127.0.0.1", agent.port)],
+                                   discover=False) as c:
+                await c.wait_for(1, timeout=10)
+                await c.job("train-1", epoch=r.epoch).assign("node0", "wait", {})
+                await c.send("node0", JobReplica("train-1", 0, r.step, r.to_body()))
+                answers = []
+                c.on_lease_answer = lambda node, msg: answers.append(msg)
+
+                async def lease_ask(seq):
+                    await c.send("node0", LeaseAsk(seq, "train-1", 0, []))
+                    await handled(c, "node0")
+                    return answers[-1]
+                granted = await lease_ask(1)
+                assert (granted.seq, granted.granted, granted.term) == (1, True, 0)
+
+                candidate = await connect_peer("127.0.0.1", agent.port, Credentials("node1", TOKEN))
+                stranger = await connect_peer("127.0.0.1", agent.port, Credentials("node7", TOKEN))
+
+                async def vote(conn, seq):
+                    await conn.send(VoteAsk(seq, "train-1", 1, "node1", 0, r.step, False))
+                    async for message in conn:
+                        if getattr(message, "seq", None) == seq:
+                            return message
+                early = await vote(candidate, 1)
+                assert not early.granted and "less than the 0.5 s election timeout" in early.why, early
+                await trio.sleep(0.6)
+                assert (await vote(stranger, 2)).why == "node node7 holds no replica of job train-1"
+                won = await vote(candidate, 3)
+                assert (won.holder, won.term, won.granted) == ("node0", 1, True), won
+                assert Vote.load(tmp_path / "votes" / "train-1.json") == Vote(1, "node1")
+                refused = await lease_ask(2)
+                assert (refused.granted, refused.term) == (False, 1)
+                assert refused.why == "coordinator of term 0 fenced: node0 has voted in term 1", refused
+                with pytest.raises(JobError, match="fenced: node0 has voted in term 1"):
+                    await c.job("train-1", epoch=r.epoch + 1).assign("node0", "wait", {})
+                await candidate.aclose()
+                await stranger.aclose()
             nursery.cancel_scope.cancel()

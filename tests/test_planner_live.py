@@ -9,7 +9,7 @@ from planner.inputs import PlanInputs
 from planner.memory import JOB_BYTES, MemoryModel
 from planner.planners import make_plan
 from swarm.agent import Agent, AgentConfig, register_job_kind
-from swarm.host.resources import cpu_quota
+from swarm.host.resources import cpu_quota, default_reserve
 from swarm.net import Credentials, resolve_network
 from swarm.profiling.profiler import PROFILE_JOB, run_profile_job
 from swarm.profiling.survey import cluster_from_live, gather_live
@@ -46,7 +46,10 @@ async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
         assert 0 < r["msg_cpu_s"]["from"] < 0.01
         assert r["msg_s"]["from"] == pytest.approx(r["msg_cpu_s"]["from"] * (1 / quota - 1))
     profile = live["profiles"]["node0"]
-    assert cluster.device("dev0").memory == pytest.approx(2**31 - profile.runtime_bytes - JOB_BYTES)
+    # planned on what the device could spare after profiling (within its 2 GiB less the default reserve)
+    spare = next(d["spare"] for d in live["devices"] if d["name"] == "dev0")
+    assert 0 < spare <= 2**31 - default_reserve(2**31)
+    assert cluster.device("dev0").memory == pytest.approx(spare - profile.runtime_bytes - JOB_BYTES)
     plan = make_plan("dp", PlanInputs(desc, MemoryModel(desc, profile.act_bytes), cluster, 8, 2))
     assert plan.predicted["fits"] and set(plan.used_devices()) <= {"dev0", "dev1"}
 

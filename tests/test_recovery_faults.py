@@ -185,3 +185,57 @@ def test_the_roster_keeps_the_loss_of_a_device_that_died_between_epochs():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+class Followed:
+    """A quorum.Lease whose devices all answer every ask, until `cut` leaves only `kept` answering;
+    its stop comes `late` seconds after the lease's own (so that the commits alone show whether
+    they wait for the lease)."""
+
+    def __init__(self, lease, kept: set[str], late: float):
+        self.lease, self.kept, self.cut_at, self.late = lease, kept, None, late
+
+    def cut(self) -> None:
+        self.cut_at = trio.current_time()
+
+    def _asked(self, now: float) -> None:
+        for d in self.lease.devices if self.cut_at is None else self.kept:
+            self.lease.heard_from(d, now)
+
+    def may_commit(self, now: float) -> bool:
+        self._asked(now)
+        return self.lease.may_commit(now)
+
+    def must_stop(self, now: float) -> bool:
+        self._asked(now)
+        return self.lease.must_stop(now - self.late)
+
+    def why(self, now: float, step: int) -> str:
+        return self.lease.why(now, step)
+
+
+def test_a_coordinator_that_loses_its_majority_commits_nothing_after_its_lease_and_stops_in_one_line():
+    """The coordinator (its own device "c") and d0 keep hearing each other; d1, d2 and d3 are cut
+    off after step 2: 2 of 5 devices. No step commits once the lease has run out, and the run
+    ends with the lease's one line."""
+    from swarm.agent.quorum import Lease
+
+    lease_s = 0.6
+    followed = Followed(Lease(set(DEVICES) | {"c"}, "c", 0, lease_s, 0.0), {"d0"}, late=2.0)
+    committed = []
+
+    def stepped(report):
+        committed.append((report.step, trio.current_time()))
+        if report.step == 2:
+            followed.cut()
+    trainer = LocalTrainer(_cfg())
+    data, _ = open_datasets(None, 32, 3)
+    plan = simple_plan("pp", trainer.desc, DEVICES, 4, 2)
+    plan.backups = backup_holders(plan)
+    followed.lease.began = -math.inf  # (trio's clock starts anywhere)
+    with pytest.raises(SwarmError) as stopped:
+        train_plan_in_process(plan, trainer, data, 50, lease=followed, on_step=stepped, timeout_s=TIMEOUT_S)
+    assert f"heard from 2 of 5 devices (a majority is 3) in the last {lease_s:.1f} s" in str(stopped.value)
+    assert "\n" not in str(stopped.value)
+    assert [s for s, _ in committed][:2] == [1, 2] and len(committed) < 50
+    assert all(at < followed.cut_at + lease_s for _, at in committed), (committed, followed.cut_at)

@@ -162,7 +162,7 @@ def test_uninstall_keeps_token_and_config_unless_purged(tmp_path):
 
 def join_args(**flags) -> Namespace:
     base = dict(port=None, name=None, state_dir=None, token_file=None, interface=None, peers=None, no_mdns=None,
-                config=None, verbose=False, accelerator=None)
+                config=None, verbose=False, accelerator=None, reserve=None)
     return Namespace(**{**base, **flags})
 
 

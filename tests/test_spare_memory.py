@@ -1,11 +1,12 @@
 """What a device can spare for a plan: MemAvailable, a cgroup's limit less its use (v1 and v2
-files faked in a folder), the agent's own memory and the reserve; and what a plan and
-`swarm status` show of it."""
+files faked in a folder), the agent's own memory and the reserve; `swarm join --reserve`;
+the figure's way to the coordinator (Info, refreshed before a plan) and what it prints."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import trio
 
 from swarm.host import resources
 from swarm.host.resources import (MemoryFigures, cgroup_levels, cgroup_memory, default_reserve, memory_figures,
@@ -177,3 +178,130 @@ def test_status_shows_what_a_device_can_spare_beside_its_memory():
     assert lines[1].split()[:8] == ["pi-1", "10.0.0.2:4750", "4", "1.0", "GiB", "604", "MiB", "cpu"]
     spare = lines[0].index("SPARE")
     assert lines[2][spare:].split()[0] == "?"  # never said
+
+
+# -- `swarm join --reserve` and the settings file --------------------------------------------------
+
+@pytest.mark.parametrize("value, message", [
+    ("lots", "argument --reserve: 'lots' is not a size (e.g. 300M, 1G, 0)"),
+    ("-300M", "argument --reserve: '-300M' is not a size (e.g. 300M, 1G, 0)"),
+    ("100T", "the reserve (102400 GiB) keeps back all of this device's"),
+])
+def test_a_bad_reserve_is_one_line(tmp_path, monkeypatch, capsys, value, message):
+    from swarm.cli import main
+
+    monkeypatch.setenv("SWARM_CONFIG", str(tmp_path / "none.toml"))
+    (tmp_path / "none.toml").write_text("")
+    try:
+        code = main(["join", f"--reserve={value}", "--state-dir", str(tmp_path)])
+    except SystemExit as stop:  # argparse's errors
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_the_reserve_comes_from_the_flag_else_the_settings_file(tmp_path, monkeypatch):
+    from swarm.commands.join_cmd import agent_config
+    from swarm.errors import SwarmError
+    from swarm.host.config import parse_settings
+    from tests.test_service_install import TOKEN, join_args
+
+    (tmp_path / "token").write_text(TOKEN)
+    config = tmp_path / "swarm.toml"
+    config.write_text(f'reserve = "300M"\ntoken_file = "{tmp_path / "token"}"\n')
+    monkeypatch.setenv("SWARM_CONFIG", str(config))
+    agent, _, _ = agent_config(join_args(state_dir=str(tmp_path)))
+    assert agent.reserve == 300 * MiB
+    agent, _, _ = agent_config(join_args(state_dir=str(tmp_path), reserve=0))  # the flag wins, 0 included
+    assert agent.reserve == 0
+    config.write_text(f'reserve = ""\ntoken_file = "{tmp_path / "token"}"\n')
+    agent, _, _ = agent_config(join_args(state_dir=str(tmp_path)))
+    assert agent.reserve is None  # the default, which the agent works out from its memory
+    with pytest.raises(SwarmError, match=r'x.toml: reserve must be a size such as "300M" or "1G", got \'much\''):
+        parse_settings('reserve = "much"\n', "x.toml")
+
+
+# -- the agent reports it, the coordinator asks again before a plan --------------------------------
+
+AGENT_TOKEN = "spare-test-token-" + "s" * 20
+
+
+def test_the_agent_reports_what_it_can_spare_now(monkeypatch):
+    from swarm.agent import Agent, AgentConfig
+    from swarm.net import resolve_network
+
+    monkeypatch.setattr(resources, "own_memory", lambda: 100 * MiB)
+    monkeypatch.setattr(resources, "cgroup_memory", lambda: (4 * GiB, 1500 * MiB))
+    agent = Agent(AgentConfig(name="pi", node_id="n", token=AGENT_TOKEN, network=resolve_network("lo"), port=0,
+                              advertise=False, memory=4 * GiB))
+    assert agent.reserve == 128 * MiB and agent.memory == 4 * GiB
+    info = agent.info()
+    assert (info.memory, info.spare) == (4 * GiB, 1500 * MiB + 100 * MiB - 128 * MiB)
+    monkeypatch.setattr(resources, "cgroup_memory", lambda: (4 * GiB, 300 * MiB))  # something else took 1.2 GiB
+    assert agent.info().spare == 272 * MiB
+    told = Agent(AgentConfig(name="pi", node_id="n", token=AGENT_TOKEN, network=resolve_network("lo"), port=0,
+                             advertise=False, memory=4 * GiB, reserve=0))
+    assert told.reserve == 0 and told.info().spare == 400 * MiB
+
+
+@pytest.mark.trio
+async def test_a_refresh_brings_the_spare_memory_of_now(monkeypatch):
+    """The roster learns a device's spare memory when it connects, and again when asked to
+    refresh before a plan (`swarm train` and `swarm plan` do): not the figure of long ago."""
+    from swarm.agent import Agent, AgentConfig
+    from swarm.cluster import open_roster
+    from swarm.net import Credentials, resolve_network
+
+    network = resolve_network("lo")
+    spare = {"node0": 900 * MiB, "node1": 700 * MiB}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            agents = []
+            for i in range(2):
+                agent = Agent(AgentConfig(name=f"a{i}", node_id=f"node{i}", token=AGENT_TOKEN, network=network, port=0,
+                                          advertise=False, memory=GiB))
+                agent.spare_memory = lambda node=f"node{i}": spare[node]
+                agents.append(await nursery.start(agent.run))
+            peers = [("127.0.0.1", a.port) for a in agents]
+            async with open_roster(Credentials("coordinator", AGENT_TOKEN), network, peers=peers,
+                                    discover=False) as cluster:
+                devices = await cluster.wait_for(2, timeout=10)
+                assert [(d.memory, d.spare) for d in devices] == [(GiB, 900 * MiB), (GiB, 700 * MiB)]
+                spare["node1"] = 330 * MiB  # a program started beside a1's agent
+                await trio.sleep(0.3)
+                assert cluster.device("node1").spare == 700 * MiB  # not asked again: the old figure
+                started = trio.current_time()
+                await cluster.refresh(["node0", "node1"])
+                assert trio.current_time() - started < 1.0  # the answers, not the timeout, ended it
+                assert [d.spare for d in cluster.devices()] == [900 * MiB, 330 * MiB]
+                assert cluster.device("node1").as_dict()["spare"] == 330 * MiB  # `swarm status --json`
+            nursery.cancel_scope.cancel()
+
+
+def test_swarm_train_plans_on_the_spare_memory_and_says_what_is_left():
+    """The facts `swarm train` plans with: what each device could spare (all of its memory
+    where it never said), and the line under the plan with each device's peak of it."""
+    from planner.memory_fit import describe_room, room_left
+    from swarm.execution.launch import SwarmOptions, SwarmRunner
+    from swarm.local.trainer import TrainConfig
+    from swarm.zoo import describe_model
+
+    runner = SwarmRunner(SwarmOptions(strategy="dp"), log=lambda *a: None, fallback=None)
+    cfg = TrainConfig(model="yolov2-16", img_size=416, batch_size=8, microbatches=8, classes=5)
+    trainer = SimpleNamespace(cfg=cfg, desc=describe_model("yolov2-16", 416, classes=5))
+    devices = {"dev0": SimpleNamespace(cores=1, memory=GiB, spare=990 * MiB, address="10.0.0.1", port=4750),
+               "dev1": SimpleNamespace(cores=1, memory=GiB, spare=None, address="10.0.0.2", port=4750)}
+    plan = runner._make_plan(trainer, ["dev0", "dev1"], devices)
+    assert plan.devices["dev0"]["memory"] == 990 * MiB and plan.devices["dev1"]["memory"] == GiB
+    room = room_left(plan, trainer.desc, cfg.optimizer)
+    assert set(room) == {"dev0", "dev1"} and room["dev0"][1:] == (990 * MiB, False)
+    assert room["dev0"][0] == room["dev1"][0] > 300 * MiB  # the same share: the same least need
+    line = describe_room(room)
+    assert line.startswith("memory at a step's peak (at least), of what each device can spare: dev0 ")
+    assert "of 990 MiB" in line and "of 1 GiB" in line
+    # a device that can spare less than the plan needs is refused, with its figure
+    devices["dev1"].spare = 400 * MiB
+    from swarm.errors import SwarmError
+    with pytest.raises(SwarmError, match=r"on dev1, which has 400 MiB"):
+        runner._make_plan(trainer, ["dev0", "dev1"], devices)

@@ -45,6 +45,7 @@ def test_status_lists_every_device_by_peers(loopback_testbed):
     for d in devices:
         assert d["health"] == "alive" and d["address"] == "127.0.0.1" and d["port"] == ports[d["name"]]
         assert d["cores"] >= 1 and d["memory"] > 0 and d["accelerator"] == accelerator() and d["version"]
+        assert 0 < d["spare"] < d["memory"]  # what it can spare: less its reserve at least
         assert d["last_seen_ago"] < 5 and d["rtt"] is not None
 
 

@@ -57,15 +57,23 @@ def bed4(monkeypatch):
     yield from namespace_testbed(4)
 
 
-def failover_run(faults):
-    """Detach a pipeline run over the 4 devices, coordinated by dev1; follow it with `swarm logs
+@pytest.fixture
+def bed5(monkeypatch):
+    monkeypatch.setenv("SWARM_PROGRESS_SECONDS", "0")
+    yield from namespace_testbed(5)
+
+
+def failover_run(faults, devices=4):
+    """Detach a pipeline run over the `devices` devices, coordinated by dev1; follow it with `swarm logs
     -f` from dev0 and do `swarm testbed ACTION DEVICE` for each (when, action, device) in turn
     once a line of the log starts with `when` (or, for "next step", is a step after the run
     moved to a new coordinator). DEVICE "worker" is a device neither dev0, dev1 nor the one
-    coordinating now. Returns (job, log lines, the device coordinating at the end)."""
+    coordinating now. Action "partition" splits the testbed into DEVICE (a comma-separated
+    group) and the rest, "mend" joins it again. Returns (job, log lines, the device
+    coordinating at the end)."""
     from swarm.testbed import testbed
 
-    r = swarm_on("dev0", "train", "--detach", "--coordinator", "dev1", *FLAGS, "--strategy", "pp", "--devices", "4",
+    r = swarm_on("dev0", "train", "--detach", "--coordinator", "dev1", *FLAGS, "--strategy", "pp", "--devices", devices,
                  "--wait", "30")
     assert r.returncode == 0, r.stderr
     job = r.stdout.strip()  # the command has exited: the run is the agents' now
@@ -88,8 +96,13 @@ def failover_run(faults):
                 _, action, device = todo.pop(0)
                 if device == "worker":
                     device = min({"dev2", "dev3"} - {now})
-                done = run_swarm("testbed", action, device)
-                assert done.returncode == 0, done.stderr
+                if action == "partition":
+                    testbed.partition(device.split(","))
+                elif action == "mend":
+                    testbed.mend()
+                else:
+                    done = run_swarm("testbed", action, device)
+                    assert done.returncode == 0, done.stderr
                 moved = False
             assert time.monotonic() < deadline, "".join(lines)
         follow.wait(timeout=30)
@@ -132,3 +145,17 @@ def test_a_cut_off_coordinator_is_replaced_and_gives_up(bed4, local_weights, tmp
     check_final_weights(job, log, now, local_weights.weights(), tmp_path)
     old = next(run for run in records("dev1", job) if run["node"] == "dev1")
     assert (old["term"], old["state"]) == (0, "failed") and "this one gives up" in old["detail"], old
+
+
+def test_a_partition_leaves_one_coordinator(bed5, local_weights, tmp_path):
+    """Five devices split 3 + 2 with the coordinator among the 2: it loses its lease and stops
+    with its checkpoint; the 3 elect a successor (a majority of the 4 replica holders), which
+    carries the run on and takes the 2 back once the partition heals. One run, equal to local."""
+    job, log, now = failover_run([("step 4/", "partition", "dev1,dev4"), ("next step", "mend", "-")], devices=5)
+    assert now in ("dev0", "dev2", "dev3") and "taking over run" in log, log
+    check_final_weights(job, log, now, local_weights.weights(), tmp_path)
+    terms = {run["term"]: run for run in records("dev0", job) + records("dev1", job)}
+    old = terms[0]
+    assert (old["node"], old["state"]) == ("dev1", "failed"), old
+    assert "heard from 2 of 5 devices (a majority is 3)" in old["detail"], old  # its lease, not a loss
+    assert [run["state"] for run in terms.values()].count("running") == 0 and sorted(terms) == [0, 1], terms

@@ -18,8 +18,11 @@ not read by count (the peer is disconnected); log lines by kind and second.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
+import re
 import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from swarm import __version__
 from swarm.agent.detached import DetachedRun, DetachedRuns
 from swarm.agent.early import EarlyMessages
 from swarm.agent.failover import Replica, elect, term_of
+from swarm.agent.quorum import ELECTION_TIMEOUT_S, Election, VoteAnswer, Voter
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.errors import SwarmError
 from swarm.host import malloc
@@ -43,7 +47,8 @@ from swarm.net.peer import serve_peers
 from swarm.net.ratelimit import LogLimiter
 from swarm.wire import (PROTOCOL_VERSION, DetachAnswer, DetachChunk, DetachList, DetachRead, DetachStop, DetachSubmit,
                         Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobReplica, JobStart, JobState, JobStop,
-                        Limits, Ping, Pong, RemoteProtocolError, ReplicaQuery, ReplicaState, Watch)
+                        LeaseAnswer, LeaseAsk, Limits, Ping, Pong, RemoteProtocolError, ReplicaQuery, ReplicaState,
+                        VoteAsk, VoteReply, Watch)
 
 log = logging.getLogger("swarm.agent")
 
@@ -55,7 +60,7 @@ MAX_NAME = 128           # longest job id or job kind
 # COORDINATOR_SILENT_S (a busy device's heartbeat deadline and probe, as the coordinator
 # gives its devices: swarm/cluster/membership.py).
 COORDINATOR_GONE_S, COORDINATOR_SILENT_S = 1.0, 4.0
-ELECTION_S = 2.0         # how long the other replica holders have to say which replica they hold
+ELECTION_S = 2.0         # how long the other replica holders have to say which replica they hold, or vote
 
 
 @dataclass
@@ -72,6 +77,7 @@ class AgentConfig:
     limits: Limits = Limits()
     cores: int | None = None
     memory: int | None = None
+    reserve: int | None = None      # memory kept back from plans (None: swarm.host.resources.default_reserve)
     accelerator: str | None = None  # what to offer: "cpu" opts a GPU out; None: what this device has
     early_messages: int = EARLY_MESSAGES  # job messages held for an assignment not yet here
     early_bytes: int = EARLY_BYTES        # ... and their bytes (held_bytes)
@@ -79,6 +85,7 @@ class AgentConfig:
     outbox: int = OUTBOX                  # replies queued for a peer before it is disconnected
     state_dir: Path | None = None         # holds the folders of detached runs
     check_run_flags: Callable | None = None  # parses a detached run's `swarm train` flags (None: no runs here)
+    election_timeout: float = ELECTION_TIMEOUT_S  # a replica holder votes this long after it last followed a coordinator
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -153,12 +160,13 @@ class Agent:
     """Run with `await nursery.start(agent.run)`; started() hands back the agent once it listens."""
 
     def __init__(self, config: AgentConfig):
-        from swarm.host.resources import usable_cores, usable_memory
+        from swarm.host.resources import default_reserve, usable_cores, usable_memory
 
         self.config = config
         self.credentials = Credentials(config.node_id, config.token, config.limits)
         self.cores = config.cores or usable_cores()
-        self.memory = config.memory or usable_memory()
+        self.memory = config.memory or usable_memory()  # the device's: physical, or its cgroup's limit
+        self.reserve = default_reserve(self.memory) if config.reserve is None else config.reserve
         self.accelerator = config.accelerator or accelerator()
         self.accelerator_memory = accelerator_memory(self.accelerator)
         self.port: int | None = None
@@ -175,6 +183,7 @@ class Agent:
         self.replicas: dict[str, Replica] = {}  # job id -> the newest coordinator replica of that job
         self._replica_stored = trio.Event()  # set (and replaced) whenever one is stored
         self.terms: dict[str, int] = {}  # job id -> the newest coordinator term seen (failover.py fencing)
+        self.voters: dict[str, Voter] = {}  # job id -> this holder's votes and fence for it (quorum.py)
         self._asked: dict[int, tuple[trio.Event, list]] = {}  # seq of a ReplicaQuery -> (answered, [answer])
         self._seq = 0
         self.detached = DetachedRuns(Path(config.state_dir) / "runs", config.name, config.check_run_flags,
@@ -203,9 +212,10 @@ class Agent:
             self._detached_nursery = await nursery.start(self._hold_detached)
             if zc is not None:
                 await nursery.start(advertise, zc, self.advert())
-            log.info("agent %s (node %s) listening on %s port %d, %d cores, %.1f GiB, %s; discovery on %s%s",
-                     self.config.name, self.node_id, ",".join(network.listen_hosts), self.port, self.cores,
-                     self.memory / 2**30, self.accelerator, network.interface,
+            log.info("agent %s (node %s) listening on %s port %d, %d cores, %.1f GiB (%.0f MiB to spare, %.0f MiB "
+                     "kept back), %s; discovery on %s%s", self.config.name, self.node_id,
+                     ",".join(network.listen_hosts), self.port, self.cores, self.memory / 2**30,
+                     self.spare_memory() / 2**20, self.reserve / 2**20, self.accelerator, network.interface,
                      "" if self.config.advertise else " (mDNS off)")
             task_status.started(self)
 
@@ -215,9 +225,17 @@ class Agent:
                       accelerator_memory=self.accelerator_memory, version=__version__, protocol=PROTOCOL_VERSION,
                       cluster=self.credentials.cluster_tag)
 
+    def spare_memory(self) -> int:
+        """What this device can spare for a plan now: the memory available, plus what this agent
+        holds, less the reserve (swarm.host.resources); within self.memory."""
+        from swarm.host.resources import memory_figures
+
+        return memory_figures(self.reserve, total=self.memory).spare
+
     def info(self) -> Info:
+        """What this agent offers, as of now: its spare memory is measured for each answer."""
         job = self.job
-        return Info(self.node_id, self.config.name, self.cores, self.memory, self.accelerator,
+        return Info(self.node_id, self.config.name, self.cores, self.memory, self.spare_memory(), self.accelerator,
                     self.accelerator_memory, __version__,
                     self.port or 0, [f"{h}:{p}" for h, p in self.config.peers],
                     job.job_id if job else None, job.state if job else None)
@@ -320,11 +338,15 @@ class Agent:
         elif isinstance(message, ReplicaQuery):
             held = self.replicas.get(message.job_id)
             peer.reply(ReplicaState(message.seq, message.job_id[:MAX_NAME], *(held.version if held else (-1, -1))))
-        elif isinstance(message, ReplicaState):
+        elif isinstance(message, (ReplicaState, VoteReply)):
             asked = self._asked.get(message.seq)
             if asked is not None and not asked[0].is_set():
                 asked[1].append((peer.node_id, message))
                 asked[0].set()
+        elif isinstance(message, LeaseAsk):
+            peer.reply(self._lease_answer(peer, message))
+        elif isinstance(message, VoteAsk):
+            peer.reply(self._vote(peer, message))
         else:
             self._lines.log(logging.DEBUG, "ignored", "ignoring %s from node %s", type(message).__name__, peer.node_id)
 
@@ -360,6 +382,8 @@ class Agent:
                 elif held is None or replica.version >= held.version:
                     self.replicas.pop(msg.job_id, None)
                     self.replicas[msg.job_id] = replica
+                    voter = self._voter(msg.job_id)
+                    voter.fence.see(replica.term, replica.elected_by if replica.elected_term == replica.term else ())
                     self._replica_stored.set()
                     self._replica_stored = trio.Event()
                     while len(self.replicas) > REPLICAS:
@@ -369,6 +393,64 @@ class Agent:
                     why = f"a newer one (term {held.term}, step {held.step}) is held"
         self._lines.log(logging.WARNING, "replica", "refused a replica of job %.40s from node %s: %s", msg.job_id,
                         peer.node_id, why)
+
+    def _voter(self, job_id: str) -> Voter:
+        """This holder's part in the elections of a job's coordinators (quorum.Voter), its
+        vote kept in the state directory (in memory without one)."""
+        voter = self.voters.get(job_id)
+        if voter is None:
+            path = None
+            if self.config.state_dir:
+                safe = job_id if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job_id) and not job_id.startswith(".") \
+                    else hashlib.sha256(job_id.encode()).hexdigest()[:32]
+                folder = Path(self.config.state_dir) / "votes"
+                folder.mkdir(parents=True, exist_ok=True)
+                path = folder / f"{safe}.json"
+            voter = self.voters[job_id] = Voter(self.node_id, path, self.config.election_timeout, trio.current_time())
+            if voter.broken:
+                self._lines.log(logging.ERROR, "vote file", "%s", voter.broken)
+            while len(self.voters) > REPLICAS:
+                del self.voters[next(iter(self.voters))]
+        return voter
+
+    def _lease_answer(self, peer: Peer, msg: LeaseAsk) -> LeaseAnswer:
+        """Follow the coordinator asking, or say in one line why not (a newer term has begun,
+        or this holder voted in one): a refusal fences it."""
+        job_id = msg.job_id[:MAX_NAME]
+        voter = self.voters.get(job_id)
+        known = self.terms.get(job_id, 0)
+        if msg.term < known:
+            why = f"coordinator of term {msg.term} fenced: term {known} has begun"
+        elif voter is not None:
+            why = voter.on_coordinator(msg.term, trio.current_time(), elected_by=msg.elected_by[:REPLICAS * 4])
+            known = max(known, voter.term)
+        else:
+            why = None
+        if why:
+            self._lines.log(logging.WARNING, "lease", "refused node %s the lease of job %s: %s", peer.node_id, job_id,
+                            why)
+        return LeaseAnswer(msg.seq, job_id, why is None, known, why or "")
+
+    def _vote(self, peer: Peer, msg: VoteAsk) -> VoteReply:
+        """Answer a candidate's poll or vote request (quorum.Voter.answer): only for the node
+        it comes from, and only with a replica of the job held here."""
+        job_id = msg.job_id[:MAX_NAME]
+        voter, held = self.voters.get(job_id), self.replicas.get(job_id)
+        if voter is None or held is None:
+            return VoteReply(msg.seq, job_id, self.node_id, 0, False, f"{self.node_id} holds no replica of job "
+                             f"{job_id}", msg.poll)
+        if peer.node_id not in held.holders:
+            return VoteReply(msg.seq, job_id, self.node_id, voter.term, False, f"node {peer.node_id} holds no replica "
+                             f"of job {job_id}", msg.poll)
+        from swarm.agent.quorum import VoteRequest
+
+        request = VoteRequest(msg.term, peer.node_id, (msg.replica_term, msg.replica_step), msg.poll)
+        answer = voter.answer(request, held.version, trio.current_time())
+        self._lines.log(logging.INFO if answer.granted else logging.WARNING, "vote",
+                        "%s node %s's %s for term %d of job %s%s", "granted" if answer.granted else "refused",
+                        peer.node_id, "poll" if msg.poll else "vote", msg.term, job_id,
+                        f": {answer.why}" if answer.why else "")
+        return VoteReply(msg.seq, job_id, self.node_id, answer.term, answer.granted, answer.why, msg.poll)
 
     async def _coordinator_watch(self, job: AgentJob) -> None:
         """With a replica of the job's coordinator here: when that coordinator is gone, elect its
@@ -384,49 +466,121 @@ class Agent:
             replica = self.replicas.get(job.job_id)
             if replica is None or replica.term == job.elected_in:
                 continue
-            now = trio.current_time()
-            peer = self._coordinator(job)
-            if peer is not None and now - peer.last_heard < COORDINATOR_SILENT_S:
+            if self._coordinator_heard(job):
                 gone_since = None
                 continue
+            now = trio.current_time()
             gone_since = now if gone_since is None else gone_since
-            if peer is None and now - gone_since < COORDINATOR_GONE_S:
+            if self._coordinator(job) is None and now - gone_since < COORDINATOR_GONE_S:
                 continue
             job.elected_in = replica.term
-            await self._elect(job, replica)
+            coordinator = job.coordinator_id
+            if not await self._elect(job, replica) and self.job is job and job.coordinator_id == coordinator \
+                    and self._voter(job.job_id).fence.term <= replica.term:
+                job.elected_in = None  # its coordinator came back: watch over it again
 
-    async def _elect(self, job: AgentJob, replica: Replica) -> None:
-        versions = {self.node_id: replica.version}
+    def _coordinator_heard(self, job: AgentJob) -> bool:
+        peer = self._coordinator(job)
+        return peer is not None and trio.current_time() - peer.last_heard < COORDINATOR_SILENT_S
+
+    async def _elect(self, job: AgentJob, replica: Replica) -> bool:
+        """Until a coordinator leads the job again: once this holder may stand (its coordinator
+        quiet for the election timeout), the holders that answer say which replica they hold;
+        the one `elect` names polls, then asks for the votes, and takes the run over only when a
+        majority of the replica's holders granted them (swarm/agent/quorum.py). True if it did."""
+        voter = self._voter(job.job_id)
+        if self.node_id not in replica.holders:
+            return False
+        coordinator, above = job.coordinator_id, 0
         holders = {replica.devices[name]["node_id"]: replica.devices[name]["address"]
                    for name in replica.devices if replica.devices[name]["node_id"] in replica.holders}
 
+        def led() -> bool:
+            """Whether someone coordinates the job again (or it is gone from here)."""
+            return (self.job is not job or job.coordinator_id != coordinator or voter.fence.term > replica.term
+                    or self._coordinator_heard(job))
+
+        while not led():
+            now = trio.current_time()
+            if not voter.may_stand(now):
+                await trio.sleep(min(0.5, max(0.05, voter.heard_at + voter.election_s - now)))
+                continue
+            versions = await self._replica_versions(job, replica, holders)
+            successor = elect(versions)
+            self._lines.log(logging.WARNING, "election", "coordinator of job %s (run %s) is gone; replicas held: %s; "
+                            "successor: node %s", job.job_id, replica.run_id,
+                            ", ".join(f"{n} {t}/{s}" for n, (t, s) in sorted(versions.items())), successor)
+            if successor == self.node_id and not led():
+                election = await self._stand(job, replica, voter, holders, above)
+                above = max(above, election.highest)
+                if election.won:
+                    self._take_over(dataclasses.replace(replica, elected_term=election.request.term,
+                                                        elected_by=sorted(election.granted)))
+                    return True
+            await trio.sleep(voter.election_s / 2)
+        return False
+
+    async def _replica_versions(self, job: AgentJob, replica: Replica, holders: dict) -> dict:
+        """{node id: replica version} of the holders that answer within ELECTION_S, this one's own."""
+        versions = {self.node_id: replica.version}
+
         async def ask(node_id: str, address: str) -> None:
-            self._seq += 1
-            seq = self._seq
-            answered, answer = self._asked[seq] = (trio.Event(), [])
-            try:
-                with trio.move_on_after(ELECTION_S):
-                    conn = await self.open_link(address, node_id)
-                    await conn.send(ReplicaQuery(seq, job.job_id))
-                    await answered.wait()
-                    sender, state = answer[0]
-                    if sender == node_id and state.job_id == job.job_id and state.term >= 0:
-                        versions[node_id] = (state.term, state.step)
-            except (OSError, ConnectionLost, SwarmError):
-                pass  # a holder that cannot be reached is no survivor
-            finally:
-                self._asked.pop(seq, None)
+            answer = await self._ask(node_id, address, lambda seq: ReplicaQuery(seq, job.job_id))
+            if answer is not None:
+                sender, state = answer
+                if (isinstance(state, ReplicaState) and sender == node_id and state.job_id == job.job_id
+                        and state.term >= 0):
+                    versions[node_id] = (state.term, state.step)
 
         async with trio.open_nursery() as nursery:
             for node_id, address in holders.items():
                 if node_id != self.node_id:
                     nursery.start_soon(ask, node_id, address)
-        successor = elect(versions)
-        self._lines.log(logging.WARNING, "election", "coordinator of job %s (run %s) is gone; replicas held: %s; "
-                        "successor: node %s", job.job_id, replica.run_id,
-                        ", ".join(f"{n} {t}/{s}" for n, (t, s) in sorted(versions.items())), successor)
-        if successor != self.node_id:
-            return
+        return versions
+
+    async def _stand(self, job: AgentJob, replica: Replica, voter: Voter, holders: dict, above: int) -> Election:
+        """A poll, then (if a majority would grant it) the vote itself, both for one term."""
+        poll = voter.request(replica.version, poll=True, above=above)
+        for request in (poll, dataclasses.replace(poll, poll=False)):
+            election = Election(request, replica.holders)
+            election.count(voter.answer(request, replica.version, trio.current_time()))
+
+            async def ask(node_id: str, address: str, request=request, election=election) -> None:
+                answer = await self._ask(node_id, address, lambda seq: VoteAsk(
+                    seq, job.job_id, request.term, request.candidate, *request.version, request.poll))
+                if answer is not None:
+                    sender, reply = answer
+                    if isinstance(reply, VoteReply) and sender == node_id and reply.job_id == job.job_id:
+                        election.count(VoteAnswer(sender, reply.term, reply.granted, reply.why, reply.poll))
+
+            async with trio.open_nursery() as nursery:
+                for node_id, address in holders.items():
+                    if node_id != self.node_id:
+                        nursery.start_soon(ask, node_id, address)
+            self._lines.log(logging.WARNING, "election", "job %s: %s", job.job_id, election.outcome())
+            if not election.won:
+                return election
+        return election
+
+    async def _ask(self, node_id: str, address: str, make) -> tuple | None:
+        """Send `make(seq)` to another agent and wait up to ELECTION_S for the answer with that
+        seq: (sender, message), or None."""
+        self._seq += 1
+        seq = self._seq
+        answered, answer = self._asked[seq] = (trio.Event(), [])
+        try:
+            with trio.move_on_after(ELECTION_S):
+                conn = await self.open_link(address, node_id)
+                await conn.send(make(seq))
+                await answered.wait()
+                return answer[0]
+        except (OSError, ConnectionLost, SwarmError):
+            pass  # a holder that cannot be reached is no survivor
+        finally:
+            self._asked.pop(seq, None)
+        return None
+
+    def _take_over(self, replica: Replica) -> None:
         try:
             run = self.detached.take_over(replica)
         except (SwarmError, OSError) as exc:
@@ -581,6 +735,9 @@ class Agent:
         elif term_of(msg.epoch) < self.terms.get(msg.job_id, 0):
             refuse = (f"fenced: a coordinator of term {self.terms[msg.job_id]} has taken the job over (this one's "
                       f"term is {term_of(msg.epoch)})")
+        elif msg.job_id in self.voters and (why := self.voters[msg.job_id].on_coordinator(term_of(msg.epoch),
+                                                                                          trio.current_time())):
+            refuse = why
         elif job is not None and msg.epoch < job.epoch:
             refuse = f"epoch {msg.epoch} is older than the job's epoch {job.epoch}"
         elif runner is None and refuse is None:

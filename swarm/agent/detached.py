@@ -116,7 +116,7 @@ class DetachedRuns:
             shutil.rmtree(old.folder, ignore_errors=True)  # a term of it this agent coordinated before
         self._forget_old()
         run = DetachedRun(replica.run_id, self.root / replica.run_id, list(replica.flags), parsed.model or "yolov2-16",
-                          parsed.steps, time.time(), replica.term + 1)
+                          parsed.steps, time.time(), replica.next_term)
         run.folder.mkdir(parents=True)
         (run.folder / "replica.json").write_text(json.dumps(replica.to_body()))
         return self._start(run)

@@ -48,11 +48,20 @@ class Replica:
     flags: list[str]            # the run's `swarm train` flags
     coordinator: str            # node id of the agent whose device ran the coordinator
     holders: list[str] = field(default_factory=list)  # node ids of the agents sent this replica
+    # set by the holder that won the election for a successor (swarm/agent/quorum.py): the
+    # successor's term and the holders that granted it (-1, []: the next term, elected by nobody)
+    elected_term: int = -1
+    elected_by: list[str] = field(default_factory=list)
 
     @property
     def version(self) -> tuple[int, int]:
         """Newer replicas compare greater."""
         return self.term, self.step
+
+    @property
+    def next_term(self) -> int:
+        """The term of the coordinator that carries the run on from this replica."""
+        return self.elected_term if self.elected_term > self.term else self.term + 1
 
     def to_body(self) -> dict:
         return asdict(self)
@@ -66,7 +75,8 @@ class Replica:
             raise ValueError(f"not a replica: {exc}") from None
         checks = [(replica.run_id, str), (replica.job_id, str), (replica.term, int), (replica.epoch, int),
                   (replica.step, int), (replica.holdings, dict), (replica.plan, dict), (replica.devices, dict),
-                  (replica.flags, list), (replica.coordinator, str), (replica.holders, list)]
+                  (replica.flags, list), (replica.coordinator, str), (replica.holders, list),
+                  (replica.elected_term, int), (replica.elected_by, list)]
         if not all(isinstance(value, kind) and not isinstance(value, bool) for value, kind in checks):
             raise ValueError("a replica field has the wrong type")
         if replica.term < 0 or replica.step < 0 or term_of(replica.epoch) != replica.term:
@@ -74,7 +84,7 @@ class Replica:
         if not all(isinstance(d, dict) and isinstance(d.get("node_id"), str) and isinstance(d.get("address"), str)
                    for d in replica.devices.values()):
             raise ValueError("a replica's devices need a node id and an address each")
-        if not all(isinstance(f, str) for f in replica.flags) or not all(isinstance(h, str) for h in replica.holders):
+        if not all(isinstance(f, str) for f in replica.flags + replica.holders + replica.elected_by):
             raise ValueError("a replica's flags and holders are strings")
         return replica
 

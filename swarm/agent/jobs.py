@@ -106,6 +106,10 @@ class JobContext:
     def name(self) -> str:
         return self._agent.config.name
 
+    def spare_memory(self) -> int:
+        """What the device can spare now, less the agent's reserve (Agent.spare_memory)."""
+        return self._agent.spare_memory()
+
     # -- messages ---------------------------------------------------------------------
 
     def data(self, channel: str, body=None) -> JobData:

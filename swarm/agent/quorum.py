@@ -36,26 +36,16 @@ The safety argument, which the tests check over every split of 3, 4 and 5 device
   unless a majority would vote for it, so the holders cut off with a minority never push the
   term up, and when the partition heals they rejoin the coordinator that kept its majority.
 
-Where each piece is meant to be called from (the wiring is a later step):
-- `check_quorums(devices, holders)`: where the coordinator makes its replica
-  (swarm/execution/launch.py), over node ids. The run's devices are fixed at its start
-  (`Replica.devices`) and every one but the coordinator's must hold a replica; today's
-  `Replica.holders` are the devices of the plan of the moment, which a re-plan over the
-  survivors shrinks, and the majorities would no longer meet.
-- `Lease`: in the coordinator (swarm/execution/coordinator.py). `heard_from` when a Pong
-  answers a Ping (the roster keeps seq -> the time it sent it); `may_commit` before each
-  step's commit, and `must_stop` then ends the run with its checkpoint and `why`; `refused`
-  when an agent refuses the coordinator as fenced (swarm/execution/launch.py's "another
-  coordinator has taken this run over").
-- `Voter`: one per replica held, in the agent (swarm/agent/agent.py), its vote file beside
-  the replica, made when the replica is first kept and `fence.see(replica.term)` with each
-  one. `on_coordinator` for each message from the job's coordinator (beats and assignments:
-  the term fencing that now checks `term_of(epoch)`); `may_stand` in the
-  coordinator watch instead of "silent for 4 s"; `answer` for a vote request (the
-  ReplicaQuery/ReplicaState exchange grown into one).
-- `Election`: in the agent's election (`Agent._elect`): count the answers, and take the run
-  over (`DetachedRuns.take_over`) only when `won`; the new coordinator's first assignments
-  carry its term and `granted`, which the holders' fences keep to name in a refusal.
+Where each piece is called from (docs/runtime.md, "How it is wired"):
+- `Lease`: the coordinator of a detached run (swarm/execution/launch.py `_take_lease` asks
+  the term's devices with LeaseAsk and feeds `heard_from` and `refused` from LeaseAnswer;
+  swarm/execution/coordinator.py `_may_commit` before each commit, `_watch_lease` to stop).
+  The term's devices are fixed when it starts; every one but the coordinator's holds a
+  replica, so `check_quorums` holds by construction.
+- `Voter`: one per job whose replica an agent holds (swarm/agent/agent.py `_voter`), its vote
+  file in the agent's state directory; `on_coordinator` for each LeaseAsk and assignment,
+  `may_stand` and `answer` in the election (VoteAsk/VoteReply).
+- `Election`: the candidate's count in `Agent._stand`; the run is taken over only when won.
 """
 from __future__ import annotations
 
@@ -64,6 +54,13 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+# The rule's durations in a run: a coordinator asks its devices every LEASE_ASK_S (LeaseAsk,
+# swarm/wire/messages.py) and holds its lease for LEASE_S after an ask that a majority
+# answered; a holder votes no sooner than ELECTION_TIMEOUT_S after it last answered one.
+# ELECTION_TIMEOUT_S > LEASE_S keeps two coordinators apart (below); LEASE_S leaves a busy
+# device on a 0.1-core quota several asks to answer in.
+LEASE_ASK_S, LEASE_S, ELECTION_TIMEOUT_S = 1.0, 6.0, 8.0
 
 
 def majority(n: int) -> int:
@@ -229,16 +226,17 @@ class Voter:
     construction counts as hearing the coordinator, so that a holder that restarts waits a
     whole `election_s` before it votes, as it promised before it went down."""
 
-    def __init__(self, node: str, path: Path, election_s: float, now: float):
-        self.node, self.path, self.election_s = node, Path(path), election_s
+    def __init__(self, node: str, path: Path | None, election_s: float, now: float):
+        self.node, self.path, self.election_s = node, Path(path) if path is not None else None, election_s
         self.fence = Fence()
         self.heard_at = now
-        self.vote: Vote | None
+        self.vote: Vote | None = Vote()  # (no file: an agent without a state directory keeps it in memory)
         self.broken: str | None = None  # why it may not vote (its vote file), one line
-        try:
-            self.vote = Vote.load(self.path)
-        except VoteFileError as exc:
-            self.vote, self.broken = None, f"{exc}: it votes and answers again once the file is removed or repaired"
+        if self.path is not None:
+            try:
+                self.vote = Vote.load(self.path)
+            except VoteFileError as exc:
+                self.vote, self.broken = None, f"{exc}: it votes and answers again once the file is removed or repaired"
 
     @property
     def term(self) -> int:
@@ -278,7 +276,8 @@ class Voter:
         why = self._refusal(request, tuple(version), now)
         if why is None and not request.poll:
             try:
-                Vote(request.term, request.candidate).save(self.path)
+                if self.path is not None:
+                    Vote(request.term, request.candidate).save(self.path)
             except OSError as exc:
                 why = f"{self.node} cannot write its vote file {self.path} ({exc.strerror or exc})"
             else:

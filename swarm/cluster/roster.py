@@ -25,7 +25,7 @@ from swarm.cluster.remote_job import CoordinatorJob
 from swarm.net import (ConnectionLost, Credentials, HandshakeFailed, NetworkChoice, PeerUnavailable, connect_peer,
                        parse_endpoint)
 from swarm.net.discovery import DeviceGone, DeviceSeen, browse, open_zeroconf
-from swarm.wire import (DetachAnswer, DetachChunk, Heartbeat, Info, InfoRequest, JobState, Ping, Pong,
+from swarm.wire import (DetachAnswer, DetachChunk, Heartbeat, Info, InfoRequest, JobState, LeaseAnswer, Ping, Pong,
                         RemoteProtocolError, Watch)
 
 log = logging.getLogger("swarm.cluster")
@@ -54,9 +54,11 @@ class Roster:
         self._jobs: dict[str, CoordinatorJob] = {}
         self._strangers: set[str] = set()  # node ids whose adverts name another cluster
         self._pongs: dict[int, trio.Event] = {}
+        self._infos: dict[str, int] = {}  # node id -> Info messages received from it
         self._answers: dict[int, tuple[str, trio.Event, list]] = {}  # request's seq -> (node id, done, [answer])
         self._seq = itertools.count(1)
         self._changed = trio.Event()
+        self.on_lease_answer = None  # (node id, LeaseAnswer) -> None: a replicated run's lease (launch.py)
         self._nursery: trio.Nursery | None = None
 
     # -- asking -----------------------------------------------------------------------
@@ -76,6 +78,26 @@ class Roster:
             while len(self.alive()) < count:
                 await self._changed.wait()
         return self.alive()
+
+    async def refresh(self, node_ids, timeout: float = 2.0) -> None:
+        """Ask these devices to describe themselves again (InfoRequest) and wait up to `timeout`
+        for their answers, so that what they can spare is as of now (before a plan is made).
+        A device that does not answer in time keeps what it said before."""
+        asked = {}
+        for node_id in node_ids:
+            count = self._infos.get(node_id, 0)
+            try:
+                await self.send(node_id, InfoRequest())
+            except (PeerUnavailable, ConnectionLost):
+                continue
+            asked[node_id] = count
+
+        def waiting() -> bool:
+            return any(self._infos.get(n, 0) == count and getattr(self._devices.get(n), "conn", None) is not None
+                       for n, count in asked.items())
+        with trio.move_on_after(timeout):
+            while waiting():
+                await self._changed.wait()
 
     def strangers(self) -> str:
         """A sentence on the devices found on mDNS whose adverts name another cluster ("" if
@@ -286,9 +308,10 @@ class Roster:
     def _on_message(self, device: Member, message) -> None:
         if isinstance(message, Info):
             first = device.name == "?" or self.membership.health(device.node_id) is None
-            for name in ("name", "cores", "memory", "accelerator", "accelerator_memory", "version", "peers", "job_id",
-                         "job_state"):
+            for name in ("name", "cores", "memory", "spare", "accelerator", "accelerator_memory", "version", "peers",
+                         "job_id", "job_state"):
                 setattr(device, name, getattr(message, name))
+            self._infos[device.node_id] = self._infos.get(device.node_id, 0) + 1
             device.port = message.port or device.port
             if first:
                 self.membership.add(device.node_id, f"connected at {device.address}:{device.port}")
@@ -311,6 +334,9 @@ class Roster:
             if asked is not None and asked[0] == device.node_id and not asked[1].is_set():
                 asked[2].append(message)
                 asked[1].set()
+        elif isinstance(message, LeaseAnswer):
+            if self.on_lease_answer is not None:
+                self.on_lease_answer(device.node_id, message)
         elif isinstance(message, JobState):
             job = self._jobs.get(message.job_id)
             if job is not None:

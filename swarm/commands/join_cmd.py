@@ -6,9 +6,9 @@ import os
 import signal
 import socket
 
-from swarm.commands.flags import add_network_args, add_token_args, port_number
+from swarm.commands.flags import add_network_args, add_token_args, byte_size, port_number
 from swarm.commands.logs import setup_logging
-from swarm.errors import run_trio
+from swarm.errors import SwarmError, run_trio
 
 log = logging.getLogger("swarm.agent")
 
@@ -33,6 +33,15 @@ def add_parser(sub) -> None:
                         "flags and SWARM_* variables override it")
     p.add_argument("--accelerator", choices=("cpu", "cuda"), help="what this device offers to compute on: cpu "
                    "keeps jobs off its GPU (default: cuda on an NVIDIA GPU or a Jetson, else cpu)")
+    p.add_argument("--reserve", metavar="SIZE", type=byte_size,
+                   help="memory to keep back from plans for the rest of this device, e.g. 300M, 1G or 0. A plan "
+                        "gets what the device can spare when it is made: the memory available then (the kernel's "
+                        "MemAvailable and, under a cgroup limit, what the cgroup leaves), plus what the agent "
+                        "holds, less this. Default: 1/32 of the device's memory, at least 32M and at most 1G "
+                        "(32M on a 1 GiB Pi): room for the page cache that running programs' code and a run's "
+                        "data keep in use, which MemAvailable counts as free. Keep more where other programs "
+                        "grow after a plan is made (a desktop in use, a camera service that buffers: the most "
+                        "they take beyond what they hold when idle). The settings file's `reserve` sets it too")
     p.add_argument("--verbose", "-v", action="store_true", help="log debug detail too")
     p.set_defaults(run=run)
 
@@ -42,10 +51,17 @@ def agent_config(args):
     from swarm.agent import DEFAULT_PORT, AgentConfig
     from swarm.commands.train_cmd import check_detached_flags
     from swarm.host.config import apply_settings, config_path, read_settings
+    from swarm.host.resources import parse_size, usable_memory
     from swarm.host.state import ensure_state_dir, find_token, node_id, state_dir_from
     from swarm.net import parse_peers, resolve_network
 
     apply_settings(args, read_settings(config_path(args.config)))
+    reserve = parse_size(args.reserve) if isinstance(args.reserve, str) else args.reserve  # the file's: a string
+    if reserve is not None and reserve >= usable_memory():
+        from planner.units import format_bytes
+
+        raise SwarmError(f"the reserve ({format_bytes(reserve)}) keeps back all of this device's "
+                         f"{format_bytes(usable_memory())}: keep back less, or do not join this device")
     state_dir = ensure_state_dir(state_dir_from(args.state_dir))
     token, token_from = find_token(args.token_file, state_dir, create=True)
     network = resolve_network(args.interface)
@@ -53,7 +69,7 @@ def agent_config(args):
     config = AgentConfig(name=args.name or socket.gethostname(), node_id=node_id(state_dir), token=token,
                          network=network, port=DEFAULT_PORT if args.port is None else args.port, peers=tuple(peers),
                          advertise=not args.no_mdns, accelerator=args.accelerator, state_dir=state_dir,
-                         check_run_flags=check_detached_flags)
+                         check_run_flags=check_detached_flags, reserve=reserve)
     return config, state_dir, token_from
 
 

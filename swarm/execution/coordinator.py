@@ -55,6 +55,7 @@ PRESUMED_GRACE_S = 5.0
 # the loss watch also looks this often at the devices the control knows dead (control.gone()),
 # so that a loss whose news went astray still ends the waits on that device
 GONE_POLL_S = 0.5
+LEASE_POLL_S = 0.05  # how often a replicated run looks at its lease (swarm/agent/quorum.py)
 # the phases of a recovery, as phase_hook hears of them (tests use it to lose a device in each)
 RECOVERY_PHASES = ("roll-back", "re-plan", "migration", "replay")
 
@@ -151,6 +152,10 @@ class TrainingCoordinator:
         # (for "re-plan", from inside the re-plan's thread, while it runs); None in a real run
         self.phase_hook = None
         self.checkpoint_path: str | None = None  # where save_hook writes (named when a run gives up)
+        # a replicated run's quorum.Lease: no step commits without it, and the run stops once it
+        # is lost for good (swarm/agent/quorum.py)
+        self.lease = None
+        self.lease_lost: SwarmError | None = None
 
     def take_over(self, epoch: int, step: int, holdings: dict[str, set[int]]) -> None:
         """Carry on a run whose coordinator was lost: its newest complete backup is at `step`,
@@ -239,13 +244,29 @@ class TrainingCoordinator:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_losses)
             nursery.start_soon(self._watch_joins)
+            nursery.start_soon(self._watch_lease, nursery.cancel_scope)
             try:
                 await self._phases(total_steps, on_step, lost)
             except SwarmError as exc:  # raised as itself, not in an exception group
                 failure = exc
             nursery.cancel_scope.cancel()
+        failure = failure or self.lease_lost
         if failure is not None:
             raise failure
+
+    async def _watch_lease(self, run: trio.CancelScope) -> None:
+        """Stop the whole run, in any phase, once its lease (taken at its first epoch's start,
+        if it has one) is lost for good."""
+        while self.lease is None or not self.lease.must_stop(trio.current_time()):
+            await trio.sleep(LEASE_POLL_S)
+        self.lease_lost = self.give_up(self.lease.why(trio.current_time(), self.own_step))
+        run.cancel()
+
+    async def _may_commit(self) -> None:
+        """Wait, if need be, until the lease lets this coordinator commit (the watch above ends
+        the run if it never does)."""
+        while self.lease is not None and not self.lease.may_commit(trio.current_time()):
+            await trio.sleep(LEASE_POLL_S)
 
     async def _phases(self, total_steps: int, on_step, lost: set[str] | None) -> None:
         """Start (or recover), then the steps; a loss the watch reports cancels whichever is
@@ -325,6 +346,7 @@ class TrainingCoordinator:
             is_last = step + 1 == total_steps or stop_here
             checkpoint = is_last or bool(self.checkpoint_every and (step + 1) % self.checkpoint_every == 0)
             backup = not is_last and self.backups.due(step + 1, bool(self.joined) or self.better is not None)
+            await self._may_commit()
             for device in self.plan.used_devices():
                 await self.ep.send(device, channels.decide(step), {"commit": True, "last": is_last,
                                                               "checkpoint": checkpoint, "backup": backup})

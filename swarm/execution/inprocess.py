@@ -118,7 +118,7 @@ class LocalControl:
 def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_steps: int, *,
                           on_step=None, timeout_s: float = 300.0, events=(), backup_interval: int = 1,
                           strategy: str = "pp", devices: list[str] | None = None, log=lambda s: None,
-                          recovery: str = "auto", recost=None):
+                          recovery: str = "auto", recost=None, lease=None):
     """Train `trainer` (its weights are the start, and receive the result) to `total_steps`
     with `plan`, all devices in this process. `events` are (committed step,
     "kill"|"vanish"|"revive"|"silence"|"hear", device, delay seconds): after that step
@@ -126,7 +126,7 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
     (phase, action, device, delay) with a phase of coordinator.RECOVERY_PHASES: the first time
     a recovery reaches that phase, wait `delay`, do it, and let the phase go on for NOTICE_S, so
     that the loss lands in that phase ("re-plan": while the re-plan's thread waits for it).
-    `recovery` as `swarm train --recovery` says; `recost` as TrainingCoordinator.recost.
+    `recovery` as `swarm train --recovery` says; `recost` and `lease` as TrainingCoordinator's.
     Returns the coordinator (its `recoveries` say what happened)."""
     plan.validate(trainer.desc)
     job = JobSpec(plan, trainer.cfg, trainer.cfg_text, timeout_s=timeout_s, backup_interval=backup_interval)
@@ -141,7 +141,7 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
             control = LocalControl(devices or plan.used_devices(), nursery)
             coordinator = TrainingCoordinator(control, job, trainer, train_set, strategy=strategy, log=log,
                                               recovery=recovery)
-            coordinator.recost = recost
+            coordinator.recost, coordinator.lease = recost, lease
 
             def stepped(report):
                 if on_step is not None:

@@ -5,6 +5,7 @@ If no other device answers, the run stays on this machine (the local trainer).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import signal
@@ -16,10 +17,11 @@ import trio
 
 from planner.baselines import simple_plan
 from planner.memory_fit import describe as describe_overflows
-from planner.memory_fit import memory_overflows
+from planner.memory_fit import describe_room, memory_overflows, room_left
 from planner.plan import Plan, PlanError
 from swarm.agent import DEFAULT_PORT
 from swarm.agent.failover import Replica, first_epoch, term_of
+from swarm.agent.quorum import LEASE_ASK_S, LEASE_S, Lease
 from swarm.cluster import JobError, open_roster
 from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.errors import SwarmError, run_trio
@@ -35,7 +37,7 @@ from swarm.net import ConnectionLost, Credentials, parse_endpoint, parse_peers, 
 from swarm.profiling.bandwidth import measure_bandwidth
 from swarm.profiling.profiler import CANNOT_PROFILE, profile_devices
 from swarm.profiling.survey import offered_accelerators
-from swarm.wire import JobReplica
+from swarm.wire import JobReplica, LeaseAnswer, LeaseAsk
 from swarm.zoo import BUILTIN
 from tiles.layout import tileable_prefix
 
@@ -171,7 +173,7 @@ class SwarmRunner:
                 replica = read_replica(o.take_over)
                 names = await self._find_replica_devices(cluster, replica)
                 self.plan = Plan.from_dict(replica.plan)
-                self.log(f"taking over run {replica.run_id} from its lost coordinator (term {replica.term + 1}) at the "
+                self.log(f"taking over run {replica.run_id} from its lost coordinator (term {replica.next_term}) at the "
                          f"backup of step {replica.step}, with {', '.join(sorted(names)) or 'no device'}")
                 await self._run_job(cluster, names, self.plan, trainer, train_set, total, report, replica)
                 return False
@@ -186,9 +188,15 @@ class SwarmRunner:
             names = unique_names(found)
             measured = await self._measure(cluster, trainer, found) if o.strategy == "auto" and not o.plan_path \
                 else None
+            await cluster.refresh([d.node_id for d in found])  # what each can spare now, after any profiling
+            if measured is not None:
+                measured["devices"] = [d.as_dict() for d in found]
             plan = self._make_plan(trainer, list(names), names, measured)
             self.plan = plan
             self.log(plan.describe())
+            room = describe_room(room_left(plan, trainer.desc, trainer.cfg.optimizer))
+            if room:
+                self.log(room)
             line = prediction_line(plan, measured is not None) if o.strategy == "auto" and not o.plan_path else None
             if line:
                 self.log(line)
@@ -258,7 +266,11 @@ class SwarmRunner:
     def _make_plan(self, trainer, names: list[str], devices: dict, measured: dict | None = None) -> Plan:
         o = self.options
         cfg, desc = trainer.cfg, trainer.desc
-        facts = {n: {"cores": d.cores, "memory": d.memory, "address": f"{d.address}:{d.port}"} for n, d in devices.items()}
+        from swarm.profiling.survey import plan_memory
+
+        # memory: what each device could spare when asked (swarm/host/resources.py), which plans count on
+        facts = {n: {"cores": d.cores, "memory": plan_memory(vars(d)), "address": f"{d.address}:{d.port}"}
+                 for n, d in devices.items()}
         if o.plan_path:
             try:
                 text = open(o.plan_path).read()
@@ -365,12 +377,13 @@ class SwarmRunner:
             lost = None
             if replica is not None:
                 control.ever_in_plan |= set(replica.devices)
-                coordinator.take_over(first_epoch(replica.term + 1), replica.step,
+                coordinator.take_over(first_epoch(replica.next_term), replica.step,
                                       {d: set(layers) for d, layers in replica.holdings.items()})
                 lost = {n for n, node in replica_nodes(replica).items() if node == replica.coordinator} - set(names)
             coordinator.checkpoint_path = o.save_path if save_hook else None
             if o.run_id:
-                coordinator.replicate = lambda: self._replicate(cluster, control, coordinator)
+                coordinator.replicate = lambda: self._replicate(cluster, control, coordinator, nursery,
+                                                                replica.elected_by if replica else [])
                 coordinator.own_device = next((n for n, d in names.items() if d.node_id == own_agent(cluster)), None)
 
             def on_step(r: StepReport) -> None:
@@ -391,22 +404,71 @@ class SwarmRunner:
                     await control.release()
             nursery.cancel_scope.cancel()
 
-    async def _replicate(self, cluster, control: RosterControl, coordinator: TrainingCoordinator) -> None:
-        """Send what a successor needs (failover.Replica) to the agents of the plan but this
-        device's own (it goes with this coordinator)."""
+    async def _replicate(self, cluster, control: RosterControl, coordinator: TrainingCoordinator, nursery,
+                         elected_by: list[str]) -> None:
+        """Send what a successor needs (failover.Replica) to the holders of this term: the
+        devices of its first plan but this device's own (it goes with this coordinator). The
+        first time, also take the term's lease on them (quorum.Lease)."""
         o = self.options
         own = own_agent(cluster)
         devices = {n: {"node_id": d.node_id, "address": f"{d.address}:{d.port}"} for n, d in control.names.items()}
-        holders = [devices[n]["node_id"] for n in coordinator.plan.used_devices() if devices[n]["node_id"] != own]
+        term = term_of(coordinator.epoch)
+        if coordinator.lease is None:
+            coordinator.lease = self._take_lease(cluster, control, coordinator, nursery, term, elected_by)
+        lease = coordinator.lease
+        holders = [devices[n]["node_id"] for n in lease.devices if n != lease.own and n in devices]
         backups = coordinator.backups
         held = {d: sorted(layers) for d, layers in backups.holdings.items()} if backups.step is not None else {}
-        replica = Replica(o.run_id, control.job_id, term_of(coordinator.epoch), coordinator.epoch, backups.step or 0,
-                          held, coordinator.plan.to_dict(), devices, list(o.run_flags or []), own, holders)
+        replica = Replica(o.run_id, control.job_id, term, coordinator.epoch, backups.step or 0,
+                          held, coordinator.plan.to_dict(), devices, list(o.run_flags or []), own, holders,
+                          term, list(elected_by))
         for node_id in holders:
             try:
                 await cluster.send(node_id, JobReplica(control.job_id, replica.term, replica.step, replica.to_body()))
             except (SwarmError, ConnectionLost):
                 pass  # a device that cannot be reached now is being lost: the next replica goes to the survivors
+
+    def _take_lease(self, cluster, control: RosterControl, coordinator: TrainingCoordinator, nursery, term: int,
+                    elected_by: list[str]) -> Lease:
+        """The term's lease over the devices of its first plan and this coordinator's own, and
+        the task that asks them every LEASE_ASK_S whether they still follow it."""
+        own = coordinator.own_device or COORDINATOR
+        lease = Lease(set(coordinator.plan.used_devices()) | {own}, own, term, LEASE_S, trio.current_time())
+        sent: dict[int, tuple[str, float]] = {}  # an ask's seq -> (device, when it was sent)
+        seqs = itertools.count(1)
+
+        def answered(node_id: str, msg: LeaseAnswer) -> None:
+            asked = sent.pop(msg.seq, None)
+            if asked is None or msg.job_id != control.job_id or asked[0] not in control.names \
+                    or control.node_of(asked[0]) != node_id:
+                return
+            if msg.granted:
+                lease.heard_from(asked[0], asked[1])
+            else:
+                lease.refused(msg.term, msg.why)
+
+        async def ask(name: str, seq: int) -> None:
+            with trio.move_on_after(LEASE_ASK_S):
+                try:
+                    await cluster.send(control.node_of(name), LeaseAsk(seq, control.job_id, term, list(elected_by)))
+                except (SwarmError, ConnectionLost, KeyError):
+                    pass  # it does not answer: the lease counts it out
+
+        async def keep() -> None:
+            while True:
+                now = trio.current_time()
+                for seq in [q for q, (_, at) in sent.items() if now - at > LEASE_S]:
+                    del sent[seq]
+                for name in lease.devices:
+                    if name != own:
+                        seq = next(seqs)
+                        sent[seq] = (name, now)
+                        nursery.start_soon(ask, name, seq)
+                await trio.sleep(LEASE_ASK_S)
+
+        cluster.on_lease_answer = answered
+        nursery.start_soon(keep)
+        return lease
 
     def _save_hook(self, trainer):
         """Writes the checkpoint once the coordinator holds the collected weights (or None)."""
@@ -609,7 +671,7 @@ class RosterControl:
         for n in sorted(lost):
             self.log(f"{n} could not take its part: {why[n]}")
             del conns[n]
-        fenced = [why[n] for n in sorted(lost) if why[n].startswith("fenced")]
+        fenced = [why[n] for n in sorted(lost) if "fenced" in why[n]]
         if fenced:
             raise SwarmError(f"another coordinator has taken this run over ({fenced[0]}); this one gives up")
         if lost and lost == set(used):  # nothing to re-plan onto: say why rather than "lost every device"

@@ -1,4 +1,5 @@
-"""The settings file `swarm join` reads (/etc/swarm/swarm.toml): port, interface, name, token, state, peers.
+"""The settings file `swarm join` reads (/etc/swarm/swarm.toml): port, interface, name, token, state, peers,
+the memory kept back for the rest of the device.
 
 Which file: --config FILE, else $SWARM_CONFIG, else /etc/swarm/swarm.toml if it exists.
 What wins, first found: a flag, then the environment variable of the same setting
@@ -13,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from swarm.errors import SwarmError
+from swarm.host.resources import parse_size
 
 CONFIG_ENV = "SWARM_CONFIG"
 DEFAULT_CONFIG = Path("/etc/swarm/swarm.toml")
@@ -29,6 +31,7 @@ COMMENTS = {
     "state_dir": "node id, token, profiles, checkpoints (the service may write only under /var/lib/swarm)",
     "peers": 'agents to reach directly where mDNS does not get through: "host:port,..."',
     "mdns": "advertise this device on mDNS",
+    "reserve": 'memory kept back from plans for the rest of this device: "300M", "1G" ("" = 1/32 of it, at least 32M)',
 }
 
 
@@ -42,6 +45,7 @@ class JoinSettings:
     state_dir: str | None = None
     peers: str | None = None        # "host:port,..."
     mdns: bool | None = None
+    reserve: str | None = None      # a size: "300M", "1G", "0"
 
 
 def config_path(arg: str | None) -> Path | None:
@@ -88,6 +92,8 @@ def parse_settings(text: str, where: str) -> JoinSettings:
             raise SwarmError(f"{where}: {key} must be a string in quotes, got {value!r}")
         if isinstance(value, str):
             value = value.strip() or None
+        if key == "reserve" and value is not None and parse_size(value) is None:
+            raise SwarmError(f"{where}: reserve must be a size such as \"300M\" or \"1G\", got {value!r}")
         values[key] = value
     return JoinSettings(**values)
 

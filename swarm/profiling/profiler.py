@@ -81,7 +81,8 @@ async def run_profile_job(ctx) -> dict:
     """Job kind "profile", agent side: this device's profile (from its cache, else measured;
     measured again if "refresh") for spec {"model", "img_size" (N or "WxH"), "classes", "cfg",
     "batch_sizes", "repeats", "threads", "refresh", "accelerator"}, on the accelerator the
-    agent offers ("accelerator": "cuda") where torch can use it, else on its CPU."""
+    agent offers ("accelerator": "cuda") where torch can use it, else on its CPU; within what the
+    device can spare, less the agent's reserve."""
     import functools
 
     spec = ctx.spec
@@ -90,7 +91,7 @@ async def run_profile_job(ctx) -> dict:
                              tuple(spec.get("batch_sizes") or DEFAULT_BATCH_SIZES),
                              int(spec.get("repeats") or DEFAULT_REPEATS), spec.get("threads"), spec.get("cfg"),
                              bool(spec.get("refresh")), accelerator=usable_accelerator(spec.get("accelerator")),
-                             stop=stop)
+                             stop=stop, memory_limit=ctx.spare_memory())
     profile, cached, _ = await ctx.run_in_thread(call, stop=stop)
     return {"profile": profile.to_dict(), "cached": cached}
 

@@ -39,8 +39,10 @@ async def gather_live(credentials, network, peers, spec: dict, wait: float, say=
         except SwarmError as exc:
             if CANNOT_PROFILE not in str(exc):
                 raise
+            await cluster.refresh(ids)
             return {"devices": [d.as_dict() for d in devices], "profiles": None, "links": {}, "why": str(exc)}
         links = await measure_bandwidth(cluster, ids) if len(ids) > 1 else {}
+        await cluster.refresh(ids)  # what each can spare now, after the profiling
         return {"devices": [d.as_dict() for d in devices], "profiles": profiles, "links": links}
 
 
@@ -83,9 +85,17 @@ def with_runtime(costs, device: dict):
     return costs.scaled(max(0.5, 1.0 - RUNTIME_CORES / share))
 
 
+def plan_memory(device: dict) -> int:
+    """The memory a plan may count on of a device as the roster saw it (Member's fields): what it
+    can spare, where it said (swarm/host/resources.py; at least 1 byte, as 0 reads as not known),
+    else all of it."""
+    spare = device.get("spare")
+    return max(1, int(spare)) if spare is not None else int(device.get("memory") or 0)
+
+
 def cluster_from_live(live: dict, desc):
-    """A planner Cluster from what gather_live found: each device's measured costs, its memory
-    less the runtime's, its time per byte and per message moved, the measured pairwise
+    """A planner Cluster from what gather_live found: each device's measured costs, what it can
+    spare less the runtime's memory, its time per byte and per message moved, the measured pairwise
     rates, and half the median round trip of an empty message. A device profiled on an
     accelerator is planned on it (its profile's "accelerator": the copy rate, and its own
     memory or the device's, shared)."""
@@ -105,8 +115,9 @@ def cluster_from_live(live: dict, desc):
             raise SwarmError(str(exc)) from None
         name = d["name"] if d["name"] not in names.values() else f"{d['name']}@{d['address']}"
         names[d["node_id"]] = name
-        budget = max(0.0, float(d["memory"] or profile.device.get("memory") or 0) - profile.runtime_bytes - JOB_BYTES)
-        facts = {"cores": d["cores"], "address": d["address"]}
+        memory = plan_memory(d) or int(profile.device.get("memory") or 0)
+        budget = max(0.0, memory - profile.runtime_bytes - JOB_BYTES)
+        facts = {"cores": d["cores"], "address": d["address"], "spare": memory}
         if profile.device.get("allocator"):
             facts["allocator"] = profile.device["allocator"]  # the memory model's slack
         device = Device(name, with_runtime(profile.costs, profile.device), budget, facts=facts,
@@ -138,9 +149,9 @@ ESTIMATED_LATENCY_S = 1e-3
 
 
 def estimated_cluster(facts: dict[str, dict], desc):
-    """A planner Cluster from the devices' own facts ({name: {"cores", "memory"}}, as agents
-    report them) alone: compute from FLOPs at ESTIMATED_GFLOPS_PER_CORE a core, each device's
-    memory less the runtime's, and nominal links."""
+    """A planner Cluster from the devices' own facts ({name: {"cores", "memory", "spare"}}, as
+    agents report them) alone: compute from FLOPs at ESTIMATED_GFLOPS_PER_CORE a core, what each
+    device can spare less the runtime's memory, and nominal links."""
     import numpy as np
 
     from planner.cluster import Cluster, Device
@@ -151,8 +162,9 @@ def estimated_cluster(facts: dict[str, dict], desc):
     devices = []
     for name, f in facts.items():
         costs = CostTable.from_flops(desc, ESTIMATED_GFLOPS_PER_CORE * max(1, int(f.get("cores") or 1)))
-        budget = max(0.0, float(f.get("memory") or 0) - RUNTIME_FLOOR - JOB_BYTES)
-        devices.append(Device(name, costs, budget, facts={"cores": f.get("cores")}))
+        memory = plan_memory(f)
+        budget = max(0.0, memory - RUNTIME_FLOOR - JOB_BYTES)
+        devices.append(Device(name, costs, budget, facts={"cores": f.get("cores"), "spare": memory}))
     n = len(devices)
     bandwidth = np.full((n, n), ESTIMATED_LINK_BYTES_S)
     np.fill_diagonal(bandwidth, np.inf)

@@ -408,6 +408,41 @@ def _link(name: str, up: bool) -> DeviceRecord:
     return device
 
 
+def partition(*groups: list[str]) -> list[list[str]]:
+    """Split the devices into groups that cannot reach each other (each keeps its links within
+    its group and to the host); the devices no group names form one more. Blackhole routes in
+    each namespace to the other groups' addresses: packets across vanish, as on a split LAN
+    (multicast is untouched). Returns the groups."""
+    record = require()
+    if record.kind != "netns":
+        raise SwarmError("a partition needs the namespace testbed (not --loopback)")
+    names = [d.name for d in record.devices]
+    listed = [n for g in groups for n in g]
+    unknown = sorted(set(listed) - set(names))
+    if unknown or len(set(listed)) != len(listed):
+        raise SwarmError(f"a partition names each device of the testbed once (unknown: {', '.join(unknown) or '-'}; "
+                         f"devices: {', '.join(names)})")
+    groups = [list(g) for g in groups if g] + ([rest] if (rest := [n for n in names if n not in listed]) else [])
+    side = {n: k for k, g in enumerate(groups) for n in g}
+    for a in record.devices:
+        for b in record.devices:
+            if side[a.name] != side[b.name]:
+                netns.run("ip", "netns", "exec", a.namespace, "ip", "route", "replace", "blackhole", f"{b.address}/32")
+    return groups
+
+
+def mend() -> None:
+    """Undo `partition`: every device reaches every other again."""
+    record = require()
+    if record.kind != "netns":
+        raise SwarmError("a partition needs the namespace testbed (not --loopback)")
+    for a in record.devices:
+        for b in record.devices:
+            if a is not b:
+                netns.run("ip", "netns", "exec", a.namespace, "ip", "route", "del", "blackhole", f"{b.address}/32",
+                          check=False)
+
+
 def exec_in(name: str, argv: list[str], in_cgroup: bool = False) -> None:
     """Become argv, run as a process of device `name` (inside its namespace, and with `in_cgroup`
     inside its cgroups too: its CPU share and memory limit, beside its agent), with the

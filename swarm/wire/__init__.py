@@ -9,13 +9,14 @@ from swarm.wire.handshake import CLIENT, SERVER
 from swarm.wire.messages import (MAGIC, MESSAGES, PROTOCOL_VERSION, Auth, DetachAnswer, DetachChunk, DetachList,
                                  DetachRead, DetachStop, DetachSubmit, Goodbye, Heartbeat, Hello, Info,
                                  InfoRequest, JobAssign, JobData, JobRelease, JobReplica, JobStart, JobState, JobStop,
-                                 Ping, Pong, ReplicaQuery, ReplicaState, Tensor, Watch, channel_of, from_wire, message, to_wire)
+                                 LeaseAnswer, LeaseAsk, Ping, Pong, ReplicaQuery, ReplicaState, Tensor, VoteAsk,
+                                 VoteReply, Watch, channel_of, from_wire, message, to_wire)
 
 __all__ = [
     "NEED_DATA", "Authenticated", "Closed", "Connection", "LocalProtocolError", "ProtocolError",
     "RemoteProtocolError", "FrameDecoder", "Limits", "encode_frame", "CLIENT", "SERVER", "MAGIC", "MESSAGES",
     "PROTOCOL_VERSION", "Auth", "DetachAnswer", "DetachChunk", "DetachList", "DetachRead", "DetachStop",
     "DetachSubmit", "Goodbye", "Heartbeat", "Hello", "Info", "InfoRequest", "JobAssign", "JobData",
-    "JobRelease", "JobReplica", "JobStart", "JobState", "JobStop", "Ping", "Pong", "ReplicaQuery", "ReplicaState", "Tensor", "Watch", "channel_of",
+    "JobRelease", "JobReplica", "JobStart", "JobState", "JobStop", "LeaseAnswer", "LeaseAsk", "Ping", "Pong", "ReplicaQuery", "ReplicaState", "Tensor", "VoteAsk", "VoteReply", "Watch", "channel_of",
     "from_wire", "message", "to_wire",
 ]

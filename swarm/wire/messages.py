@@ -31,8 +31,8 @@ import numpy as np
 
 from swarm.wire.faults import RemoteProtocolError
 
-PROTOCOL_VERSION = 5  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs;
-                      # 4: Info's accelerator memory; 5: coordinator replicas and elections
+PROTOCOL_VERSION = 6  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs;
+                      # 4: Info's accelerator memory; 5: coordinator replicas and elections; 6: leases and votes
 MAGIC = "swarm"
 
 MESSAGES: dict[int, type] = {}  # code -> message class
@@ -110,7 +110,9 @@ class Info:
     node_id: str
     name: str
     cores: int
-    memory: int               # bytes
+    memory: int               # bytes: the device's (physical, or its cgroup's limit)
+    spare: int                # bytes it can spare for a plan as it answers: available, plus the agent's own,
+                              # less what `swarm join --reserve` keeps back (swarm/host/resources.py)
     accelerator: str          # "cpu", "cuda", ...: what it offers to compute on
     accelerator_memory: int   # bytes of the accelerator's own memory; 0: none (a CPU, or shared as on a Jetson); -1: not known
     version: str              # swarm release
@@ -134,6 +136,28 @@ class Heartbeat:
     epoch: int | None
     job_state: str | None
     progress: dict
+
+
+@message(16)
+class LeaseAsk:
+    """Coordinator of a replicated run -> a device of it: do you still follow me, the
+    coordinator of `term` (elected by `elected_by`)? Answered with LeaseAnswer; the lease
+    counts the answer from when this was sent (swarm/agent/quorum.py)."""
+    seq: int
+    job_id: str
+    term: int
+    elected_by: list[str]
+
+
+@message(17)
+class LeaseAnswer:
+    """The answer to LeaseAsk: granted, or refused (`why`, one line) by a device that knows
+    of term `term`."""
+    seq: int
+    job_id: str
+    granted: bool
+    term: int
+    why: str
 
 
 # -- job lifecycle --------------------------------------------------------------------
@@ -206,6 +230,33 @@ class ReplicaState:
     job_id: str
     term: int
     step: int
+
+
+@message(28)
+class VoteAsk:
+    """Agent -> replica holder: grant `candidate` the run of job `job_id` in `term` (its replica
+    is at `replica_term`, `replica_step`); a poll asks only whether it would, and changes
+    nothing (swarm/agent/quorum.py)."""
+    seq: int
+    job_id: str
+    term: int
+    candidate: str
+    replica_term: int
+    replica_step: int
+    poll: bool
+
+
+@message(29)
+class VoteReply:
+    """The answer to VoteAsk from `holder`: granted for `term`, or refused (`why`, one line),
+    `term` then being the newest it knows of."""
+    seq: int
+    job_id: str
+    holder: str
+    term: int
+    granted: bool
+    why: str
+    poll: bool
 
 
 # -- job data -------------------------------------------------------------------------
