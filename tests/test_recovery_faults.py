@@ -239,3 +239,22 @@ def test_a_coordinator_that_loses_its_majority_commits_nothing_after_its_lease_a
     assert "\n" not in str(stopped.value)
     assert [s for s, _ in committed][:2] == [1, 2] and len(committed) < 50
     assert all(at < followed.cut_at + lease_s for _, at in committed), (committed, followed.cut_at)
+
+
+def test_a_device_whose_memory_another_program_takes_is_planned_around_at_the_next_backup(local_weights):
+    """After step 1, d2 can spare 1 MiB (another program took its memory): at the next backup
+    step the run moves to a plan without it, before the kernel would kill it, and ends with the
+    failure-free weights."""
+    trainer = LocalTrainer(_cfg())
+    data, _ = open_datasets(None, 32, 3)
+    plan = simple_plan("pp", trainer.desc, DEVICES, 4, 2)
+    plan.backups = backup_holders(plan)
+    plan.devices = {d: {"memory": 2**31} for d in DEVICES}  # what each could spare when planned
+    lines = []
+    coordinator = train_plan_in_process(plan, trainer, data, STEPS, events=[(1, "squeeze", "d2", 0.0)],
+                                        timeout_s=TIMEOUT_S, log=lines.append)
+    assert [(r.how, r.lost) for r in coordinator.recoveries] == [("memory", ["d2"])], lines
+    assert any(re.match(r"d2 can spare 1 MiB, under the \d+ MiB its part needs: re-planned around it from step 2",
+                        line) for line in lines), lines
+    assert "d2" not in coordinator.plan.used_devices()
+    assert trainer.step_count == STEPS and _worst(trainer.net.state_dict(), local_weights) < 1e-9

@@ -32,6 +32,7 @@ import torch
 import trio
 
 from planner.backups import Move, backup_holders, layer_sources
+from planner.memory_fit import room_left
 from planner.plan import Plan, PlanError
 from planner.replan import replan
 from planner.routing import Block, Layout, runs, stage_parts
@@ -376,8 +377,10 @@ class TrainingCoordinator:
             step += 1
             if fed != step and step < total_steps:
                 next_batch = await trio.to_thread.run_sync(self.load_batch, step)
-            if self.joined and backup and await self.take_in_joined():
+            if backup and await self.around_squeezed():
                 fed = -1  # a new plan: the samples sent ahead went to the last one's devices
+            elif self.joined and backup and await self.take_in_joined():
+                fed = -1
             elif self.better is not None and backup and await self.switch_to_better():
                 fed = -1
         if step >= total_steps or self.stopped_early:
@@ -514,6 +517,39 @@ class TrainingCoordinator:
                 await trio.sleep(0.05)
                 await self.backups.take_acks(self.ep, self.plan, self.replicate)
         return self.backups.step == self.committed
+
+    async def around_squeezed(self) -> bool:
+        """At a backup step: a device of the plan that can spare less now than the plan needs of
+        it at a step's peak (another program there took memory: swarm/host/resources.py) is
+        planned around once the backup is complete, before the kernel kills it for memory;
+        whether the plan changed. A device that says nothing of its memory keeps its part."""
+        used = self.plan.used_devices()
+        room = room_left(self.plan, self.trainer.desc, self.trainer.cfg.optimizer)
+        if not room:
+            return False
+        spare = await self.control.spare([d for d in used if d in room])
+        short = {d: (spare[d], room[d][0]) for d in sorted(spare) if spare[d] < room[d][0]}
+        if not short or not await self._backup_complete():
+            return False
+        keep = [d for d in self.control.alive() if d in used and d not in short]
+        said = "; ".join(f"{d} can spare {spare / 2**20:.0f} MiB, under the {need / 2**20:.0f} MiB its part needs"
+                         for d, (spare, need) in short.items())
+        try:
+            if not keep:
+                raise PlanError("no other device of the plan is left")
+            change = replan(self.plan, self.trainer.desc, set(short), keep, self.strategy)
+            # (a device left out of the plan gets no part in the next epoch: it sends no layers)
+            moves = layer_sources({d: h for d, h in self.backups.holdings.items() if d not in short}, change.plan,
+                                  self.committed)
+        except PlanError as exc:
+            self.log(f"{said}, and no plan goes around it ({exc}); going on as planned")
+            return False
+        self.log(f"{said}: re-planned around it from step {self.committed} ({change.how})")
+        self.epoch += 1
+        self.recoveries.append(Recovery(self.epoch, sorted(short), "memory", said, self.committed,
+                                        trio.current_time(), plan=change.plan))
+        await self.start_epoch(change.plan, self.committed, moves)
+        return True
 
     async def take_in_joined(self) -> bool:
         """At a backup step, once it is complete, re-plan with devices that joined or came back;

@@ -44,6 +44,14 @@ class LocalControl:
         self._loss_send, self._loss_recv = trio.open_memory_channel(math.inf)
         self._join_send, self._join_recv = trio.open_memory_channel(math.inf)
         self.epochs_started = 0
+        self.spares: dict[str, int] = {}  # what a device says it can spare (none: it says nothing)
+
+    async def spare(self, devices: list[str]) -> dict[str, int]:
+        return {d: self.spares[d] for d in devices if d in self.spares}
+
+    def squeeze(self, device: str) -> None:
+        """Another program on `device` takes its memory: it can spare 1 MiB."""
+        self.spares[device] = 2**20
 
     @staticmethod
     def admit(joined: list[str], in_use: int) -> list[str]:
@@ -121,7 +129,7 @@ def train_plan_in_process(plan: Plan, trainer: LocalTrainer, train_set, total_st
                           recovery: str = "auto", recost=None, lease=None):
     """Train `trainer` (its weights are the start, and receive the result) to `total_steps`
     with `plan`, all devices in this process. `events` are (committed step,
-    "kill"|"vanish"|"revive"|"silence"|"hear", device, delay seconds): after that step
+    "kill"|"vanish"|"revive"|"silence"|"hear"|"squeeze", device, delay seconds): after that step
     commits, wait `delay`, then do it ("vanish": killed, and its loss reported to no one); or
     (phase, action, device, delay) with a phase of coordinator.RECOVERY_PHASES: the first time
     a recovery reaches that phase, wait `delay`, do it, and let the phase go on for NOTICE_S, so

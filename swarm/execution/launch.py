@@ -563,6 +563,13 @@ class RosterControl:
     def node_of(self, name: str) -> str:
         return self.names[name].node_id
 
+    async def spare(self, names: list[str]) -> dict[str, int]:
+        """What these devices can spare now, as they say when asked again (those that say)."""
+        nodes = {n: self.node_of(n) for n in names if n in self.names}
+        await self.cluster.refresh(list(nodes.values()))
+        spare = {n: getattr(self.cluster.device(node), "spare", None) for n, node in nodes.items()}
+        return {n: int(s) for n, s in spare.items() if s is not None}
+
     def alive(self) -> list[str]:
         out = []
         for name, d in self.names.items():

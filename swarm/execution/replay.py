@@ -283,7 +283,7 @@ class Recovery:
     plan re-costed on the devices' measured speeds."""
     epoch: int
     lost: list[str]
-    how: str  # lightweight | heavy | rejoin | recost
+    how: str  # lightweight | heavy | rejoin | recost | memory (a device short of memory planned around)
     why: str
     rolled_back_to: int  # committed steps the run went back to
     detected_at: float  # trio clock when the loss was noticed
