@@ -258,3 +258,22 @@ def test_a_device_whose_memory_another_program_takes_is_planned_around_at_the_ne
                         line) for line in lines), lines
     assert "d2" not in coordinator.plan.used_devices()
     assert trainer.step_count == STEPS and _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_layers_come_only_from_devices_of_the_new_plan():
+    """A device left out of the next plan has no part in its epoch: a move from it would never
+    come (a re-costed or shrunk plan hung on one for the job's timeout). The backup's layers
+    come from the plan's own devices, or, where none of them has a layer, from the
+    coordinator's copy."""
+    from swarm.execution.replay import BackupLedger
+
+    desc = LocalTrainer(_cfg()).desc
+    ledger = BackupLedger(1)
+    layers = len(desc.layers)
+    ledger.step, ledger.holdings = 4, {"d0": set(range(8)), "d1": set(range(8, layers)), "d2": set(range(layers))}
+    plan = simple_plan("pp", desc, ["d0", "d1"], 4, 2)
+    moves, step = ledger.sources(plan, 2, layers)
+    assert step == 4 and {m.src for m in moves} <= {"d0", "d1"}, moves  # d2 has everything, but is not in the plan
+    plan = simple_plan("pp", desc, ["d0", "d3"], 4, 2)  # d3 new; only d1 and d2 held layers 8 and up
+    moves, step = ledger.sources(plan, 2, layers)
+    assert step == 2 and {m.src for m in moves} == {"coordinator"}, moves

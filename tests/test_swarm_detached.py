@@ -144,7 +144,9 @@ def test_a_cut_off_coordinator_is_replaced_and_gives_up(bed4, local_weights, tmp
     assert now != "dev1", log
     check_final_weights(job, log, now, local_weights.weights(), tmp_path)
     old = next(run for run in records("dev1", job) if run["node"] == "dev1")
-    assert (old["term"], old["state"]) == (0, "failed") and "this one gives up" in old["detail"], old
+    assert (old["term"], old["state"]) == (0, "failed"), old
+    # it found itself cut off, or its lease ran out first (swarm/agent/quorum.py)
+    assert "this one gives up" in old["detail"] or "heard from 1 of 4 devices" in old["detail"], old
 
 
 def test_a_partition_leaves_one_coordinator(bed5, local_weights, tmp_path):

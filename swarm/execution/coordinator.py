@@ -427,6 +427,11 @@ class TrainingCoordinator:
         self.joined |= lost & alive  # lost for a broken link, it still answers: taken in again at a backup step
         survivors = [d for d in self.plan.used_devices() if d not in dead]
         if self.replicate is not None and not set(survivors) - {self.own_device}:
+            # other devices of the run that answer, outside the plan: re-planned over (a run cut
+            # off from a majority stops on its lease, swarm/agent/quorum.py)
+            survivors += self.control.admit(sorted(alive - dead - set(survivors) - {self.own_device}),
+                                            len(survivors))
+        if self.replicate is not None and not set(survivors) - {self.own_device}:
             raise SwarmError(f"cut off from every other device of the plan ({', '.join(sorted(dead))}) after step "
                              f"{self.committed}: those that are alive elect another coordinator from this run's "
                              f"replica, which carries the run on; this one gives up")
@@ -499,7 +504,11 @@ class TrainingCoordinator:
         if not await self._backup_complete():
             return False
         plan = better.plan
-        moves = layer_sources(dict(self.backups.holdings), plan, self.committed)
+        try:
+            moves = layer_sources(self.backups.in_plan(plan), plan, self.committed)
+        except PlanError as exc:
+            self.log(f"the re-costed plan is not taken: {exc}")
+            return False
         self.log(f"re-planned from step {self.committed} on the measured speeds: {len(plan.used_devices())} devices, "
                  f"{better.new_s:.1f} s a step predicted against {better.current_s:.1f} s")
         self.epoch += 1
@@ -539,8 +548,7 @@ class TrainingCoordinator:
                 raise PlanError("no other device of the plan is left")
             change = replan(self.plan, self.trainer.desc, set(short), keep, self.strategy)
             # (a device left out of the plan gets no part in the next epoch: it sends no layers)
-            moves = layer_sources({d: h for d, h in self.backups.holdings.items() if d not in short}, change.plan,
-                                  self.committed)
+            moves = layer_sources(self.backups.in_plan(change.plan), change.plan, self.committed)
         except PlanError as exc:
             self.log(f"{said}, and no plan goes around it ({exc}); going on as planned")
             return False
@@ -568,7 +576,11 @@ class TrainingCoordinator:
         except PlanError as exc:
             self.log(f"{', '.join(joined)} joined, but no plan takes them in: {exc}")
             return False
-        moves = layer_sources(dict(self.backups.holdings), change.plan, self.committed)
+        try:
+            moves = layer_sources(self.backups.in_plan(change.plan), change.plan, self.committed)
+        except PlanError as exc:
+            self.log(f"{', '.join(joined)} joined, but the plan that takes them in cannot gather its layers: {exc}")
+            return False
         self.log(f"{', '.join(joined)} joined: re-planned over {len(devices)} devices from step {self.committed}")
         self.epoch += 1
         self.recoveries.append(Recovery(self.epoch, [], "rejoin", f"{', '.join(joined)} joined", self.committed,

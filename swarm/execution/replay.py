@@ -362,10 +362,16 @@ class BackupLedger:
         `own_step`)."""
         if self.step is not None and self.step >= own_step:
             try:
-                return layer_sources(self.holdings, plan, self.step), self.step
+                return layer_sources(self.in_plan(plan), plan, self.step), self.step
             except PlanError:
                 pass
         return from_coordinator(plan, own_step, layer_count), own_step
+
+    def in_plan(self, plan: Plan) -> dict[str, set[int]]:
+        """The holdings of `plan`'s devices: a device left out of a plan has no part in its epoch,
+        so it sends no layers (a move from it would never come)."""
+        used = set(plan.used_devices())
+        return {d: layers for d, layers in self.holdings.items() if d in used}
 
 
 def from_coordinator(plan: Plan, own_step: int, layer_count: int) -> list[Move]:
