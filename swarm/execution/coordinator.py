@@ -504,17 +504,27 @@ class TrainingCoordinator:
         if not await self._backup_complete():
             return False
         plan = better.plan
+        return await self._change_plan(
+            plan, [], "recost", "re-costed on measured speeds", "the re-costed plan is not taken",
+            f"re-planned from step {self.committed} on the measured speeds: {len(plan.used_devices())} devices, "
+            f"{better.new_s:.1f} s a step predicted against {better.current_s:.1f} s", recost=True)
+
+    async def _change_plan(self, plan: Plan, lost: list[str], how: str, why: str, refused: str, said: str,
+                           recost: bool = False) -> bool:
+        """Move to `plan` at the backup step just committed (complete), each device taking the
+        layers it lacks from the backups of the plan's own devices (a device left out has no
+        part in the next epoch: it sends none); whether it did. `refused` starts the line said
+        when they lack a layer, `said` is the line said when it moves."""
         try:
             moves = layer_sources(self.backups.in_plan(plan), plan, self.committed)
         except PlanError as exc:
-            self.log(f"the re-costed plan is not taken: {exc}")
+            self.log(f"{refused}: {exc}")
             return False
-        self.log(f"re-planned from step {self.committed} on the measured speeds: {len(plan.used_devices())} devices, "
-                 f"{better.new_s:.1f} s a step predicted against {better.current_s:.1f} s")
+        self.log(said)
         self.epoch += 1
-        self.recost_epochs.add(self.epoch)
-        self.recoveries.append(Recovery(self.epoch, [], "recost", "re-costed on measured speeds", self.committed,
-                                        trio.current_time(), plan=plan))
+        if recost:
+            self.recost_epochs.add(self.epoch)
+        self.recoveries.append(Recovery(self.epoch, lost, how, why, self.committed, trio.current_time(), plan=plan))
         await self.start_epoch(plan, self.committed, moves)
         return True
 
@@ -547,17 +557,12 @@ class TrainingCoordinator:
             if not keep:
                 raise PlanError("no other device of the plan is left")
             change = replan(self.plan, self.trainer.desc, set(short), keep, self.strategy)
-            # (a device left out of the plan gets no part in the next epoch: it sends no layers)
-            moves = layer_sources(self.backups.in_plan(change.plan), change.plan, self.committed)
         except PlanError as exc:
             self.log(f"{said}, and no plan goes around it ({exc}); going on as planned")
             return False
-        self.log(f"{said}: re-planned around it from step {self.committed} ({change.how})")
-        self.epoch += 1
-        self.recoveries.append(Recovery(self.epoch, sorted(short), "memory", said, self.committed,
-                                        trio.current_time(), plan=change.plan))
-        await self.start_epoch(change.plan, self.committed, moves)
-        return True
+        return await self._change_plan(change.plan, sorted(short), "memory", said,
+                                       f"{said}, and the plan around it cannot gather its layers; going on as planned",
+                                       f"{said}: re-planned around it from step {self.committed} ({change.how})")
 
     async def take_in_joined(self) -> bool:
         """At a backup step, once it is complete, re-plan with devices that joined or came back;
@@ -576,14 +581,7 @@ class TrainingCoordinator:
         except PlanError as exc:
             self.log(f"{', '.join(joined)} joined, but no plan takes them in: {exc}")
             return False
-        try:
-            moves = layer_sources(self.backups.in_plan(change.plan), change.plan, self.committed)
-        except PlanError as exc:
-            self.log(f"{', '.join(joined)} joined, but the plan that takes them in cannot gather its layers: {exc}")
-            return False
-        self.log(f"{', '.join(joined)} joined: re-planned over {len(devices)} devices from step {self.committed}")
-        self.epoch += 1
-        self.recoveries.append(Recovery(self.epoch, [], "rejoin", f"{', '.join(joined)} joined", self.committed,
-                                        trio.current_time(), plan=change.plan))
-        await self.start_epoch(change.plan, self.committed, moves)
-        return True
+        return await self._change_plan(
+            change.plan, [], "rejoin", f"{', '.join(joined)} joined",
+            f"{', '.join(joined)} joined, but the plan that takes them in cannot gather its layers",
+            f"{', '.join(joined)} joined: re-planned over {len(devices)} devices from step {self.committed}")
