@@ -22,7 +22,8 @@ TOKEN = "test-token-" + "x" * 20
 def replica(term=0, step=4, **changes) -> Replica:
     fields = dict(run_id="abc123", job_id="train-1", term=term, epoch=first_epoch(term) + 2, step=step,
                   holdings={"a1": [0, 1], "a2": [2, 3]}, plan={"stages": []},
-                  devices={f"a{i}": {"node_id": f"node{i}", "address": f"127.0.0.1:{4750 + i}"} for i in range(3)},
+                  devices={f"a{i}": {"node_id": f"node{i}", "address": f"127.0.0.1:{4750 + i}", "incarnation": f"start{i}"}
+                           for i in range(3)},
                   flags=["--steps", "8"], coordinator="node0", holders=["node1", "node2"])
     fields.update(changes)
     return Replica(**fields)
@@ -54,6 +55,18 @@ def test_a_replica_from_the_wire_is_checked():
             Replica.from_body(bad)
     with pytest.raises(RemoteProtocolError):
         from_wire([25, "train-1", 0, 4, ["not", "a", "dict"]])
+
+
+def test_a_device_started_again_holds_none_of_its_old_layers():
+    from swarm.cluster.members import Member
+    from swarm.execution.launch import still_held
+
+    names = {f"a{i}": Member(f"node{i}", "127.0.0.1", 4750 + i, incarnation=f"start{i}") for i in range(3)}
+    assert still_held(replica(), names) == {"a1": {0, 1}, "a2": {2, 3}}
+    names["a2"].incarnation = "later"  # a2's agent was killed and started again since the replica
+    assert still_held(replica(), names) == {"a1": {0, 1}}
+    del names["a1"]  # a1 does not answer
+    assert still_held(replica(), names) == {}
 
 
 async def agents_in_a_job(n: int, job_id: str, epoch: int, nursery, cluster_node: str = "coordinator"):

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -170,6 +171,9 @@ class Agent:
         self.accelerator = config.accelerator or accelerator()
         self.accelerator_memory = accelerator_memory(self.accelerator)
         self.port: int | None = None
+        # this start of the agent: what it holds for runs (layers, backups) lives in memory and
+        # dies with it, so a successor counts a device's old holdings only from the same start
+        self.incarnation = secrets.token_hex(8)
         self.job: AgentJob | None = None
         self.refused_messages = 0   # job messages refused (older epoch, no room), for tests and logs
         self.runs_ended = 0         # job runs that have returned on this agent
@@ -238,7 +242,7 @@ class Agent:
         return Info(self.node_id, self.config.name, self.cores, self.memory, self.spare_memory(), self.accelerator,
                     self.accelerator_memory, __version__,
                     self.port or 0, [f"{h}:{p}" for h, p in self.config.peers],
-                    job.job_id if job else None, job.state if job else None)
+                    job.job_id if job else None, job.state if job else None, self.incarnation)
 
     # -- connections ------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ class Replica:
     step: int                   # the step of the newest complete backup (the roll-back point); 0: none yet
     holdings: dict[str, list[int]]  # device name -> layers it holds at `step`
     plan: dict                  # the plan of the epoch under way (Plan.to_dict)
-    devices: dict[str, dict]    # device name -> {"node_id", "address"} of every device of the run
+    devices: dict[str, dict]    # device name -> {"node_id", "address", "incarnation"} of every device of the run
     flags: list[str]            # the run's `swarm train` flags
     coordinator: str            # node id of the agent whose device ran the coordinator
     holders: list[str] = field(default_factory=list)  # node ids of the agents sent this replica

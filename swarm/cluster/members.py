@@ -24,6 +24,7 @@ class Member:
     accelerator: str = "?"
     accelerator_memory: int = -1     # bytes of its own; 0: none (a CPU, or shared with the host); -1: not known
     version: str = "?"
+    incarnation: str = ""            # the agent's start it last described (Info.incarnation)
     health: str = "unreachable"
     error: str = ""
     last_seen: float | None = None   # wall-clock time of the last sign of life

@@ -309,7 +309,7 @@ class Roster:
         if isinstance(message, Info):
             first = device.name == "?" or self.membership.health(device.node_id) is None
             for name in ("name", "cores", "memory", "spare", "accelerator", "accelerator_memory", "version", "peers",
-                         "job_id", "job_state"):
+                         "job_id", "job_state", "incarnation"):
                 setattr(device, name, getattr(message, name))
             self._infos[device.node_id] = self._infos.get(device.node_id, 0) + 1
             device.port = message.port or device.port

@@ -377,8 +377,7 @@ class SwarmRunner:
             lost = None
             if replica is not None:
                 control.ever_in_plan |= set(replica.devices)
-                coordinator.take_over(first_epoch(replica.next_term), replica.step,
-                                      {d: set(layers) for d, layers in replica.holdings.items()})
+                coordinator.take_over(first_epoch(replica.next_term), replica.step, still_held(replica, names))
                 lost = {n for n, node in replica_nodes(replica).items() if node == replica.coordinator} - set(names)
             coordinator.checkpoint_path = o.save_path if save_hook else None
             if o.run_id:
@@ -411,7 +410,8 @@ class SwarmRunner:
         first time, also take the term's lease on them (quorum.Lease)."""
         o = self.options
         own = own_agent(cluster)
-        devices = {n: {"node_id": d.node_id, "address": f"{d.address}:{d.port}"} for n, d in control.names.items()}
+        devices = {n: {"node_id": d.node_id, "address": f"{d.address}:{d.port}", "incarnation": d.incarnation}
+                   for n, d in control.names.items()}
         term = term_of(coordinator.epoch)
         if coordinator.lease is None:
             coordinator.lease = self._take_lease(cluster, control, coordinator, nursery, term, elected_by)
@@ -523,6 +523,16 @@ def own_agent(cluster) -> str:
     """The node id of this device's agent (a coordinator's id is the agent's and its pid:
     swarm.host.state.process_id)."""
     return cluster.credentials.node_id.split("~")[0]
+
+
+def still_held(replica: Replica, names: dict) -> dict[str, set[int]]:
+    """The replica's holdings on devices that still hold them: an agent started again since
+    (another incarnation than the replica names) lost what it held with its memory, and a
+    move from it would never come."""
+    def same_start(name: str) -> bool:
+        member = names.get(name)
+        return member is not None and member.incarnation == replica.devices.get(name, {}).get("incarnation")
+    return {d: set(layers) for d, layers in replica.holdings.items() if same_start(d)}
 
 
 def replica_nodes(replica: Replica) -> dict[str, str]:

@@ -31,8 +31,9 @@ import numpy as np
 
 from swarm.wire.faults import RemoteProtocolError
 
-PROTOCOL_VERSION = 6  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs;
-                      # 4: Info's accelerator memory; 5: coordinator replicas and elections; 6: leases and votes
+PROTOCOL_VERSION = 7  # 2: the server proves itself second; sealed records after the handshake; 3: detached runs;
+                      # 4: Info's accelerator memory; 5: coordinator replicas and elections; 6: leases and votes;
+                      # 7: Info's incarnation
 MAGIC = "swarm"
 
 MESSAGES: dict[int, type] = {}  # code -> message class
@@ -120,6 +121,8 @@ class Info:
     peers: list[str]          # static peers it was told about ("host:port"), shared with coordinators
     job_id: str | None
     job_state: str | None
+    incarnation: str          # new at each start of the agent: a device killed and started again holds
+                              # none of what it held before (a successor must not count its old layers)
 
 
 @message(14)
