@@ -262,3 +262,69 @@ async def test_a_holder_follows_its_coordinator_until_it_votes_in_a_newer_term(t
                 await candidate.aclose()
                 await stranger.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def detached_agents(nursery, tmp_path, ids, election_timeout: float = 1.0) -> list:
+    """Agents on loopback with state directories whose detached runs are written down, not
+    started: a run's `swarm train` arguments go to the file `argv` in the run's folder."""
+    import sys
+
+    from swarm.commands.train_cmd import check_detached_flags
+
+    agents = []
+    for i in ids:
+        config = AgentConfig(name=f"a{i}", node_id=f"node{i}", token=TOKEN, network=resolve_network("lo"), port=0,
+                             advertise=False, state_dir=tmp_path / f"a{i}", check_run_flags=check_detached_flags,
+                             election_timeout=election_timeout)
+        agent = await nursery.start(Agent(config).run)
+        real = agent._run_command
+
+        def recorded(run, real=real):
+            argv, env = real(run)
+            return [sys.executable, "-c", "import sys; open('argv', 'w').write(' '.join(sys.argv[1:]))",
+                    *argv[4:]], env
+        agent.detached.command_for = recorded
+        agents.append(agent)
+    return agents
+
+
+@pytest.mark.trio
+async def test_devices_the_plan_left_out_hold_the_replica_and_carry_the_run_on_in_turn(tmp_path):
+    """Holders that have no part in the job keep the replica its coordinator sends (not one
+    another node sends in its name). When the coordinator goes quiet, the lowest holder takes
+    the run over; once it has, it names itself no more, so when it too stays quiet the next
+    holder takes over in a newer term. A replica that says its run finished is never carried on."""
+    network = resolve_network("lo")
+    with trio.fail_after(40):
+        async with trio.open_nursery() as nursery:
+            agents = await detached_agents(nursery, tmp_path, (1, 2, 3))
+            devices = {"a0": {"node_id": "node0", "address": "127.0.0.1:9"}}
+            devices.update({f"a{i}": {"node_id": a.node_id, "address": f"127.0.0.1:{a.port}"}
+                            for i, a in zip((1, 2, 3), agents)})
+            r = replica(devices=devices, holders=["node1", "node2"])
+            done = replica(job_id="train-2", run_id="def456", devices=devices, holders=["node3"], finished=True)
+            peers = [("127.0.0.1", a.port) for a in agents]
+            async with open_roster(Credentials("node0~1-a", TOKEN), network, discover=False, peers=peers) as c, \
+                    open_roster(Credentials("node7~2-b", TOKEN), network, discover=False, peers=peers) as other:
+                await c.wait_for(3, timeout=10)
+                await other.wait_for(3, timeout=10)
+                forged = replica(step=9, devices=devices, holders=["node1", "node2"])
+                for a in agents[:2]:
+                    await other.send(a.node_id, JobReplica("train-1", 0, 9, forged.to_body()))
+                    await c.send(a.node_id, JobReplica("train-1", 0, r.step, r.to_body()))
+                await c.send("node3", JobReplica("train-2", 0, done.step, done.to_body()))
+                for a in agents:
+                    await handled(c, a.node_id)
+                    await handled(other, a.node_id)
+                assert agents[0].replicas == agents[1].replicas == {"train-1": r}
+                assert agents[2].replicas == {"train-2": done}
+            for turn, (agent, term) in enumerate([(agents[0], 1), (agents[1], 2)]):
+                while "abc123" not in agent.detached.runs:
+                    await trio.sleep(0.1)
+                run = agent.detached.runs["abc123"]
+                assert run.term == term, (turn, run.term)
+                while not (run.folder / "argv").exists():
+                    await trio.sleep(0.1)
+            assert agents[0].detached.runs["abc123"].term == 1  # (the first never stood again)
+            assert agents[2].detached.runs == {}
+            nursery.cancel_scope.cancel()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import os
 import re
@@ -36,7 +37,7 @@ from swarm import __version__
 from swarm.agent.detached import DetachedRun, DetachedRuns
 from swarm.agent.early import EarlyMessages
 from swarm.agent.failover import Replica, elect, term_of
-from swarm.agent.quorum import ELECTION_TIMEOUT_S, Election, VoteAnswer, Voter
+from swarm.agent.quorum import ELECTION_TIMEOUT_S, LEASE_ASK_S, Election, VoteAnswer, Voter
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.errors import SwarmError
 from swarm.host import malloc
@@ -56,12 +57,12 @@ log = logging.getLogger("swarm.agent")
 DEFAULT_PORT = 4750
 MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
 MAX_NAME = 128           # longest job id or job kind
-# A job's coordinator is gone (and, with a replica of it here, a successor is elected) when
-# no connection to it has been open for COORDINATOR_GONE_S, or nothing came from it for
-# COORDINATOR_SILENT_S (a busy device's heartbeat deadline and probe, as the coordinator
-# gives its devices: swarm/cluster/membership.py).
-COORDINATOR_GONE_S, COORDINATOR_SILENT_S = 1.0, 4.0
 ELECTION_S = 2.0         # how long the other replica holders have to say which replica they hold, or vote
+# How long at most an elected agent speaks for its successor run while that starts (a new
+# process: Python, torch, the run's devices found again), before the run's coordinator asks
+# for its lease itself: without it, the other holders would stand again after an election
+# timeout and elect another successor, which fences the first.
+HERALD_S = 60.0
 
 
 @dataclass
@@ -149,7 +150,6 @@ class AgentJob:
         self.nursery: trio.Nursery | None = None
         self.links: list[PeerConnection] = []
         self.coordinator_changed = trio.Event()
-        self.elected_in: int | None = None  # the replica term whose coordinator this agent replaced
         self.run_ended: trio.Event | None = None  # set when the latest run has returned (threads and all)
 
     @property
@@ -186,6 +186,8 @@ class Agent:
         # training runs this agent coordinates for users who went away (`swarm train --detach`)
         self.replicas: dict[str, Replica] = {}  # job id -> the newest coordinator replica of that job
         self._replica_stored = trio.Event()  # set (and replaced) whenever one is stored
+        self._watched: set[str] = set()  # job ids whose replica a _replica_watch watches over
+        self.took_over: dict[str, tuple[int, int]] = {}  # job id -> version of the replica this agent carried on
         self.terms: dict[str, int] = {}  # job id -> the newest coordinator term seen (failover.py fencing)
         self.voters: dict[str, Voter] = {}  # job id -> this holder's votes and fence for it (quorum.py)
         self._asked: dict[int, tuple[trio.Event, list]] = {}  # seq of a ReplicaQuery -> (answered, [answer])
@@ -341,6 +343,8 @@ class Agent:
             self._keep_replica(peer, message)
         elif isinstance(message, ReplicaQuery):
             held = self.replicas.get(message.job_id)
+            if held is not None and self.took_over.get(message.job_id) == held.version:
+                held = None  # it carried the run on from this replica once: another holder's turn
             peer.reply(ReplicaState(message.seq, message.job_id[:MAX_NAME], *(held.version if held else (-1, -1))))
         elif isinstance(message, (ReplicaState, VoteReply)):
             asked = self._asked.get(message.seq)
@@ -365,13 +369,20 @@ class Agent:
             del self.terms[next(iter(self.terms))]
 
     def _keep_replica(self, peer: Peer, msg: JobReplica) -> None:
-        """Keep the newest replica of the job this agent holds, sent by that job's coordinator."""
+        """Keep the newest replica of a job, sent by its coordinator: the coordinator of the
+        job held here, or for a job this agent has no part in now, the coordinator the replica
+        names (every device of a detached run holds its replica, also when the plan leaves
+        it out), and watch over that coordinator (_replica_watch)."""
         import msgpack
 
         job = self.job
         why = None
-        if job is None or job.job_id != msg.job_id or peer.node_id != job.coordinator_id:
+        ours = job is not None and job.job_id == msg.job_id
+        named = msg.body.get("coordinator") if isinstance(msg.body, dict) else None
+        if ours and peer.node_id != job.coordinator_id:
             why = "it does not come from the coordinator of the job held here"
+        elif not ours and peer.node_id.split("~")[0] != named:  # (a coordinator's id: its agent's ~ its pid)
+            why = "it does not come from the coordinator it names"
         elif len(msgpack.packb(msg.body, default=lambda _: b"")) > REPLICA_BYTES:
             why = f"it is over {REPLICA_BYTES} bytes"
         else:
@@ -392,6 +403,9 @@ class Agent:
                     self._replica_stored = trio.Event()
                     while len(self.replicas) > REPLICAS:
                         del self.replicas[next(iter(self.replicas))]
+                    if msg.job_id not in self._watched and self._nursery is not None:
+                        self._watched.add(msg.job_id)
+                        self._nursery.start_soon(self._replica_watch, msg.job_id)
                     return
                 else:
                     why = f"a newer one (term {held.term}, step {held.step}) is held"
@@ -456,83 +470,69 @@ class Agent:
                         f": {answer.why}" if answer.why else "")
         return VoteReply(msg.seq, job_id, self.node_id, answer.term, answer.granted, answer.why, msg.poll)
 
-    async def _coordinator_watch(self, job: AgentJob) -> None:
-        """With a replica of the job's coordinator here: when that coordinator is gone, elect its
-        successor with the other holders, and if it is this agent, start it."""
-        gone_since = None
-        while True:
-            replica = self.replicas.get(job.job_id)
-            if replica is None or replica.term == job.elected_in or self.detached is None:
-                gone_since = None
-                await self._replica_stored.wait()  # nothing to watch over until a replica comes
-                continue
-            await trio.sleep(0.1)
-            replica = self.replicas.get(job.job_id)
-            if replica is None or replica.term == job.elected_in:
-                continue
-            if self._coordinator_heard(job):
-                gone_since = None
-                continue
-            now = trio.current_time()
-            gone_since = now if gone_since is None else gone_since
-            if self._coordinator(job) is None and now - gone_since < COORDINATOR_GONE_S:
-                continue
-            job.elected_in = replica.term
-            coordinator = job.coordinator_id
-            if not await self._elect(job, replica) and self.job is job and job.coordinator_id == coordinator \
-                    and self._voter(job.job_id).fence.term <= replica.term:
-                job.elected_in = None  # its coordinator came back: watch over it again
+    async def _replica_watch(self, job_id: str) -> None:
+        """While this agent holds a replica of a job's coordinator: once that coordinator (or any
+        of a newer term) has been quiet for the election timeout, as its lease asks and
+        assignments tell (quorum.Voter.may_stand), elect its successor with the other holders,
+        and if it is this agent, start it. Ends when the replica is gone or says its run ended."""
+        try:
+            while True:
+                replica = self.replicas.get(job_id)
+                if replica is None or replica.finished:
+                    return
+                voter = self._voter(job_id)
+                if (self.detached is None or self.node_id not in replica.holders
+                        or self.took_over.get(job_id) == replica.version):
+                    await self._replica_stored.wait()  # nothing to stand with until a newer replica comes
+                    continue
+                now = trio.current_time()
+                if not voter.may_stand(now):
+                    await trio.sleep(min(0.5, max(0.05, voter.heard_at + voter.election_s - now)))
+                    continue
+                await self._elect(job_id, replica)
+        finally:
+            self._watched.discard(job_id)
 
-    def _coordinator_heard(self, job: AgentJob) -> bool:
-        peer = self._coordinator(job)
-        return peer is not None and trio.current_time() - peer.last_heard < COORDINATOR_SILENT_S
-
-    async def _elect(self, job: AgentJob, replica: Replica) -> bool:
-        """Until a coordinator leads the job again: once this holder may stand (its coordinator
-        quiet for the election timeout), the holders that answer say which replica they hold;
-        the one `elect` names polls, then asks for the votes, and takes the run over only when a
-        majority of the replica's holders granted them (swarm/agent/quorum.py). True if it did."""
-        voter = self._voter(job.job_id)
-        if self.node_id not in replica.holders:
-            return False
-        coordinator, above = job.coordinator_id, 0
+    async def _elect(self, job_id: str, replica: Replica) -> bool:
+        """Until a coordinator leads the job again: the holders that answer say which replica
+        they hold; the one `elect` names polls, then asks for the votes, and takes the run over
+        only when a majority of the replica's holders granted them (swarm/agent/quorum.py).
+        True if it did."""
+        voter = self._voter(job_id)
+        above = 0
         holders = {replica.devices[name]["node_id"]: replica.devices[name]["address"]
                    for name in replica.devices if replica.devices[name]["node_id"] in replica.holders}
 
         def led() -> bool:
-            """Whether someone coordinates the job again (or it is gone from here)."""
-            return (self.job is not job or job.coordinator_id != coordinator or voter.fence.term > replica.term
-                    or self._coordinator_heard(job))
+            """Whether a coordinator leads the job again (or a newer replica came)."""
+            return self.replicas.get(job_id) is not replica or not voter.may_stand(trio.current_time())
 
         while not led():
-            now = trio.current_time()
-            if not voter.may_stand(now):
-                await trio.sleep(min(0.5, max(0.05, voter.heard_at + voter.election_s - now)))
-                continue
-            versions = await self._replica_versions(job, replica, holders)
+            versions = await self._replica_versions(job_id, replica, holders)
             successor = elect(versions)
             self._lines.log(logging.WARNING, "election", "coordinator of job %s (run %s) is gone; replicas held: %s; "
-                            "successor: node %s", job.job_id, replica.run_id,
+                            "successor: node %s", job_id, replica.run_id,
                             ", ".join(f"{n} {t}/{s}" for n, (t, s) in sorted(versions.items())), successor)
             if successor == self.node_id and not led():
-                election = await self._stand(job, replica, voter, holders, above)
+                election = await self._stand(job_id, replica, voter, holders, above)
                 above = max(above, election.highest)
                 if election.won:
+                    self.took_over[job_id] = replica.version
                     self._take_over(dataclasses.replace(replica, elected_term=election.request.term,
                                                         elected_by=sorted(election.granted)))
                     return True
             await trio.sleep(voter.election_s / 2)
         return False
 
-    async def _replica_versions(self, job: AgentJob, replica: Replica, holders: dict) -> dict:
+    async def _replica_versions(self, job_id: str, replica: Replica, holders: dict) -> dict:
         """{node id: replica version} of the holders that answer within ELECTION_S, this one's own."""
         versions = {self.node_id: replica.version}
 
         async def ask(node_id: str, address: str) -> None:
-            answer = await self._ask(node_id, address, lambda seq: ReplicaQuery(seq, job.job_id))
+            answer = await self._ask(node_id, address, lambda seq: ReplicaQuery(seq, job_id))
             if answer is not None:
                 sender, state = answer
-                if (isinstance(state, ReplicaState) and sender == node_id and state.job_id == job.job_id
+                if (isinstance(state, ReplicaState) and sender == node_id and state.job_id == job_id
                         and state.term >= 0):
                     versions[node_id] = (state.term, state.step)
 
@@ -542,7 +542,7 @@ class Agent:
                     nursery.start_soon(ask, node_id, address)
         return versions
 
-    async def _stand(self, job: AgentJob, replica: Replica, voter: Voter, holders: dict, above: int) -> Election:
+    async def _stand(self, job_id: str, replica: Replica, voter: Voter, holders: dict, above: int) -> Election:
         """A poll, then (if a majority would grant it) the vote itself, both for one term."""
         poll = voter.request(replica.version, poll=True, above=above)
         for request in (poll, dataclasses.replace(poll, poll=False)):
@@ -551,17 +551,17 @@ class Agent:
 
             async def ask(node_id: str, address: str, request=request, election=election) -> None:
                 answer = await self._ask(node_id, address, lambda seq: VoteAsk(
-                    seq, job.job_id, request.term, request.candidate, *request.version, request.poll))
+                    seq, job_id, request.term, request.candidate, *request.version, request.poll))
                 if answer is not None:
                     sender, reply = answer
-                    if isinstance(reply, VoteReply) and sender == node_id and reply.job_id == job.job_id:
+                    if isinstance(reply, VoteReply) and sender == node_id and reply.job_id == job_id:
                         election.count(VoteAnswer(sender, reply.term, reply.granted, reply.why, reply.poll))
 
             async with trio.open_nursery() as nursery:
                 for node_id, address in holders.items():
                     if node_id != self.node_id:
                         nursery.start_soon(ask, node_id, address)
-            self._lines.log(logging.WARNING, "election", "job %s: %s", job.job_id, election.outcome())
+            self._lines.log(logging.WARNING, "election", "job %s: %s", job_id, election.outcome())
             if not election.won:
                 return election
         return election
@@ -591,6 +591,31 @@ class Agent:
             self._lines.log(logging.ERROR, "election", "cannot take over run %s: %s", replica.run_id, exc)
             return
         self._detached_nursery.start_soon(self.detached.watch, run)
+        self._detached_nursery.start_soon(self._herald, run, replica)
+
+    async def _herald(self, run: DetachedRun, replica: Replica) -> None:
+        """While the successor's process starts (at most HERALD_S, and while it lives): ask the
+        other holders for the new term's lease every LEASE_ASK_S in its name, as a Raft leader
+        sends its first heartbeats at once. Their answers are not counted here: the asks only
+        tell them that the term has a coordinator (quorum.Voter.on_coordinator)."""
+        holders = {d["node_id"]: d["address"] for d in replica.devices.values()
+                   if d["node_id"] in replica.holders and d["node_id"] != self.node_id}
+        asks = itertools.count(1)
+
+        async def ask(node_id: str, address: str) -> None:
+            with trio.move_on_after(LEASE_ASK_S):
+                try:
+                    conn = await self.open_link(address, node_id)
+                    await conn.send(LeaseAsk(next(asks), replica.job_id, replica.elected_term, replica.elected_by))
+                except (OSError, ConnectionLost, SwarmError):
+                    pass  # not reached now: the run's own lease counts it
+
+        with trio.move_on_after(HERALD_S):
+            while run.process is not None and run.process.poll() is None:
+                async with trio.open_nursery() as nursery:
+                    for node_id, address in holders.items():
+                        nursery.start_soon(ask, node_id, address)
+                await trio.sleep(LEASE_ASK_S)
 
     # -- detached runs ----------------------------------------------------------------
 
@@ -823,7 +848,6 @@ class Agent:
                     job.nursery = nursery
                     nursery.start_soon(self._job_heartbeats, job)
                     nursery.start_soon(self._orphan_watch, job)
-                    nursery.start_soon(self._coordinator_watch, job)
                     task_status.started()
         finally:
             with trio.CancelScope(shield=True):  # all at once: each may wait up to a second on a cut peer

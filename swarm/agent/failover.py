@@ -52,6 +52,7 @@ class Replica:
     # successor's term and the holders that granted it (-1, []: the next term, elected by nobody)
     elected_term: int = -1
     elected_by: list[str] = field(default_factory=list)
+    finished: bool = False      # the run ended (done, or stopped by its user): nobody carries it on
 
     @property
     def version(self) -> tuple[int, int]:
@@ -86,6 +87,8 @@ class Replica:
             raise ValueError("a replica's devices need a node id and an address each")
         if not all(isinstance(f, str) for f in replica.flags + replica.holders + replica.elected_by):
             raise ValueError("a replica's flags and holders are strings")
+        if not isinstance(replica.finished, bool):
+            raise ValueError("a replica's finished is true or false")
         return replica
 
 

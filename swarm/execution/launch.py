@@ -398,16 +398,21 @@ class SwarmRunner:
 
             try:
                 await coordinator.run(total, on_step, lost)
+                if coordinator.replicate is not None:  # done or stopped: the holders elect no successor
+                    with trio.move_on_after(REPLICA_WAIT_S):
+                        await self._replicate(cluster, control, coordinator, nursery,
+                                              replica.elected_by if replica else [], finished=True)
             finally:
                 with trio.CancelScope(shield=True):
                     await control.release()
             nursery.cancel_scope.cancel()
 
     async def _replicate(self, cluster, control: RosterControl, coordinator: TrainingCoordinator, nursery,
-                         elected_by: list[str]) -> None:
-        """Send what a successor needs (failover.Replica) to the holders of this term: the
-        devices of its first plan but this device's own (it goes with this coordinator). The
-        first time, also take the term's lease on them (quorum.Lease)."""
+                         elected_by: list[str], finished: bool = False) -> None:
+        """Send what a successor needs (failover.Replica) to the holders of this term: every
+        device of the run when the term began but this device's own (it goes with this
+        coordinator), in the plan or not. The first time, also take the term's lease on them
+        (quorum.Lease). `finished`: the run ended, and the holders elect no successor."""
         o = self.options
         own = own_agent(cluster)
         devices = {n: {"node_id": d.node_id, "address": f"{d.address}:{d.port}", "incarnation": d.incarnation}
@@ -421,7 +426,7 @@ class SwarmRunner:
         held = {d: sorted(layers) for d, layers in backups.holdings.items()} if backups.step is not None else {}
         replica = Replica(o.run_id, control.job_id, term, coordinator.epoch, backups.step or 0,
                           held, coordinator.plan.to_dict(), devices, list(o.run_flags or []), own, holders,
-                          term, list(elected_by))
+                          term, list(elected_by), finished)
         for node_id in holders:
             try:
                 await cluster.send(node_id, JobReplica(control.job_id, replica.term, replica.step, replica.to_body()))
@@ -430,10 +435,13 @@ class SwarmRunner:
 
     def _take_lease(self, cluster, control: RosterControl, coordinator: TrainingCoordinator, nursery, term: int,
                     elected_by: list[str]) -> Lease:
-        """The term's lease over the devices of its first plan and this coordinator's own, and
-        the task that asks them every LEASE_ASK_S whether they still follow it."""
+        """The term's lease over every device of the run as the term begins (those its first
+        plan leaves out too: each holds a replica and votes, so a small plan does not leave a
+        run with one or two holders) and this coordinator's own, and the task that asks them
+        every LEASE_ASK_S whether they still follow it."""
         own = coordinator.own_device or COORDINATOR
-        lease = Lease(set(coordinator.plan.used_devices()) | {own}, own, term, LEASE_S, trio.current_time())
+        lease = Lease(set(control.names) | set(coordinator.plan.used_devices()) | {own}, own, term, LEASE_S,
+                      trio.current_time())
         sent: dict[int, tuple[str, float]] = {}  # an ask's seq -> (device, when it was sent)
         seqs = itertools.count(1)
 
