@@ -33,6 +33,8 @@ import numpy as np
 
 from planner.allocation import memory_aware_allocation
 from planner.asteroid_tables import AsteroidTables
+from planner.bounds import compute_floor
+from planner.classes import device_classes
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, Stage
 from planner.simulator import Timeline
@@ -60,46 +62,61 @@ class AsteroidDP:
         self.inputs = inputs
         self.cap = cap  # the most forwards any stage warms up with (None: Asteroid's K)
         cl = inputs.cluster
-        self.order = sorted(cl.names, key=lambda n: (-cl.device(n).memory, cl.reference_time(n, inputs.microbatch),
-                                                    cl.index(n)))
+        kinds = device_classes(cl)
+        first = {n: cl.names[kinds[cl.index(n)]] for n in cl.names}  # each device's class, by its first device
+        self.order = sorted(cl.names, key=lambda n: (-cl.device(first[n]).memory,
+                                                    cl.reference_time(first[n], inputs.microbatch),
+                                                    cl.index(first[n]), cl.index(n)))
+        self.kind = [cl.index(first[n]) for n in self.order]
         self.cuts = candidate_cuts(inputs, max_cuts, start)  # the pipeline covers layers [start, L)
         self.N, self.M, self.B = len(self.order), inputs.microbatches, inputs.microbatch
+        self.G = min(self.N, self.B)  # the most devices in a group: more than a micro-batch's samples leave some idle
         self.L = len(self.cuts) - 1  # the DP's "layers" are the spans between candidate cuts
         self.P = min(self.N, self.L, max_stages or self.N)
         self.t = AsteroidTables(inputs, self.order, self.cuts)
         self._group_cache: dict = {}
+        self._first_group: dict = {}  # class make-up -> the first group (positions) with it
+        self._stacks: dict = {}
+        self.blocks_costed = 0  # groups whose stage costs were worked out (the rest are their class's)
         self._prep_links()
 
     # ---- costs of blocks -------------------------------------------------------------
     def _prep_links(self) -> None:
-        cl, N = self.inputs.cluster, self.N
+        """The rates between a head group [a, a + w) and the next group [a + w, a + w + v): as
+        many streams as the smaller group has devices, each at the slowest pair's rate."""
+        cl, N, G = self.inputs.cluster, self.N, self.G
         idx = [cl.index(n) for n in self.order]
         bw = cl.bandwidth[np.ix_(idx, idx)]
-        self.bwb_f = np.full((N + 1, N + 1, N + 1), np.inf)  # head block [a, c) -> next block [c, e)
-        self.bwb_b = np.full((N + 1, N + 1, N + 1), np.inf)
+        self.bwb_f = np.full((N + 1, G + 1, G + 1), np.inf)  # [a, w, v]
+        self.bwb_b = np.full((N + 1, G + 1, G + 1), np.inf)
         for a in range(N):
-            for c in range(a + 1, N):
-                for e in range(c + 1, N + 1):
-                    streams = min(c - a, e - c)
-                    self.bwb_f[a, c, e] = streams * bw[a:c, c:e].min()
-                    self.bwb_b[a, c, e] = streams * bw[c:e, a:c].min()
+            for w in range(1, min(G, N - 1 - a) + 1):
+                c = a + w
+                for v in range(1, min(G, N - c) + 1):
+                    streams = min(w, v)
+                    self.bwb_f[a, w, v] = streams * bw[a:c, c:c + v].min()
+                    self.bwb_b[a, w, v] = streams * bw[c:c + v, a:c].min()
         mem = self.inputs.mem
         self.bnd = np.array([mem.boundary(int(b)) for b in self.cuts]) * self.B
 
     def block(self, a: int, c: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(E_f, E_b, T_a) of group [a, c) for every range, as (L + 1) x (L + 1) arrays (inf: cannot run)."""
-        key = (a, c, K)
-        if key in self._group_cache:
-            return self._group_cache[key]
-        L, t, cl = self.L, self.t, self.inputs.cluster
-        group = list(range(a, c))
-        ef, eb = t.stage(group, K)
+        """(E_f, E_b, T_a) of group [a, c) for every range, as (L + 1) x (L + 1) arrays (inf: cannot run).
+        Worked out once per class make-up and slowest link (module docstring)."""
+        cl = self.inputs.cluster
         names = self.order[a:c]
         g = c - a
+        minbw = cl.min_bw(names)
+        makeup = tuple(self.kind[a:c])
+        key = (makeup, minbw, K)
+        if key in self._group_cache:
+            return self._group_cache[key]
+        L, t = self.L, self.t
+        group = self._first_group.setdefault(makeup, list(range(a, c)))
+        self.blocks_costed += 1
+        ef, eb = t.stage(group, K)
         extra = np.zeros(len(t.valid))
         ta = np.zeros(len(t.valid))
         if g > 1:
-            minbw = cl.min_bw(names)
             desc = self.inputs.desc
             per_layer = np.array([(cl.latency + (g - 1) * (8 + 16 * layer.out_shape[0]) / minbw)
                                   if layer.batch_normalize else 0.0 for layer in desc.layers])
@@ -114,14 +131,27 @@ class AsteroidDP:
         self._group_cache[key] = tuple(out)
         return self._group_cache[key]
 
+    def blocks(self, w: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """block(a, a + w, K) for every a = 0 .. N - w, stacked: three (N - w + 1, L + 1, L + 1) arrays."""
+        key = (w, K)
+        if key not in self._stacks:
+            starts = range(self.N - w + 1)
+            self.t.stages([self._first_group.setdefault(tuple(self.kind[a:a + w]), list(range(a, a + w)))
+                           for a in starts], K)  # every make-up's stage costs at once
+            parts = [self.block(a, a + w, K) for a in starts]
+            self._stacks[key] = tuple(np.stack([p[k] for p in parts]) for k in range(3))
+        return self._stacks[key]
+
     def warmup(self, p: int) -> int:
         """K of the head of a p-stage pipeline: Asteroid's 2p - 1, at most M and the cap."""
         return min(2 * p - 1, self.M, self.cap or self.M)
 
     # ---- the dynamic program ---------------------------------------------------------
     def solve(self) -> list[Pipeline]:
-        """The best pipeline for each number of stages (those that exist)."""
-        L, N, M, P = self.L, self.N, self.M, self.P
+        """The best pipeline for each number of stages (those that exist). Each level runs, for
+        each head group size w, over every head start a at once; states fold their candidates
+        in the order of Alg. 2's loops (a, then the head's end, then the sub-pipeline's slot)."""
+        L, N, M, P, G = self.L, self.N, self.M, self.P, self.G
         inf = np.inf
         # per level: D, A, end (first group's end device), choice; [slot] 0 = lowest D + A, 1 = lowest D
         D = np.full((P + 1, 2, L + 1, N + 1), inf)
@@ -129,42 +159,44 @@ class AsteroidDP:
         END = np.zeros((P + 1, 2, L + 1, N + 1), dtype=np.int64)
         CHOICE = np.zeros((P + 1, 2, L + 1, N + 1, 3), dtype=np.int64)  # (c, j, slot of the sub-pipeline)
         K1 = min(1, M)
-        for a in range(N):
-            for e in range(a + 1, N + 1):
-                ef, eb, ta = self.block(a, e, K1)
-                d_new = M * (ef[:, L] + eb[:, L])
-                a_new = ta[:, L]
-                self._keep(D[1], A[1], END[1], CHOICE[1], a, d_new, a_new, e, np.full(L + 1, L), 0)
+        for w in range(1, G + 1):
+            heads = np.arange(N - w + 1)
+            ef, eb, ta = self.blocks(w, K1)
+            d_new = (M * (ef[:, :, L] + eb[:, :, L])).T  # (first layer, head start)
+            a_new = ta[:, :, L].T
+            self._keep(D[1], A[1], END[1], CHOICE[1], heads, d_new, a_new, heads + w,
+                       np.full(d_new.shape, L), 0)
+        lat = self.inputs.cluster.latency
         for p in range(2, P + 1):
             K = self.warmup(p)
-            for a in range(N - p + 1):
-                for c in range(a + 1, N - p + 2):
-                    ef, eb, ta = self.block(a, c, K)
-                    ene = ef + eb
-                    for slot in (0, 1):
-                        d_old, a_old = D[p - 1, slot, :, c], A[p - 1, slot, :, c]
-                        ends = END[p - 1, slot, :, c]
-                        ok = np.isfinite(d_old)
-                        if not ok.any():
-                            continue
-                        e_idx = np.where(ok, ends, c + 1)
-                        with np.errstate(divide="ignore", invalid="ignore"):
-                            tf = np.where(ok, self.inputs.cluster.latency + self.bnd / self.bwb_f[a, c, e_idx], inf)
-                            tb = np.where(ok, self.inputs.cluster.latency + self.bnd / self.bwb_b[a, c, e_idx], inf)
-                            enc = tf + tb
-                            d_new = np.maximum(np.maximum(M * ene, ene + M * enc[None, :]), ene + enc[None, :] + d_old[None, :])
-                            a_new = np.maximum(ta, a_old[None, :] - eb - tb[None, :])
-                            total = d_new + a_new
-                        bad = ~np.isfinite(total) | ~ok[None, :]
-                        total = np.where(bad, inf, total)
-                        d_masked = np.where(bad, inf, d_new)
-                        j_best = np.argmin(total, axis=1)
-                        j_lowd = np.argmin(d_masked, axis=1)
-                        rows = np.arange(L + 1)
-                        for j_sel in (j_best, j_lowd):
-                            dn = d_masked[rows, j_sel]
-                            an = np.where(np.isfinite(dn), a_new[rows, j_sel], inf)
-                            self._keep(D[p], A[p], END[p], CHOICE[p], a, dn, an, c, j_sel, slot)
+            for w in range(1, G + 1):
+                heads = np.arange(max(0, N - p + 2 - w))  # a head [a, a + w) leaves p - 1 devices at least
+                if heads.size == 0:
+                    continue
+                c = heads + w
+                ef, eb, ta = (x[heads] for x in self.blocks(w, K))
+                ene = ef + eb  # (head, i, j)
+                for slot in (0, 1):
+                    d_old, a_old = D[p - 1, slot][:, c].T, A[p - 1, slot][:, c].T  # (head, j)
+                    ok = np.isfinite(d_old)
+                    if not ok.any():
+                        continue
+                    v = np.where(ok, END[p - 1, slot][:, c].T - c[:, None], 1)  # the next group's size
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        tf = np.where(ok, lat + self.bnd[None, :] / self.bwb_f[heads[:, None], w, v], inf)
+                        tb = np.where(ok, lat + self.bnd[None, :] / self.bwb_b[heads[:, None], w, v], inf)
+                        enc = (tf + tb)[:, None, :]
+                        d_new = np.maximum(np.maximum(M * ene, ene + M * enc), ene + enc + d_old[:, None, :])
+                        a_new = np.maximum(ta, a_old[:, None, :] - eb - tb[:, None, :])
+                        total = d_new + a_new
+                    bad = ~np.isfinite(total) | ~ok[:, None, :]
+                    total = np.where(bad, inf, total)
+                    d_masked = np.where(bad, inf, d_new)
+                    for j_sel in (np.argmin(total, axis=2), np.argmin(d_masked, axis=2)):  # (head, i)
+                        dn = np.take_along_axis(d_masked, j_sel[:, :, None], axis=2)[:, :, 0]
+                        an = np.take_along_axis(a_new, j_sel[:, :, None], axis=2)[:, :, 0]
+                        an = np.where(np.isfinite(dn), an, inf)
+                        self._keep(D[p], A[p], END[p], CHOICE[p], heads, dn.T, an.T, c, j_sel.T, slot)
         pipelines = []
         for p in range(1, P + 1):
             for slot in (0, 1):
@@ -173,18 +205,21 @@ class AsteroidDP:
         return pipelines
 
     @staticmethod
-    def _keep(D, A, END, CHOICE, a, d_new, a_new, end, j, sub_slot) -> None:
-        """Fold candidates (one per first layer i) into state (i, a): slot 0 by D + A, slot 1 by D."""
+    def _keep(D, A, END, CHOICE, heads, d_new, a_new, end, j, sub_slot) -> None:
+        """Fold candidates (first layer i, head start a) into states (i, a): slot 0 by D + A,
+        slot 1 by D. d_new, a_new, j: (L + 1, len(heads)); end: per head."""
         total = d_new + a_new
-        better0 = total < D[0, :, a] + A[0, :, a]
-        better1 = (d_new < D[1, :, a]) | ((d_new == D[1, :, a]) & (total < D[1, :, a] + A[1, :, a]))
-        for slot, better in ((0, better0), (1, better1)):
-            D[slot, better, a] = d_new[better]
-            A[slot, better, a] = a_new[better]
-            END[slot, better, a] = end
-            CHOICE[slot, better, a, 0] = end
-            CHOICE[slot, better, a, 1] = j[better] if np.ndim(j) else j
-            CHOICE[slot, better, a, 2] = sub_slot
+        ends = np.broadcast_to(end, d_new.shape)
+        d_old, a_old = D[:, :, heads], A[:, :, heads]
+        better = (total < d_old[0] + a_old[0],
+                  (d_new < d_old[1]) | ((d_new == d_old[1]) & (total < d_old[1] + a_old[1])))
+        for slot in (0, 1):
+            keep = better[slot]
+            D[slot][:, heads] = np.where(keep, d_new, d_old[slot])
+            A[slot][:, heads] = np.where(keep, a_new, a_old[slot])
+            END[slot][:, heads] = np.where(keep, ends, END[slot][:, heads])
+            for k, value in enumerate((ends, j, sub_slot)):
+                CHOICE[slot][:, heads, k] = np.where(keep, value, CHOICE[slot][:, heads, k])
 
     def _rebuild(self, D, A, END, CHOICE, p: int, slot: int) -> Pipeline:
         stages = []
@@ -286,9 +321,10 @@ def pipeline_plan(inputs: PlanInputs, dp: AsteroidDP, pipe: Pipeline) -> Plan:
     return inputs.plan(stages, "asteroid")
 
 
-def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None) -> Plan:
+def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None, bound: float | None = None) -> Plan | None:
     """Asteroid's best pipeline; where none fits with Asteroid's warm-ups, the fastest that
-    fits with fewer micro-batches in flight (WARMUP_CAPS)."""
+    fits with fewer micro-batches in flight (WARMUP_CAPS). With `bound` (auto's best step so
+    far), None where no pipeline could beat it (planner/bounds.py)."""
     if inputs.batch_size % inputs.microbatches:
         raise NoPlan(f"Asteroid splits micro-batches inside groups: the batch ({inputs.batch_size}) must split "
                      f"evenly into {inputs.microbatches} micro-batches")
@@ -299,10 +335,14 @@ def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None) -> Plan:
         if not pipelines:
             shortfall = shortfall or memory_shortfall(inputs, dp)
             continue
-        found.append((_fastest(inputs, dp, pipelines), pipelines))
-        if found[-1][0][1].fits:
+        best, fits = _fastest(inputs, dp, pipelines, bound)
+        if best is not None:
+            found.append((best, pipelines))
+        if fits:
             break
     if not found:
+        if bound is not None and shortfall is None:
+            return None
         raise NoPlan(shortfall)
     (plan, timeline), pipelines = found[-1] if found[-1][0][1].fits else found[0]
     plan.predicted = timeline.summary()
@@ -310,17 +350,33 @@ def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None) -> Plan:
     return inputs.with_overlap(plan)
 
 
-def _fastest(inputs: PlanInputs, dp: AsteroidDP, pipelines: list[Pipeline]) -> tuple[Plan, Timeline]:
+def _fastest(inputs: PlanInputs, dp: AsteroidDP, pipelines: list[Pipeline], bound: float | None = None
+             ) -> tuple[tuple[Plan, Timeline] | None, bool]:
     """Of the DP's best estimates, the plan the simulator finds fastest among those that fit
-    (the best estimate where none does)."""
-    best = None
-    for pipe in sorted(pipelines, key=lambda q: q.estimate)[:SIMULATED_CANDIDATES]:
-        plan = pipeline_plan(inputs, dp, pipe)
-        timeline = inputs.simulate(plan)
-        key = timeline.step_time if timeline.fits else float("inf")
-        if best is None or key < best[0]:
-            best = (key, plan, timeline)
-    return best[1], best[2]
+    (the best estimate where none does), and whether any fits. They are simulated in the
+    order of their compute floors (planner/bounds.py), and those whose floor cannot beat the
+    fastest so far, or `bound`, are not; with `bound`, the plan is None where none could beat
+    it, and whether one fits is still found out (it decides whether warm-ups are capped)."""
+    plans = [pipeline_plan(inputs, dp, pipe) for pipe in sorted(pipelines, key=lambda q: q.estimate)
+             [:SIMULATED_CANDIDATES]]
+    floors = [compute_floor(plan, inputs) for plan in plans]
+    timelines: dict[int, Timeline] = {}
+    best = None  # (step, k), of a plan that fits
+    for k in sorted(range(len(plans)), key=lambda k: floors[k]):
+        if (bound is not None and floors[k] >= bound) or (best is not None and floors[k] >= best[0]):
+            break
+        timelines[k] = inputs.simulate(plans[k])
+        if timelines[k].fits and (best is None or (timelines[k].step_time, k) < best):
+            best = (timelines[k].step_time, k)
+    if best is not None:
+        return (plans[best[1]], timelines[best[1]]), True
+    unsimulated = [k for k in range(len(plans)) if k not in timelines]
+    if not unsimulated:  # none fits: the best estimate
+        return (plans[0], timelines[0]), False
+    for k in unsimulated:  # none could beat the bound; would one fit?
+        if inputs.simulate(plans[k]).fits:
+            return None, True
+    return None, False
 
 
 def memory_shortfall(inputs: PlanInputs, dp: AsteroidDP) -> str:

@@ -30,22 +30,26 @@ class AsteroidTables:
         self.valid = np.flatnonzero((jj > ii).ravel())
         self.vi, self.vj = self.cuts[ii.ravel()[self.valid]], self.cuts[jj.ravel()[self.valid]]
         ends_last = self.vj == L
-        # per device: forward and backward range times at each grid batch size, shape (K, ranges)
-        self.f_tab, self.b_tab, self.loss, self.loss_f, self.loss_b, self.interp = [], [], [], [], [], []
-        for name in order:
-            costs = cl.device(name).costs
+        # per device (position in `order`): forward and backward range times at each measured
+        # batch size, shape (ranges, grid), padded with zeros to the longest grid (adding zeros
+        # changes no sum); interpolation weights per sample count, and the loss's times
+        devices = [cl.device(name).costs for name in order]
+        grid = max(len(costs.batch_sizes) for costs in devices)
+        D, n = len(order), len(self.valid)
+        self.f_all, self.b_all = np.zeros((D, n, grid)), np.zeros((D, n, grid))
+        self.interp = np.zeros((D, self.B + 1, grid))  # time(y) = sum_k interp[d, y, k] * time at grid size k
+        self.loss_f, self.loss_b = np.zeros((D, self.B + 1)), np.zeros((D, self.B + 1))
+        for d, costs in enumerate(devices):
             cf, cb = costs.cumulative("fwd"), costs.cumulative("bwd")
-            self.f_tab.append((cf[self.vj] - cf[self.vi]).T.copy())
-            self.b_tab.append((cb[self.vj] - cb[self.vi]).T.copy())
-            wmat = np.zeros((self.B + 1, len(costs.batch_sizes)))
-            for y in range(self.B + 1):  # time(y) = sum_k wmat[y, k] * time at grid size k
+            k = len(costs.batch_sizes)
+            self.f_all[d, :, :k] = cf[self.vj] - cf[self.vi]
+            self.b_all[d, :, :k] = cb[self.vj] - cb[self.vi]
+            for y in range(self.B + 1):
                 k0, k1, w0, w1 = costs.weights(y)
-                wmat[y, k0] += w0
-                wmat[y, k1] += w1
-            self.interp.append(wmat)
-            self.loss.append(np.array([sum(costs.loss_time(y)) for y in range(self.B + 1)]))
-            self.loss_f.append(np.array([costs.loss_time(y)[0] for y in range(self.B + 1)]))
-            self.loss_b.append(np.array([costs.loss_time(y)[1] for y in range(self.B + 1)]))
+                self.interp[d, y, k0] += w0
+                self.interp[d, y, k1] += w1
+                self.loss_f[d, y], self.loss_b[d, y] = costs.loss_time(y)
+        self.loss = np.array([[sum(costs.loss_time(y)) for y in range(self.B + 1)] for costs in devices])
         self.ends_last = ends_last
         self.budget = np.array([cl.device(n).memory for n in order], dtype=float)
         # memory per range (eq. 3 pieces)
@@ -63,44 +67,52 @@ class AsteroidTables:
         self._capped: dict = {}
 
     # ---- times -----------------------------------------------------------------------
-    def times(self, d: int, y: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) of device d (position in `order`) on y[k] samples of range cols[k],
+    # `members` is a group per range: shape (g, n), row k the k-th member for each range of
+    # `cols` (a list of g positions: the same group for every range)
+    def _members(self, group, n: int) -> np.ndarray:
+        members = np.asarray(group)
+        return np.repeat(members[:, None], n, axis=1) if members.ndim == 1 else members
+
+    def times(self, members: np.ndarray, y: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) of members[k, c] on y[k, c] samples of range cols[c], shape (g, n),
         with the same floating-point steps as CostTable.range_time (the added terms are zeros)."""
-        w = self.interp[d][y]  # (n, grid)
-        full = cols.size == len(self.valid) and cols[0] == 0 and cols[-1] == cols.size - 1
+        w = self.interp[members, y]  # (g, n, grid)
         out = []
-        for tab in (self.f_tab[d], self.b_tab[d]):
-            sub = tab if full else tab[:, cols]
-            acc = w[:, 0] * sub[0]
-            for k in range(1, sub.shape[0]):
-                acc = acc + w[:, k] * sub[k]
+        for tab in (self.f_all, self.b_all):
+            sub = tab[members, cols[None, :]]  # (g, n, grid)
+            acc = w[:, :, 0] * sub[:, :, 0]
+            for k in range(1, sub.shape[2]):
+                acc = acc + w[:, :, k] * sub[:, :, k]
             out.append(np.maximum(0.0, acc))
         return out[0], out[1]
 
-    def total(self, d: int, y: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        f, b = self.times(d, y, cols)
+    def totals(self, members: np.ndarray, y: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Forward plus backward (and the loss on the last stage) of each member, shape (g, n)."""
+        f, b = self.times(members, y, cols)
         t = f + b
-        last = self.ends_last[cols] & (y > 0)
-        t = np.where(last, t + self.loss[d][y], t)
+        last = self.ends_last[cols][None, :] & (y > 0)
+        t = np.where(last, t + self.loss[members, y], t)
         return np.where(y > 0, t, 0.0)
 
-    def caps(self, group: list[int], K: int, cols: np.ndarray) -> np.ndarray:
-        """Most samples each device can hold (MemoryModel.max_batch), shape (g, n); -1 where
-        even the weights do not fit."""
-        free = self.budget[group][:, None] + self.whole_reserve[cols][None, :] - self.weights[cols][None, :]
+    def caps(self, group, K: int, cols: np.ndarray) -> np.ndarray:
+        """Most samples each member can hold (MemoryModel.max_batch), shape (g, n); -1 where
+        even the weights do not fit. `group`: positions, or members per range."""
+        members = self._members(group, len(cols))
+        free = self.budget[members] + self.whole_reserve[cols][None, :] - self.weights[cols][None, :]
         per = K * self.act[cols] + self.grad_peak[cols]
         return largest_share(free, np.broadcast_to(per[None, :], free.shape), self.growth).astype(np.int64)
 
     # ---- Alg. 1 ------------------------------------------------------------------------
-    def allocate(self, group: list[int], cols: np.ndarray, caps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """Alg. 1 for every range in `cols`: (y of shape (g, n), feasible of shape (n,))."""
-        g, n, B = len(group), len(cols), self.B
+    def allocate(self, group, cols: np.ndarray, caps: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Alg. 1 for every range in `cols`: (y of shape (g, n), feasible of shape (n,)).
+        `group`: positions, or members per range."""
+        members = self._members(group, len(cols))
+        g, n, B = members.shape[0], len(cols), self.B
         if caps is None:
             caps = np.full((g, n), B, dtype=np.int64)
         caps_ok = np.maximum(caps, 0)
         feasible = caps_ok.sum(axis=0) >= B
-        full = np.full(n, B)
-        speed = np.stack([1.0 / np.maximum(self.total(d, full, cols), 1e-12) for d in group])
+        speed = 1.0 / np.maximum(self.totals(members, np.full((g, n), B), cols), 1e-12)
         y = np.zeros((g, n), dtype=np.int64)
         left = np.where(feasible, B, 0)
         active = caps_ok > 0
@@ -137,14 +149,15 @@ class AsteroidTables:
             if live.size == 0:
                 break
             cl = cols[live]
+            ml = members[:, live]
             yl = y[:, live]
-            t = np.stack([self.total(d, yl[k], cl) for k, d in enumerate(group)]) if t_all is None else t_all
+            t = self.totals(ml, yl, cl) if t_all is None else t_all
             slow = np.argmax(t, axis=0)
             idx = np.arange(live.size)
             move = np.minimum(self.block, yl[slow, idx])
             plus = np.minimum(yl + move[None, :], B)  # (capped at B only where there is no room anyway)
             room = (yl + move[None, :] <= caps_ok[:, live]) & (np.arange(g)[:, None] != slow[None, :])
-            t_plus = np.stack([self.total(d, plus[k], cl) for k, d in enumerate(group)])
+            t_plus = self.totals(ml, plus, cl)
             t_plus = np.where(room, t_plus, np.inf)
             fast = np.argmin(t_plus, axis=0)
             has_room = room.any(axis=0) & (move > 0)
@@ -153,7 +166,7 @@ class AsteroidTables:
             trial[fast, idx] += np.where(has_room, move, 0)
             trial[slow, idx] += np.where(has_room, 0, move)
             minus = np.maximum(yl - move[None, :], 0)
-            t_minus = np.stack([self.total(d, minus[k], cl) for k, d in enumerate(group)])
+            t_minus = self.totals(ml, minus, cl)
             t_new = t.copy()
             t_new[slow, idx] = np.where(has_room, t_minus[slow, idx], t[slow, idx])
             t_new[fast, idx] = np.where(has_room, t_plus[fast, idx], t_new[fast, idx])
@@ -165,44 +178,53 @@ class AsteroidTables:
 
     def stage(self, group: list[int], K: int) -> tuple[np.ndarray, np.ndarray]:
         """(E_f, E_b) over all ranges for the group at warm-up K (inf where it cannot fit)."""
-        key = (tuple(group), K)
-        if key in self._capped:
-            return self._capped[key]
-        n = len(self.valid)
-        cols = np.arange(n)
-        caps = self.caps(group, K, cols)
-        binding = (caps < self.B).any(axis=0)
-        ef, eb = np.empty(n), np.empty(n)
-        base = self._uncapped.get(tuple(group))
-        if base is None:
-            y, _ = self.allocate(group, cols, None)
-            base = self._uncapped[tuple(group)] = self._eval(group, y, cols)
-        ef[:], eb[:] = base
-        if binding.any():
-            bc = np.flatnonzero(binding)
-            y, feasible = self.allocate(group, bc, caps[:, bc])
-            feasible &= (caps[:, bc] >= 0).all(axis=0)  # every member holds the stage's weights
-            f2, b2 = self._eval(group, y, bc)
-            ef[bc] = np.where(feasible, f2, np.inf)
-            eb[bc] = np.where(feasible, b2, np.inf)
-        self._capped[key] = (ef, eb)
-        return ef, eb
+        return self.stages([group], K)[0]
 
-    def _eval(self, group: list[int], y: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Eq. 8: the slowest device's forward and backward (loss included on the last stage)."""
-        ef = np.zeros(len(cols))
-        eb = np.zeros(len(cols))
-        last = self.ends_last[cols]
-        for k, d in enumerate(group):
-            f, b = self.times(d, y[k], cols)
-            has = y[k] > 0
-            f = np.where(has, f, 0.0)
-            b = np.where(has, b, 0.0)
-            f = np.where(last & has, f + self.loss_f[d][y[k]], f)
-            b = np.where(last & has, b + self.loss_b[d][y[k]], b)
-            ef = np.maximum(ef, f)
-            eb = np.maximum(eb, b)
-        return ef, eb
+    def stages(self, groups: list[list[int]], K: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """stage() of several groups of one size, worked out together: each group's ranges
+        are columns of one Alg. 1 over all of them."""
+        todo = list(dict.fromkeys(tuple(g) for g in groups if (tuple(g), K) not in self._capped))
+        if todo:
+            n = len(self.valid)
+            fresh = [g for g in todo if g not in self._uncapped]
+            if fresh:
+                members, cols = self._columns(fresh)
+                y, _ = self.allocate(members, cols, None)
+                ef, eb = self._eval(members, y, cols)
+                for k, g in enumerate(fresh):
+                    self._uncapped[g] = (ef[k * n:(k + 1) * n], eb[k * n:(k + 1) * n])
+            members, cols = self._columns(todo)
+            caps = self.caps(members, K, cols)
+            binding = (caps < self.B).any(axis=0)
+            ef = np.concatenate([self._uncapped[g][0] for g in todo])
+            eb = np.concatenate([self._uncapped[g][1] for g in todo])
+            if binding.any():
+                bc = np.flatnonzero(binding)
+                y, feasible = self.allocate(members[:, bc], cols[bc], caps[:, bc])
+                feasible &= (caps[:, bc] >= 0).all(axis=0)  # every member holds the stage's weights
+                f2, b2 = self._eval(members[:, bc], y, cols[bc])
+                ef[bc] = np.where(feasible, f2, np.inf)
+                eb[bc] = np.where(feasible, b2, np.inf)
+            for k, g in enumerate(todo):
+                self._capped[(g, K)] = (ef[k * n:(k + 1) * n], eb[k * n:(k + 1) * n])
+        return [self._capped[(tuple(g), K)] for g in groups]
+
+    def _columns(self, groups: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+        """Every range of every group as one column: (members (g, len(groups) * n), cols)."""
+        n = len(self.valid)
+        members = np.repeat(np.array(groups, dtype=np.int64).T, n, axis=1)
+        return members, np.tile(np.arange(n), len(groups))
+
+    def _eval(self, members: np.ndarray, y: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Eq. 8: the slowest member's forward and backward (loss included on the last stage)."""
+        f, b = self.times(members, y, cols)
+        has = y > 0
+        last = self.ends_last[cols][None, :] & has
+        f = np.where(has, f, 0.0)
+        b = np.where(has, b, 0.0)
+        f = np.where(last, f + self.loss_f[members, y], f)
+        b = np.where(last, b + self.loss_b[members, y], b)
+        return np.maximum(0.0, f.max(axis=0)), np.maximum(0.0, b.max(axis=0))
 
     def allocation_of(self, group: list[int], K: int, first: int, last: int) -> dict[str, int] | None:
         """The Alg. 1 allocation of one range (for building the final plan)."""

@@ -20,6 +20,8 @@ import math
 import numpy as np
 
 from planner.allocation import memory_aware_allocation
+from planner.bounds import best_step, finish_best, sample_rate, samples_floor
+from planner.classes import device_classes
 from planner.inputs import NoPlan, PlanInputs
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError, Stage, most_replicas
@@ -240,7 +242,10 @@ def dp_allocation(inputs: PlanInputs, group: list[str], first: int, last: int, w
     return memory_aware_allocation(group, inputs.microbatch, time_of, max_batch, block=max(1, inputs.microbatch // 16))
 
 
-def plan_dp(inputs: PlanInputs) -> Plan:
+def plan_dp(inputs: PlanInputs, bound: float | None = None) -> Plan | None:
+    """The best of the data-parallel shapes (module docstring). With `bound` (auto's best
+    step so far), candidates whose devices cannot compute a step in less are not simulated,
+    and None says that none could beat it."""
     if inputs.batch_size % inputs.microbatches:
         raise NoPlan(f"data parallelism needs the batch ({inputs.batch_size}) to split evenly into "
                      f"{inputs.microbatches} micro-batches")
@@ -252,20 +257,33 @@ def plan_dp(inputs: PlanInputs) -> Plan:
     alloc = {d: y for d, y in alloc.items() if y > 0}
     mode = "dp" if len(alloc) > 1 else "single"
     stage = Stage(0, inputs.num_layers, mode, list(alloc), allocation=alloc if mode == "dp" else None)
-    plans = [inputs.finish(inputs.plan([stage], "dp"))]
+    candidates = [inputs.plan([stage], "dp")]
     copies = most_replicas(inputs.microbatches, len(group))
     if copies > len(alloc):  # whole micro-batches per device keep more devices busy: the fastest that many
-        plans.append(inputs.finish(inputs.plan([Stage(0, inputs.num_layers, "single", group[:copies],
-                                                      replicas=copies)], "dp")))
+        candidates.append(inputs.plan([Stage(0, inputs.num_layers, "single", group[:copies], replicas=copies)], "dp"))
     dealt = deal_microbatches(inputs, group)
     if len(dealt) > 1:  # uneven devices: each takes as many whole micro-batches as it finishes in time
         shares = list(dealt.values())
-        plans.append(inputs.finish(inputs.plan([Stage(0, inputs.num_layers, "single", list(dealt), replicas=len(dealt),
-                                                      shares=shares if len(set(shares)) > 1 else None)], "dp")))
+        candidates.append(inputs.plan([Stage(0, inputs.num_layers, "single", list(dealt), replicas=len(dealt),
+                                             shares=shares if len(set(shares)) > 1 else None)], "dp"))
+    best = finish_best(inputs, candidates, bound)
     for devices in without_slow_links(inputs, group):  # groups of devices, each taking whole micro-batches
-        for stage in replica_groups(inputs, devices):
-            plans.append(inputs.finish(inputs.plan([stage], "dp")))
-    return min(plans, key=lambda p: (not p.predicted["fits"], p.predicted["step_time_s"]))
+        fewest = fewest_worth(inputs, devices, best_step(best, bound))
+        stages = replica_groups(inputs, devices, fewest)
+        best = finish_best(inputs, [inputs.plan([s], "dp") for s in stages], bound, best)
+    return best
+
+
+def fewest_worth(inputs: PlanInputs, devices: list[str], step: float | None) -> int:
+    """The fewest of `devices` (fastest first) whose summed rate could still compute the
+    batch in less than `step` (planner/bounds.py); 2 when there is no step to beat."""
+    if step is None:
+        return 2
+    rates = np.cumsum([sample_rate(inputs, d) for d in devices])
+    for k in range(len(devices), 1, -1):
+        if samples_floor(inputs, rates[k - 1]) >= step:
+            return k + 1
+    return 2
 
 
 def without_slow_links(inputs: PlanInputs, group: list[str]) -> list[list[str]]:
@@ -283,7 +301,7 @@ def without_slow_links(inputs: PlanInputs, group: list[str]) -> list[list[str]]:
     return out
 
 
-def replica_groups(inputs: PlanInputs, group: list[str]) -> list[Stage]:
+def replica_groups(inputs: PlanInputs, group: list[str], fewest: int = 2) -> list[Stage]:
     """dp stages whose replicas are groups of devices, each group splitting the micro-batches
     it takes (Alg. 1 inside it) and taking as many as it finishes in time: on a mixed swarm
     whose small devices each hold only part of a micro-batch, the small ones pool into
@@ -296,20 +314,35 @@ def replica_groups(inputs: PlanInputs, group: list[str]) -> list[Stage]:
     the runs that finish the most in T come from a DP over the devices, and T is the least
     of the candidate times k * t_S for which they finish all M. Beside it, for each k, the k
     cut into groups of one size (_even_runs). Stages of at least two groups; the simulator
-    then judges them with their gradient rings and BatchNorm exchanges."""
+    then judges them with their gradient rings and BatchNorm exchanges.
+
+    A run of more devices than a micro-batch has samples would leave one idle, so runs are
+    at most that long; devices of one class (planner/classes.py) cost alike, so a run is
+    allocated once per class make-up. `fewest`: the smallest k worth trying (fewer devices
+    cannot beat the best plan found so far, fewest_worth)."""
     n, micro = inputs.num_layers, inputs.microbatches
     if len(group) < 2 or micro < 2:
         return []
+    cl = inputs.cluster
+    kinds = device_classes(cl)
+    kind = [kinds[cl.index(d)] for d in group]
+    costed: dict[tuple[int, ...], tuple[float, list[int]] | None] = {}  # class make-up -> (time, samples)
     runs: dict[tuple[int, int], tuple[float, dict[str, int]]] = {}  # [i, j) -> (time per micro-batch, allocation)
     for i in range(len(group)):
-        for j in range(i + 1, len(group) + 1):
-            alloc = dp_allocation(inputs, group[i:j], 0, n, 1)
-            if alloc is None or min(alloc.values()) == 0:  # cannot hold it, or a member would idle
-                continue
-            runs[(i, j)] = (max(inputs.cluster.device(d).costs.range_time(0, n, y, with_loss=True)
-                                for d, y in alloc.items()), alloc)
+        for j in range(i + 1, min(len(group), i + inputs.microbatch) + 1):
+            makeup = tuple(kind[i:j])
+            if makeup not in costed:
+                alloc = dp_allocation(inputs, group[i:j], 0, n, 1)
+                if alloc is None or min(alloc.values()) == 0:  # cannot hold it, or a member would idle
+                    costed[makeup] = None
+                else:
+                    costed[makeup] = (max(cl.device(d).costs.range_time(0, n, y, with_loss=True)
+                                          for d, y in alloc.items()), list(alloc.values()))
+            if costed[makeup] is not None:
+                t, samples = costed[makeup]
+                runs[(i, j)] = (t, dict(zip(group[i:j], samples)))
     stages, seen = [], set()
-    for k in range(2, len(group) + 1):
+    for k in range(len(group), max(2, fewest) - 1, -1):
         usable = {ij: v for ij, v in runs.items() if ij[1] <= k}
         for chosen in [_fastest_runs(usable, k, micro), *_even_runs(usable, k)]:
             stage = _replica_stage(chosen, usable, n, micro, seen)
@@ -346,15 +379,18 @@ def _replica_stage(chosen, usable, n: int, micro: int, seen: set) -> Stage | Non
 
 def _fastest_runs(runs: dict[tuple[int, int], tuple[float, dict]], k: int, micro: int) -> list[tuple[int, int]] | None:
     """The disjoint runs of devices [0, k) that finish `micro` micro-batches soonest."""
+    starting: dict[int, list[tuple[int, float]]] = {}  # first device -> (end, time) of its runs, in runs' order
+    for (a, b), (t, _) in runs.items():
+        starting.setdefault(a, []).append((b, t))
+
     def most(T: float) -> tuple[int, list]:
         best: list[tuple[int, list]] = [(0, [])] * (k + 1)  # best[i]: from device i on
         for i in range(k - 1, -1, -1):
             best[i] = best[i + 1]  # device i left out
-            for (a, b), (t, _) in runs.items():
-                if a == i:
-                    done = min(micro, int(T / t + 1e-9))
-                    if done and done + best[b][0] > best[i][0]:
-                        best[i] = (done + best[b][0], [(a, b), *best[b][1]])
+            for b, t in starting.get(i, ()):
+                done = min(micro, int(T / t + 1e-9))
+                if done and done + best[b][0] > best[i][0]:
+                    best[i] = (done + best[b][0], [(i, b), *best[b][1]])
         return best[0]
 
     times = sorted({t * m for t, _ in runs.values() for m in range(1, micro + 1)})

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from planner.asteroid import AsteroidDP, pipeline_plan, plan_asteroid
 from planner.baselines import plan_dp, plan_local, plan_pp, square_grid
+from planner.bounds import best_step, compute_floor
 from planner.hiertrain import plan_hiertrain
 from planner.inputs import NoPlan, PlanInputs
 from planner.jointdnn import plan_jointdnn
@@ -28,9 +29,11 @@ def _fits_then_time(plan: Plan) -> tuple[bool, float]:
     return (not plan.predicted["fits"], plan.predicted["step_time_s"])
 
 
-def plan_hybrids(inputs: PlanInputs, tiles_plan: Plan | None) -> list[Plan]:
+def plan_hybrids(inputs: PlanInputs, tiles_plan: Plan | None, bound: float | None = None) -> list[Plan]:
     """Tiles front + Asteroid pipeline on the remaining devices: the front on as many of the
-    fastest devices as the tiles planner chose (if that leaves some), and on half of them."""
+    fastest devices as the tiles planner chose (if that leaves some), and on half of them.
+    With `bound` (auto's best step so far), a front whose devices alone compute longer, and
+    pipelines whose devices do (planner/bounds.py), are not tried."""
     end = tiles_end(inputs)
     cl = inputs.cluster
     n = len(cl.names)
@@ -45,11 +48,19 @@ def plan_hybrids(inputs: PlanInputs, tiles_plan: Plan | None) -> list[Plan]:
         group, rest = fastest[:k], fastest[k:]
         grid = square_grid(k, *inputs.desc.layers[0].in_shape[1:])
         front = Stage(0, end, "tiles", list(group), grid=grid, tile_devices=list(group), syncs=list(range(end)))
+        if bound is not None:
+            try:
+                if compute_floor(inputs.plan([front], "auto"), inputs) >= bound:
+                    continue
+            except PlanError:
+                continue  # the grid does not fit the maps
         sub = PlanInputs(inputs.desc, inputs.mem, cl.subset(rest), inputs.batch_size, inputs.microbatches)
         dp = AsteroidDP(sub, start=end)
         for pipe in sorted(dp.solve(), key=lambda q: q.estimate)[:HYBRID_CANDIDATES]:
             tail = pipeline_plan(sub, dp, pipe).stages
             plan = inputs.plan([front, *tail], "auto")
+            if bound is not None and compute_floor(plan, inputs) >= bound:
+                continue
             try:
                 plans.append(inputs.finish(plan))
             except PlanError:
@@ -69,16 +80,30 @@ PLANNERS = {
 STRATEGIES = (*PLANNERS, "auto")
 
 
+# the planners that take auto's best step so far and skip what cannot beat it
+BOUNDED = {"dp", "tiles", "asteroid"}
+
+
 def plan_auto(inputs: PlanInputs) -> Plan:
+    """The best plan of every planner and the hybrids. Each planner that builds many
+    candidates is given the best step found before it, and does not simulate what its
+    devices alone cannot compute in less (planner/bounds.py): such a plan could not win."""
     candidates = []
     reasons = []
+    best = None
     for name, planner in PLANNERS.items():
         try:
-            candidates.append(planner(inputs))
+            plan = planner(inputs, bound=best_step(best)) if name in BOUNDED else planner(inputs)
         except NoPlan as exc:
             reasons.append(f"{name}: {exc}")
+            continue
+        if plan is None:  # nothing of this planner's could beat the best so far
+            continue
+        candidates.append(plan)
+        if best is None or _fits_then_time(plan) < _fits_then_time(best):
+            best = plan
     tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
-    candidates += plan_hybrids(inputs, tiles_plan)
+    candidates += plan_hybrids(inputs, tiles_plan, best_step(best))
     if not candidates:
         raise NoPlan("no planner found a plan: " + "; ".join(reasons))
     best = min(candidates, key=_fits_then_time)

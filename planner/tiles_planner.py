@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.baselines import square_grid
+from planner.bounds import compute_floor
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, PlanError, Stage
 from tiles.cost import choose_grouping
@@ -65,7 +66,11 @@ def tiles_stages(inputs: PlanInputs, group: list[str], grid: tuple[int, int], en
     return stages
 
 
-def plan_tiles(inputs: PlanInputs) -> Plan:
+def plan_tiles(inputs: PlanInputs, bound: float | None = None) -> Plan | None:
+    """The best tiles front (module docstring). Candidates are simulated in the order of
+    their compute floors (planner/bounds.py: halos recomputed included), and not where the
+    floor cannot beat the best so far; with `bound` (auto's best step so far), None where
+    none could beat it."""
     end = tiles_end(inputs)
     if end == 0:
         raise NoPlan(f"{inputs.desc.name} cannot be tiled: its first layer is not a convolution or local pooling")
@@ -75,20 +80,29 @@ def plan_tiles(inputs: PlanInputs) -> Plan:
     if n < 2:
         raise NoPlan("tiles need two devices or more; one device runs the network whole (local)")
     sizes = sorted({k for k in (2 ** i for i in range(1, 8)) if k <= n} | {n} | ({n - 1} if n > 2 else set()))
-    best = None  # (key, plan, group, grid, timeline)
-    for k in sizes:
+    candidates = []  # (floor, order, plan, group, grid)
+    for order, k in enumerate(sizes):
         group = fastest[:k]
         grid = square_grid(k, *inputs.desc.layers[0].in_shape[1:])
-        stages = tiles_stages(inputs, group, grid, end, list(range(end)), None)
-        plan = inputs.plan(stages, "tiles")
+        plan = inputs.plan(tiles_stages(inputs, group, grid, end, list(range(end)), None), "tiles")
+        try:
+            candidates.append((candidate_floor(inputs, plan), order, plan, group, grid))
+        except PlanError:
+            continue  # the grid does not fit the maps
+    best = None  # (key, plan, group, grid, timeline)
+    for floor, order, plan, group, grid in sorted(candidates, key=lambda c: (c[0], c[1])):
+        if (bound is not None and floor >= bound) or (best is not None and not best[0][0] and floor >= best[0][1]):
+            break
         try:
             timeline = inputs.simulate(plan)
         except PlanError:
-            continue  # the grid does not fit the maps
-        key = (not timeline.fits, timeline.step_time)
+            continue
+        key = (not timeline.fits, timeline.step_time, order)
         if best is None or key < best[0]:
             best = (key, plan, group, grid, timeline)
     if best is None:
+        if bound is not None and candidates:
+            return None
         raise NoPlan(f"no grid of tiles fits the maps of {inputs.desc.name} at {inputs.desc.img_size}")
     _, plan, group, grid, timeline = best
     candidates, timelines = [plan], [timeline]
@@ -111,6 +125,17 @@ def plan_tiles(inputs: PlanInputs) -> Plan:
         plan, timeline = run_together(inputs, plan, timeline)
     plan.predicted = timeline.summary()
     return plan
+
+
+def candidate_floor(inputs: PlanInputs, plan: Plan) -> float:
+    """The least step a candidate can come to (planner/bounds.py), run as it is or, being the
+    whole network, with its micro-batches in blocks (run_together)."""
+    floor = compute_floor(plan, inputs)
+    if len(plan.stages) == 1:
+        m = inputs.microbatches
+        for size in (d for d in range(2, m + 1) if m % d == 0):
+            floor = min(floor, compute_floor(inputs.plan([replace(plan.stages[0], together=size)], plan.planner), inputs))
+    return floor
 
 
 def run_together(inputs: PlanInputs, plan: Plan, timeline):

@@ -72,6 +72,45 @@ def tiles_stage_work(p: int, stage: Stage, plan: Plan, desc: ModelDesc, mem: Mem
     return work
 
 
+def tiles_compute(desc: ModelDesc, stage: Stage, cluster: Cluster, cost: StageCost, size: int) -> tuple[float, float]:
+    """A micro-batch's forward and backward through the stage's layers in lock-step, without
+    syncs or the loss: per layer, the slowest device's time for its tiles."""
+    first, last = stage.first, stage.last
+    tiles_of = {d: [k for k, o in enumerate(stage.tile_devices) if o == d] for d in stage.devices}
+    f_total = b_total = 0.0
+    for i, layer in enumerate(desc.layers[first:last]):
+        l = layer.index
+        needs_dx = first > 0 or i > 0
+        untiled_bwd = layer.flops * ((1 if needs_dx else 0) + (1 if layer.params else 0))
+        slow_f = slow_b = 0.0
+        for d in stage.devices:
+            costs = cluster.device(d).costs
+            tf = costs.fwd_range(l, l + 1, size) * costs.tiles_overhead
+            tb = costs.bwd_range(l, l + 1, size) * costs.tiles_overhead
+            mine_f = sum(cost.tiles[k].layer_forward_flops[l] for k in tiles_of[d])
+            mine_b = sum(cost.tiles[k].layer_backward_flops[l] for k in tiles_of[d])
+            slow_f = max(slow_f, tf * mine_f / layer.flops if layer.flops else 0.0)
+            slow_b = max(slow_b, tb * mine_b / untiled_bwd if untiled_bwd else 0.0)
+        f_total += slow_f
+        b_total += slow_b
+    return f_total, b_total
+
+
+def tiles_bn_time(cost: StageCost, devices: list[str], cluster: Cluster) -> float:
+    """A micro-batch's BatchNorm exchanges through the stage (two gathers per BN layer)."""
+    if len(devices) < 2:
+        return 0.0
+    return sum(2 * allgather_time(8 + 16 * c, devices, cluster) for c in cost.bn_channels)
+
+
+def tiles_allreduce_time(stage: Stage, mem: MemoryModel, cluster: Cluster) -> float:
+    """The stage's per-tile partial gradients summed over its devices, once a step."""
+    if len(stage.devices) < 2:
+        return 0.0
+    return ring_allreduce_time(float(mem.param_bytes[stage.first:stage.last].sum()), stage.devices, cluster,
+                               gradient_buckets(mem, stage.first, stage.last))
+
+
 def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cluster: Cluster,
                       sizes: list[int], is_last: bool) -> StageWork:
     first, last = stage.first, stage.last
@@ -85,10 +124,6 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
     frac_in = {d: min(1.0, sum(lay.input_rect(k).area for k in ks) / area_in) for d, ks in tiles_of.items()}
     frac_out = {d: sum(lay.output_rect(k).area for k in ks) / area_out for d, ks in tiles_of.items()}
 
-    untiled_bwd = {}
-    for i, layer in enumerate(desc.layers[first:last]):
-        needs_dx = first > 0 or i > 0
-        untiled_bwd[layer.index] = layer.flops * ((1 if needs_dx else 0) + (1 if layer.params else 0))
     g = len(devices)
     minbw = cluster.min_bw(devices) if g > 1 else float("inf")
     cpu = cluster.comm_cpu(devices)
@@ -118,23 +153,10 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
                 total += cluster.latency + messages * msg + max(worst / minbw, moved * cpu) + copies
         return total
 
-    bn = sum(2 * allgather_time(8 + 16 * c, devices, cluster) for c in cost.bn_channels) if g > 1 else 0.0
+    bn = tiles_bn_time(cost, devices, cluster)
     shares, fwd, bwd, act, trans = [], [], [], [], []
     for size in sizes:
-        f_total = b_total = 0.0
-        for layer in desc.layers[first:last]:
-            l = layer.index
-            slow_f = slow_b = 0.0
-            for d in devices:
-                costs = cluster.device(d).costs
-                tf = costs.fwd_range(l, l + 1, size) * costs.tiles_overhead
-                tb = costs.bwd_range(l, l + 1, size) * costs.tiles_overhead
-                mine_f = sum(cost.tiles[k].layer_forward_flops[l] for k in tiles_of[d])
-                mine_b = sum(cost.tiles[k].layer_backward_flops[l] for k in tiles_of[d])
-                slow_f = max(slow_f, tf * mine_f / layer.flops if layer.flops else 0.0)
-                slow_b = max(slow_b, tb * mine_b / untiled_bwd[l] if untiled_bwd[l] else 0.0)
-            f_total += slow_f
-            b_total += slow_b
+        f_total, b_total = tiles_compute(desc, stage, cluster, cost, size)
         if is_last:  # the loss over each tile's block of the output
             f_total += max(cluster.device(d).costs.loss_time(size)[0] * frac_out[d] for d in devices)
             b_total += max(cluster.device(d).costs.loss_time(size)[1] * frac_out[d] for d in devices)
@@ -148,8 +170,7 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
         trans.append({d: size * (mem.slack * max(cost.tiles[k].peak_bytes - cost.tiles[k].saved_bytes
                                                  for k in tiles_of[d])) for d in devices})
     weights = {d: mem.weights(first, last) for d in devices}
-    allreduce = (ring_allreduce_time(float(mem.param_bytes[first:last].sum()), devices, cluster,
-                                     gradient_buckets(mem, first, last)) if g > 1 else 0.0)
+    allreduce = tiles_allreduce_time(stage, mem, cluster)
     update = {d: cluster.device(d).costs.update_range(first, last) for d in devices}
     halo_f = sync_time(lay.forward_transfers, sizes[0])
     halo_b = sync_time(lay.backward_transfers, sizes[0])
