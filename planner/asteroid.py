@@ -42,6 +42,11 @@ from planner.units import format_bytes
 
 
 MAX_CUTS = 64  # candidate stage boundaries for deep models (every boundary when there are fewer)
+# Up to this many devices the DP tries every block of the sorted devices, as Asteroid's does
+# (a block's idle members let a pipeline leave devices out). Beyond it a group has at most
+# one device more than a micro-batch has samples: the rest would idle, and one idle member
+# is enough for a stage to leave a device of its class out and the next start on the next.
+EVERY_BLOCK_UP_TO = 16
 SIMULATED_CANDIDATES = 8  # the DP's best pipelines that are simulated to pick the plan
 # Where no pipeline fits with Asteroid's warm-ups (K = 2p - 1: a first stage of eight holds
 # fifteen micro-batches' activations, or all of them), pipelines whose stages warm up with
@@ -70,7 +75,7 @@ class AsteroidDP:
         self.kind = [cl.index(first[n]) for n in self.order]
         self.cuts = candidate_cuts(inputs, max_cuts, start)  # the pipeline covers layers [start, L)
         self.N, self.M, self.B = len(self.order), inputs.microbatches, inputs.microbatch
-        self.G = min(self.N, self.B)  # the most devices in a group: more than a micro-batch's samples leave some idle
+        self.G = self.N if self.N <= EVERY_BLOCK_UP_TO else min(self.N, self.B + 1)  # the most devices in a group
         self.L = len(self.cuts) - 1  # the DP's "layers" are the spans between candidate cuts
         self.P = min(self.N, self.L, max_stages or self.N)
         self.t = AsteroidTables(inputs, self.order, self.cuts)
