@@ -204,7 +204,7 @@ def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strate
     """A plan without `dead` (over `alive`, which may include devices new to the plan).
     Neither way gives a plan that cannot fit the devices' memory (planner.memory_fit):
     one that did would lose its devices one after another."""
-    gone = ", ".join(sorted(dead)) or "none"
+    gone = f"lost {', '.join(sorted(dead))}" if dead else "none lost"
     joined = [d for d in alive if d not in plan.used_devices()]
     if prefer != "heavy" and not joined:
         try:
@@ -216,18 +216,18 @@ def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strate
             if short:
                 why = f"the shifted plan does not fit: {describe_overflows(short)}"
             elif prefer == "light":
-                return Replan(light, "lightweight", f"lost {gone}: shifted the plan as asked")
+                return Replan(light, "lightweight", f"{gone}: shifted the plan as asked")
             else:
                 try:
                     full = heavy(plan, desc, alive, strategy)
                 except PlanError:
                     full = None
                 if full is None or _overflows(full, desc):
-                    return Replan(light, "lightweight", f"lost {gone}: shifted the plan (no fresh plan fits)")
+                    return Replan(light, "lightweight", f"{gone}: shifted the plan (no fresh plan fits)")
                 if bottleneck(light, desc, speed) <= 1.25 * bottleneck(full, desc, speed):
-                    return Replan(light, "lightweight", f"lost {gone}: shifted the plan, within 25% of a fresh "
+                    return Replan(light, "lightweight", f"{gone}: shifted the plan, within 25% of a fresh "
                                                         "plan's busiest device")
-                return Replan(full, "heavy", f"lost {gone}; a fresh plan's busiest device has over 25% less "
+                return Replan(full, "heavy", f"{gone}; a fresh plan's busiest device has over 25% less "
                                              "work: planned again")
     else:
         why = f"{', '.join(joined)} joined" if joined else "asked for"
@@ -235,7 +235,7 @@ def replan(plan: Plan, desc: ModelDesc, dead: set[str], alive: list[str], strate
     short = _overflows(full, desc)
     if short:
         raise PlanError(f"no plan over the devices left fits their memory ({describe_overflows(short)})")
-    return Replan(full, "heavy", f"lost {gone}; {why}: planned again")
+    return Replan(full, "heavy", f"{gone}; {why}: planned again")
 
 
 def _overflows(plan: Plan, desc: ModelDesc) -> list:

@@ -451,8 +451,9 @@ class TrainingCoordinator:
             moves, start = from_coordinator(change.plan, self.own_step, layer_count), self.own_step
         else:
             moves, start = self.backups.sources(change.plan, self.own_step, layer_count)
-        self.log(f"lost {', '.join(sorted(dead))} during step {self.committed + 1}: {change.how} re-plan "
-                 f"({change.why}); rolling back to step {start} and replaying")
+        what = f"lost {', '.join(sorted(dead))} during step {self.committed + 1}" if dead else \
+            "taking the run over with every device of its plan"
+        self.log(f"{what}: {change.how} re-plan ({change.why}); rolling back to step {start} and replaying")
         self.replay_until = max(self.replay_until, self.committed)
         self.committed = start
         self.epoch += 1
