@@ -15,12 +15,15 @@ stage is the whole network, as many micro-batches run through it as one block as
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from planner.baselines import square_grid
-from planner.bounds import compute_floor
+from planner.bounds import FLOOR_SLACK, compute_floor
+from planner.classes import device_classes
 from planner.inputs import NoPlan, PlanInputs
 from planner.plan import Plan, PlanError, Stage
+from planner.tiles_work import tiles_allreduce_time
 from tiles.cost import choose_grouping
 from tiles.stage_graph import tileable_ends
 from tiles.regions import TilingError
@@ -80,28 +83,31 @@ def plan_tiles(inputs: PlanInputs, bound: float | None = None) -> Plan | None:
     if n < 2:
         raise NoPlan("tiles need two devices or more; one device runs the network whole (local)")
     sizes = sorted({k for k in (2 ** i for i in range(1, 8)) if k <= n} | {n} | ({n - 1} if n > 2 else set()))
-    candidates = []  # (floor, order, plan, group, grid)
+    candidates = []  # (quick floor, order, plan, group, grid)
     for order, k in enumerate(sizes):
         group = fastest[:k]
         grid = square_grid(k, *inputs.desc.layers[0].in_shape[1:])
         plan = inputs.plan(tiles_stages(inputs, group, grid, end, list(range(end)), None), "tiles")
-        try:
-            candidates.append((candidate_floor(inputs, plan), order, plan, group, grid))
-        except PlanError:
-            continue  # the grid does not fit the maps
+        candidates.append((quick_floor(inputs, plan), order, plan, group, grid))
+
+    def beaten(floor: float) -> bool:
+        return (bound is not None and floor >= bound) or (best is not None and not best[0][0] and floor >= best[0][1])
+
     best = None  # (key, plan, group, grid, timeline)
-    for floor, order, plan, group, grid in sorted(candidates, key=lambda c: (c[0], c[1])):
-        if (bound is not None and floor >= bound) or (best is not None and not best[0][0] and floor >= best[0][1]):
+    for quick, order, plan, group, grid in sorted(candidates, key=lambda c: (c[0], c[1])):
+        if beaten(quick):
             break
         try:
+            if beaten(candidate_floor(inputs, plan)):
+                continue
             timeline = inputs.simulate(plan)
         except PlanError:
-            continue
+            continue  # the grid does not fit the maps
         key = (not timeline.fits, timeline.step_time, order)
         if best is None or key < best[0]:
             best = (key, plan, group, grid, timeline)
     if best is None:
-        if bound is not None and candidates:
+        if bound is not None:
             return None
         raise NoPlan(f"no grid of tiles fits the maps of {inputs.desc.name} at {inputs.desc.img_size}")
     _, plan, group, grid, timeline = best
@@ -127,15 +133,48 @@ def plan_tiles(inputs: PlanInputs, bound: float | None = None) -> Plan | None:
     return plan
 
 
+def together_sizes(inputs: PlanInputs, plan: Plan) -> list[int]:
+    """The blocks of micro-batches a candidate may end up run in: one at a time, or, being
+    the whole network, any divisor of M (run_together)."""
+    m = inputs.microbatches
+    return [1, *(d for d in range(2, m + 1) if m % d == 0)] if len(plan.stages) == 1 else [1]
+
+
+def quick_floor(inputs: PlanInputs, plan: Plan) -> float:
+    """A floor under candidate_floor without the tiles cost model: at each layer the stage's
+    devices move in lock-step and their tiles' shares of the layer add up to the whole at
+    least, so the layer takes no less than all of them together would on a whole micro-
+    batch. Devices of one class count once (planner/classes.py)."""
+    cl, front = inputs.cluster, plan.stages[0]
+    kinds = device_classes(cl)
+    count = Counter(kinds[cl.index(d)] for d in front.devices)
+    lockstep = float("inf")
+    for together in together_sizes(inputs, plan):
+        size = inputs.microbatch * together
+        block = 0.0
+        for layer in range(front.first, front.last):
+            for kind in ("fwd", "bwd"):
+                rate = 0.0
+                for c, n in count.items():
+                    costs = cl.devices[c].costs
+                    t = getattr(costs, f"{kind}_range")(layer, layer + 1, size) * costs.tiles_overhead
+                    rate += n / t if t > 0 else float("inf")
+                block += 1 / rate
+        lockstep = min(lockstep, inputs.microbatches // together * block)
+    floor = (lockstep + tiles_allreduce_time(front, inputs.mem, cl) + 2 * cl.latency
+             + max(cl.device(d).costs.update_range(front.first, front.last) for d in front.devices))
+    for stage in plan.stages[1:]:  # the rest of the network on one device
+        costs = cl.device(stage.devices[0]).costs
+        floor = max(floor, inputs.microbatches * costs.range_time(stage.first, stage.last, inputs.microbatch, True)
+                    + costs.update_range(stage.first, stage.last))
+    return floor * (1 - FLOOR_SLACK)
+
+
 def candidate_floor(inputs: PlanInputs, plan: Plan) -> float:
     """The least step a candidate can come to (planner/bounds.py), run as it is or, being the
     whole network, with its micro-batches in blocks (run_together)."""
-    floor = compute_floor(plan, inputs)
-    if len(plan.stages) == 1:
-        m = inputs.microbatches
-        for size in (d for d in range(2, m + 1) if m % d == 0):
-            floor = min(floor, compute_floor(inputs.plan([replace(plan.stages[0], together=size)], plan.planner), inputs))
-    return floor
+    return min(compute_floor(inputs.plan([replace(plan.stages[0], together=size)], plan.planner), inputs)
+               for size in together_sizes(inputs, plan))
 
 
 def run_together(inputs: PlanInputs, plan: Plan, timeline):

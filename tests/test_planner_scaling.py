@@ -63,9 +63,10 @@ def test_plans_are_as_good_as_before(yolo, case):
 
 def test_tiles_floors_bound_their_timelines(yolo):
     """A tiles plan's floor (halos recomputed, BatchNorm exchanges, the gradients' sum) is
-    never above its simulated step, whatever its blocks of micro-batches."""
+    never above its simulated step, whatever its blocks of micro-batches; the quick floor
+    (no tiles cost model) is under it."""
     from planner.baselines import square_grid
-    from planner.tiles_planner import tiles_end, tiles_stages
+    from planner.tiles_planner import candidate_floor, quick_floor, tiles_end, tiles_stages
 
     inputs = example_inputs(yolo, "classroom-16", 64, 8)
     fastest = inputs.cluster.by_speed(inputs.microbatch)
@@ -73,6 +74,7 @@ def test_tiles_floors_bound_their_timelines(yolo):
     for k, syncs in ((4, list(range(end))), (16, [0])):  # a sync at every layer; none (the most recomputed)
         grid = square_grid(k, *inputs.desc.layers[0].in_shape[1:])
         plan = inputs.plan(tiles_stages(inputs, fastest[:k], grid, end, syncs, None), "tiles")
+        assert quick_floor(inputs, plan) <= candidate_floor(inputs, plan)
         for together in (1, 8):
             blocked = inputs.plan([replace(plan.stages[0], together=together)], "tiles")
             assert compute_floor(blocked, inputs) <= inputs.simulate(blocked).step_time
