@@ -317,7 +317,7 @@ async def test_devices_the_plan_left_out_hold_the_replica_and_carry_the_run_on_i
                     await handled(c, a.node_id)
                     await handled(other, a.node_id)
                 assert agents[0].replicas == agents[1].replicas == {"train-1": r}
-                assert agents[2].replicas == {"train-2": done}
+                assert agents[2].replicas == {}  # (its run finished)
             for turn, (agent, term) in enumerate([(agents[0], 1), (agents[1], 2)]):
                 while "abc123" not in agent.detached.runs:
                     await trio.sleep(0.1)
@@ -327,4 +327,29 @@ async def test_devices_the_plan_left_out_hold_the_replica_and_carry_the_run_on_i
                     await trio.sleep(0.1)
             assert agents[0].detached.runs["abc123"].term == 1  # (the first never stood again)
             assert agents[2].detached.runs == {}
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_a_holder_started_again_still_holds_its_replica(tmp_path):
+    """A replica is kept in the state directory: an agent killed and started again holds it
+    (and so still votes), while a file that holds no replica is dropped."""
+    network = resolve_network("lo")
+    r = replica(holders=["node0"])
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            (agent,) = await detached_agents(nursery, tmp_path, (0,), election_timeout=60.0)
+            async with open_roster(Credentials("node0~1-a", TOKEN), network, discover=False,
+                                   peers=[("127.0.0.1", agent.port)]) as c:
+                await c.wait_for(1, timeout=10)
+                await c.send("node0", JobReplica("train-1", 0, r.step, r.to_body()))
+                await handled(c, "node0")
+            assert agent.replicas == {"train-1": r}
+            nursery.cancel_scope.cancel()
+        (tmp_path / "a0" / "replicas" / "junk.json").write_text("{not json")
+        async with trio.open_nursery() as nursery:
+            (again,) = await detached_agents(nursery, tmp_path, (0,), election_timeout=60.0)
+            assert again.incarnation != agent.incarnation
+            assert again.replicas == {"train-1": r}
+            assert sorted(p.name for p in (tmp_path / "a0" / "replicas").iterdir()) == ["train-1.json"]
             nursery.cancel_scope.cancel()

@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import sys
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from swarm import __version__
 from swarm.agent.detached import DetachedRun, DetachedRuns
 from swarm.agent.early import EarlyMessages
 from swarm.agent.failover import Replica, elect, term_of
-from swarm.agent.quorum import ELECTION_TIMEOUT_S, LEASE_ASK_S, Election, VoteAnswer, Voter
+from swarm.agent.quorum import ELECTION_TIMEOUT_S, LEASE_ASK_S, Election, VoteAnswer, Voter, write_json
 from swarm.agent.jobs import JobContext, job_runner
 from swarm.errors import SwarmError
 from swarm.host import malloc
@@ -63,6 +64,9 @@ ELECTION_S = 2.0         # how long the other replica holders have to say which 
 # for its lease itself: without it, the other holders would stand again after an election
 # timeout and elect another successor, which fences the first.
 HERALD_S = 60.0
+# A replica kept in the state directory is read back when the agent starts (a holder killed
+# and started again still holds it, and votes with it) unless it is older than this.
+REPLICA_KEEP_S = 3600.0
 
 
 @dataclass
@@ -216,6 +220,7 @@ class Agent:
                                             self.config.port)
             nursery.start_soon(self._housekeeping)
             self._detached_nursery = await nursery.start(self._hold_detached)
+            self._load_replicas()
             if zc is not None:
                 await nursery.start(advertise, zc, self.advert())
             log.info("agent %s (node %s) listening on %s port %d, %d cores, %.1f GiB (%.0f MiB to spare, %.0f MiB "
@@ -395,17 +400,9 @@ class Agent:
                 if replica.version != (msg.term, msg.step) or replica.job_id != msg.job_id:
                     why = "its term or step differs from its body's"
                 elif held is None or replica.version >= held.version:
-                    self.replicas.pop(msg.job_id, None)
-                    self.replicas[msg.job_id] = replica
                     voter = self._voter(msg.job_id)
                     voter.fence.see(replica.term, replica.elected_by if replica.elected_term == replica.term else ())
-                    self._replica_stored.set()
-                    self._replica_stored = trio.Event()
-                    while len(self.replicas) > REPLICAS:
-                        del self.replicas[next(iter(self.replicas))]
-                    if msg.job_id not in self._watched and self._nursery is not None:
-                        self._watched.add(msg.job_id)
-                        self._nursery.start_soon(self._replica_watch, msg.job_id)
+                    self._store_replica(replica)
                     return
                 else:
                     why = f"a newer one (term {held.term}, step {held.step}) is held"
@@ -417,19 +414,83 @@ class Agent:
         vote kept in the state directory (in memory without one)."""
         voter = self.voters.get(job_id)
         if voter is None:
-            path = None
-            if self.config.state_dir:
-                safe = job_id if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job_id) and not job_id.startswith(".") \
-                    else hashlib.sha256(job_id.encode()).hexdigest()[:32]
-                folder = Path(self.config.state_dir) / "votes"
-                folder.mkdir(parents=True, exist_ok=True)
-                path = folder / f"{safe}.json"
+            path = self._job_file("votes", job_id)
             voter = self.voters[job_id] = Voter(self.node_id, path, self.config.election_timeout, trio.current_time())
             if voter.broken:
                 self._lines.log(logging.ERROR, "vote file", "%s", voter.broken)
             while len(self.voters) > REPLICAS:
                 del self.voters[next(iter(self.voters))]
         return voter
+
+    def _job_file(self, kind: str, job_id: str) -> Path | None:
+        """STATE_DIR/KIND/JOB.json (a job id that is not a plain file name hashed); None without
+        a state directory."""
+        if not self.config.state_dir:
+            return None
+        safe = job_id if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job_id) and not job_id.startswith(".") \
+            else hashlib.sha256(job_id.encode()).hexdigest()[:32]
+        folder = Path(self.config.state_dir) / kind
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / f"{safe}.json"
+
+    def _store_replica(self, replica: Replica) -> None:
+        """Keep `replica` as its job's newest, in memory and (written atomically) in the state
+        directory, forgetting the oldest beyond REPLICAS, and watch over its coordinator; or,
+        when it says its run finished, forget the job's replica."""
+        job_id = replica.job_id
+        if replica.finished:  # the run ended: nothing to carry on, nothing to keep
+            self._forget_replica(job_id)
+            self._replica_stored.set()
+            self._replica_stored = trio.Event()
+            return
+        self.replicas.pop(job_id, None)
+        self.replicas[job_id] = replica
+        try:
+            path = self._job_file("replicas", job_id)
+            if path is not None:
+                write_json(path, replica.to_body())
+        except OSError as exc:
+            self._lines.log(logging.ERROR, "replica file", "cannot keep the replica of job %s in the state "
+                            "directory (%s): a restart here loses it", job_id, exc.strerror or exc)
+        self._replica_stored.set()
+        self._replica_stored = trio.Event()
+        while len(self.replicas) > REPLICAS:
+            self._forget_replica(next(iter(self.replicas)))
+        if job_id in self.replicas and job_id not in self._watched and self._nursery is not None:
+            self._watched.add(job_id)
+            self._nursery.start_soon(self._replica_watch, job_id)
+
+    def _forget_replica(self, job_id: str) -> None:
+        self.replicas.pop(job_id, None)
+        try:
+            path = self._job_file("replicas", job_id)
+            if path is not None:
+                path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def _load_replicas(self) -> None:
+        """The replicas this agent kept before it was started again (the newest REPLICAS, none
+        older than REPLICA_KEEP_S); a file that does not hold one is removed, in one line."""
+        import json
+
+        if not self.config.state_dir:
+            return
+        folder = Path(self.config.state_dir) / "replicas"
+        try:
+            files = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime)
+        except OSError:
+            return
+        for path in files[-REPLICAS:]:
+            try:
+                if time.time() - path.stat().st_mtime > REPLICA_KEEP_S:
+                    raise ValueError(f"older than {REPLICA_KEEP_S:.0f} s")
+                replica = Replica.from_body(json.loads(path.read_text()))
+            except (OSError, ValueError) as exc:
+                self._lines.log(logging.WARNING, "replica file", "dropped the replica file %s: %s", path, exc)
+                path.unlink(missing_ok=True)
+                continue
+            self._store_replica(replica)
 
     def _lease_answer(self, peer: Peer, msg: LeaseAsk) -> LeaseAnswer:
         """Follow the coordinator asking, or say in one line why not (a newer term has begun,
@@ -478,7 +539,7 @@ class Agent:
         try:
             while True:
                 replica = self.replicas.get(job_id)
-                if replica is None or replica.finished:
+                if replica is None:
                     return
                 voter = self._voter(job_id)
                 if (self.detached is None or self.node_id not in replica.holders

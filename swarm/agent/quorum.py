@@ -156,6 +156,28 @@ class VoteFileError(ValueError):
     """A vote file that exists but cannot be read as one."""
 
 
+def write_json(path: Path, body) -> None:
+    """Write `body` as JSON atomically: a temporary file beside `path`, synced, then renamed
+    over it (and the folder synced, on file systems that need it for the rename)."""
+    path = Path(path)
+    temp = path.with_name(path.name + ".tmp")
+    with open(temp, "w") as f:
+        json.dump(body, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    try:
+        folder = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
+
+
 @dataclass
 class Vote:
     """What a replica holder has promised, kept in a small JSON file: the newest term it voted
@@ -181,24 +203,7 @@ class Vote:
         return cls(body["term"], body["voted_for"])
 
     def save(self, path: Path) -> None:
-        """Write it atomically: a temporary file beside it, synced, then renamed over it."""
-        path = Path(path)
-        temp = path.with_name(path.name + ".tmp")
-        with open(temp, "w") as f:
-            json.dump({"term": self.term, "voted_for": self.voted_for}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-        try:
-            folder = os.open(path.parent, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(folder)  # the rename itself, on file systems that need it
-        except OSError:
-            pass
-        finally:
-            os.close(folder)
+        write_json(path, {"term": self.term, "voted_for": self.voted_for})
 
 
 @dataclass(frozen=True)
