@@ -38,3 +38,17 @@ def test_a_schedule_has_a_coordinator_kill_and_a_fault_during_a_recovery(seed, f
     for f in plan:
         low, high = chaos.UNDO_AFTER_S[f.kind]
         assert low <= f.undo_after_s <= high
+
+
+def test_rss_compares_an_agents_readings_in_one_role_only():
+    from planner.plan import Plan, Stage
+    from swarm.execution.launch import device_roles
+
+    plan = Plan("yolov2-16", 64, 8, 4, [Stage(0, 8, "single", ["a"]), Stage(8, 12, "dp", ["b", "c"]),
+                                        Stage(12, 17, "single", ["c"])], backups={0: "b", 2: "b"})
+    assert device_roles(plan) == {"a": "0-7 single", "b": "backs up 0-7; 8-11 dp of 2; backs up 12-16",
+                                  "c": "8-11 dp of 2; 12-16 single"}
+    rss = {"a": [(1, 10.0, 300.0, "0-7 single"), (1, 20.0, 420.0, "0-11 single"), (1, 30.0, 315.0, "0-7 single")],
+           "b": [(2, 10.0, 300.0, "8-11 dp of 2")]}
+    growth = chaos.rss_growth(rss)
+    assert growth == {"a/1 (0-7 single)": pytest.approx(0.05)}  # a's 420 was in another role; b read once

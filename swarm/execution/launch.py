@@ -394,7 +394,8 @@ class SwarmRunner:
                 report(r.step, r.loss, coordinator.plan.batch_size, r.seconds, f"  util {util}%{replay}",
                        {"utilisation": {n: r.busy_s.get(n, 0.0) / max(r.seconds, 1e-9) for n in used},
                         "device_times": {n: {"busy_s": r.busy_s.get(n, 0.0), **r.times.get(n, {})} for n in used},
-                        "epoch": r.epoch, "replayed": r.replayed, "backup": r.backup, "devices": len(used)})
+                        "epoch": r.epoch, "replayed": r.replayed, "backup": r.backup, "devices": len(used),
+                        "roles": device_roles(coordinator.plan)})
 
             try:
                 await coordinator.run(total, on_step, lost)
@@ -531,6 +532,20 @@ def own_agent(cluster) -> str:
     """The node id of this device's agent (a coordinator's id is the agent's and its pid:
     swarm.host.state.process_id)."""
     return cluster.credentials.node_id.split("~")[0]
+
+
+def device_roles(plan: Plan) -> dict[str, str]:
+    """What each device of `plan` holds, in a few words ("0-7 single; backs up 8-16"): two
+    steps whose devices have the same roles hold the same weights, states and backups."""
+    roles: dict[str, list[str]] = {}
+    for p, s in enumerate(plan.stages):
+        share = f" of {len(s.devices)}" if len(s.devices) > 1 else ""
+        for d in dict.fromkeys(s.devices):
+            roles.setdefault(d, []).append(f"{s.first}-{s.last - 1} {s.mode}{share}")
+        holder = (plan.backups or {}).get(p)
+        if holder is not None:
+            roles.setdefault(holder, []).append(f"backs up {s.first}-{s.last - 1}")
+    return {d: "; ".join(r) for d, r in roles.items()}
 
 
 def still_held(replica: Replica, names: dict) -> dict[str, set[int]]:
