@@ -112,13 +112,15 @@ def classroom_inputs(n: int):
     return PlanInputs(desc, mem, cluster, 64, 8)
 
 
-def timed(strategy: str, inputs, repeats: int):
-    """(best planning seconds, plan or None, why not) over `repeats` runs."""
+def timed(strategy: str, make_inputs, repeats: int):
+    """(best planning seconds, plan or None, why not) over `repeats` runs, each on inputs
+    made afresh (the planner's caches of tiles costs are per model, so each run starts cold)."""
     from planner.inputs import NoPlan
     from planner.planners import make_plan
 
     best, plan, error = float("inf"), None, None
     for _ in range(repeats):
+        inputs = make_inputs()
         t0 = time.perf_counter()
         try:
             plan = make_plan(strategy, inputs)
@@ -136,7 +138,7 @@ def small_scenarios(args) -> None:
     for name, target in targets.items():
         desc, inputs = scenario(name)
         for strategy in args.only.split(","):
-            best, plan, _ = timed(strategy, inputs, args.repeats)
+            best, plan, _ = timed(strategy, lambda: scenario(name)[1], args.repeats)
             verdict = "ok" if best <= target else "OVER"
             rows.append([name, f"{len(desc.layers)} layers x {len(inputs.cluster.devices)} devices", strategy,
                          f"{best:.3f}", f"{target:g}", verdict, f"{plan.predicted['step_time_s']:.2f}"])
@@ -151,9 +153,8 @@ def classroom(args) -> None:
     baseline = {} if args.record or not BASELINE.exists() else json.loads(BASELINE.read_text())["figures"]
     figures, rows = {}, []
     for n in (int(x) for x in args.sizes.split(",")):
-        inputs = classroom_inputs(n)
         for strategy in args.only.split(","):
-            seconds, plan, error = timed(strategy, inputs, args.repeats)
+            seconds, plan, error = timed(strategy, lambda: classroom_inputs(n), args.repeats)
             step = plan.predicted["step_time_s"] if plan is not None else None
             figures.setdefault(str(n), {})[strategy] = {"seconds": round(seconds, 3), "step_time_s": step,
                                                         "fits": bool(plan.predicted["fits"]) if plan else None}

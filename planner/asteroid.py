@@ -63,7 +63,7 @@ class Pipeline:
 
 class AsteroidDP:
     def __init__(self, inputs: PlanInputs, max_stages: int | None = None, max_cuts: int = MAX_CUTS, start: int = 0,
-                 cap: int | None = None):
+                 cap: int | None = None, bound: float | None = None):
         self.inputs = inputs
         self.cap = cap  # the most forwards any stage warms up with (None: Asteroid's K)
         cl = inputs.cluster
@@ -78,8 +78,9 @@ class AsteroidDP:
         self.G = self.N if self.N <= EVERY_BLOCK_UP_TO else min(self.N, self.B + 1)  # the most devices in a group
         self.L = len(self.cuts) - 1  # the DP's "layers" are the spans between candidate cuts
         self.P = min(self.N, self.L, max_stages or self.N)
-        self.t = AsteroidTables(inputs, self.order, self.cuts)
+        self.t = AsteroidTables(inputs, self.order, self.cuts, bound)  # bound: the step to beat, if any
         self._group_cache: dict = {}
+        self._min_bw: dict = {}  # (a, c) -> the slowest link within group [a, c)
         self._first_group: dict = {}  # class make-up -> the first group (positions) with it
         self._stacks: dict = {}
         self.blocks_costed = 0  # groups whose stage costs were worked out (the rest are their class's)
@@ -108,9 +109,10 @@ class AsteroidDP:
         """(E_f, E_b, T_a) of group [a, c) for every range, as (L + 1) x (L + 1) arrays (inf: cannot run).
         Worked out once per class make-up and slowest link (module docstring)."""
         cl = self.inputs.cluster
-        names = self.order[a:c]
         g = c - a
-        minbw = cl.min_bw(names)
+        if (a, c) not in self._min_bw:
+            self._min_bw[(a, c)] = cl.min_bw(self.order[a:c])
+        minbw = self._min_bw[(a, c)]
         makeup = tuple(self.kind[a:c])
         key = (makeup, minbw, K)
         if key in self._group_cache:
@@ -335,10 +337,11 @@ def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None, bound: floa
                      f"evenly into {inputs.microbatches} micro-batches")
     found, shortfall = [], None
     for cap in (None, *(k for k in WARMUP_CAPS if k < inputs.microbatches)):
-        dp = AsteroidDP(inputs, max_stages, cap=cap)
+        dp = AsteroidDP(inputs, max_stages, cap=cap, bound=bound)
         pipelines = dp.solve()
         if not pipelines:
-            shortfall = shortfall or memory_shortfall(inputs, dp)
+            if bound is None:
+                shortfall = shortfall or memory_shortfall(inputs, dp)
             continue
         best, fits = _fastest(inputs, dp, pipelines, bound)
         if best is not None:
@@ -346,7 +349,7 @@ def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None, bound: floa
         if fits:
             break
     if not found:
-        if bound is not None and shortfall is None:
+        if bound is not None:
             return None
         raise NoPlan(shortfall)
     (plan, timeline), pipelines = found[-1] if found[-1][0][1].fits else found[0]

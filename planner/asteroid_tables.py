@@ -17,7 +17,8 @@ from planner.memory import OPTIMIZER_STATE_FLOATS, largest_share
 
 
 class AsteroidTables:
-    def __init__(self, inputs: PlanInputs, order: list[str], cuts: list[int] | None = None):
+    def __init__(self, inputs: PlanInputs, order: list[str], cuts: list[int] | None = None,
+                 bound: float | None = None):
         self.inputs = inputs
         self.order = order
         cl, mem = inputs.cluster, inputs.mem
@@ -30,26 +31,29 @@ class AsteroidTables:
         self.valid = np.flatnonzero((jj > ii).ravel())
         self.vi, self.vj = self.cuts[ii.ravel()[self.valid]], self.cuts[jj.ravel()[self.valid]]
         ends_last = self.vj == L
-        # per device (position in `order`): forward and backward range times at each measured
-        # batch size, shape (ranges, grid), padded with zeros to the longest grid (adding zeros
-        # changes no sum); interpolation weights per sample count, and the loss's times
+        # per device d (position in `order`) and range r, at flat index d * ranges + r: forward
+        # and backward times at each measured batch size (row k of grid), padded with zeros to
+        # the longest grid (adding zeros changes no sum); per device and sample count y, at
+        # d * (B + 1) + y: the interpolation weights of each grid size, and the loss's times
         devices = [cl.device(name).costs for name in order]
         grid = max(len(costs.batch_sizes) for costs in devices)
-        D, n = len(order), len(self.valid)
-        self.f_all, self.b_all = np.zeros((D, n, grid)), np.zeros((D, n, grid))
-        self.interp = np.zeros((D, self.B + 1, grid))  # time(y) = sum_k interp[d, y, k] * time at grid size k
-        self.loss_f, self.loss_b = np.zeros((D, self.B + 1)), np.zeros((D, self.B + 1))
+        D, n, Y = len(order), len(self.valid), self.B + 1
+        f_all, b_all = np.zeros((grid, D, n)), np.zeros((grid, D, n))
+        interp = np.zeros((grid, D, Y))  # time(y) = sum_k interp[k, d, y] * time at grid size k
+        self.loss_f, self.loss_b, self.loss = np.zeros(D * Y), np.zeros(D * Y), np.zeros(D * Y)
         for d, costs in enumerate(devices):
             cf, cb = costs.cumulative("fwd"), costs.cumulative("bwd")
             k = len(costs.batch_sizes)
-            self.f_all[d, :, :k] = cf[self.vj] - cf[self.vi]
-            self.b_all[d, :, :k] = cb[self.vj] - cb[self.vi]
-            for y in range(self.B + 1):
+            f_all[:k, d] = (cf[self.vj] - cf[self.vi]).T
+            b_all[:k, d] = (cb[self.vj] - cb[self.vi]).T
+            for y in range(Y):
                 k0, k1, w0, w1 = costs.weights(y)
-                self.interp[d, y, k0] += w0
-                self.interp[d, y, k1] += w1
-                self.loss_f[d, y], self.loss_b[d, y] = costs.loss_time(y)
-        self.loss = np.array([[sum(costs.loss_time(y)) for y in range(self.B + 1)] for costs in devices])
+                interp[k0, d, y] += w0
+                interp[k1, d, y] += w1
+                lf, lb = costs.loss_time(y)
+                self.loss_f[d * Y + y], self.loss_b[d * Y + y], self.loss[d * Y + y] = lf, lb, sum((lf, lb))
+        self.f_all, self.b_all = f_all.reshape(grid, D * n), b_all.reshape(grid, D * n)
+        self.interp = interp.reshape(grid, D * Y)
         self.ends_last = ends_last
         self.budget = np.array([cl.device(n).memory for n in order], dtype=float)
         # memory per range (eq. 3 pieces)
@@ -65,6 +69,14 @@ class AsteroidTables:
         self.whole_reserve = np.array([mem.budget(i, j, 0.0) for i, j in zip(self.vi, self.vj)])  # MemoryModel.budget
         self._uncapped: dict = {}
         self._capped: dict = {}
+        self.bound = bound  # a stage whose devices cannot compute it in less is not worked out (worth)
+        if bound is not None:
+            every = np.repeat(np.arange(D)[:, None], n, axis=1)
+            rate = np.zeros((D, n))  # samples a second at each device's best time per sample on each range
+            for y in range(1, self.B + 1):
+                t = self.totals(every, np.full((D, n), y), np.arange(n))
+                rate = np.maximum(rate, np.where(t > 0, y / np.where(t > 0, t, 1.0), np.inf))
+            self.rate = rate.ravel()
 
     # ---- times -----------------------------------------------------------------------
     # `members` is a group per range: shape (g, n), row k the k-th member for each range of
@@ -76,13 +88,14 @@ class AsteroidTables:
     def times(self, members: np.ndarray, y: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) of members[k, c] on y[k, c] samples of range cols[c], shape (g, n),
         with the same floating-point steps as CostTable.range_time (the added terms are zeros)."""
-        w = self.interp[members, y]  # (g, n, grid)
+        at_y = members * (self.B + 1) + y
+        at_range = members * len(self.valid) + cols[None, :]
+        weights = [w.take(at_y) for w in self.interp]
         out = []
         for tab in (self.f_all, self.b_all):
-            sub = tab[members, cols[None, :]]  # (g, n, grid)
-            acc = w[:, :, 0] * sub[:, :, 0]
-            for k in range(1, sub.shape[2]):
-                acc = acc + w[:, :, k] * sub[:, :, k]
+            acc = weights[0] * tab[0].take(at_range)
+            for k in range(1, len(tab)):
+                acc = acc + weights[k] * tab[k].take(at_range)
             out.append(np.maximum(0.0, acc))
         return out[0], out[1]
 
@@ -91,7 +104,7 @@ class AsteroidTables:
         f, b = self.times(members, y, cols)
         t = f + b
         last = self.ends_last[cols][None, :] & (y > 0)
-        t = np.where(last, t + self.loss[members, y], t)
+        t = np.where(last, t + self.loss.take(members * (self.B + 1) + y), t)
         return np.where(y > 0, t, 0.0)
 
     def caps(self, group, K: int, cols: np.ndarray) -> np.ndarray:
@@ -182,20 +195,23 @@ class AsteroidTables:
 
     def stages(self, groups: list[list[int]], K: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """stage() of several groups of one size, worked out together: each group's ranges
-        are columns of one Alg. 1 over all of them."""
+        are columns of one Alg. 1 over all of them (but those not worth it: inf)."""
         todo = list(dict.fromkeys(tuple(g) for g in groups if (tuple(g), K) not in self._capped))
         if todo:
             n = len(self.valid)
-            fresh = [g for g in todo if g not in self._uncapped]
-            if fresh:
-                members, cols = self._columns(fresh)
-                y, _ = self.allocate(members, cols, None)
-                ef, eb = self._eval(members, y, cols)
-                for k, g in enumerate(fresh):
-                    self._uncapped[g] = (ef[k * n:(k + 1) * n], eb[k * n:(k + 1) * n])
             members, cols = self._columns(todo)
+            worth = self.worth(members, cols)
+            fresh = [k for k, g in enumerate(todo) if g not in self._uncapped]
+            if fresh:
+                at = np.concatenate([np.arange(k * n, (k + 1) * n) for k in fresh])
+                at = at[worth[at]]
+                ef, eb = np.full(len(cols), np.inf), np.full(len(cols), np.inf)
+                y, _ = self.allocate(members[:, at], cols[at], None)
+                ef[at], eb[at] = self._eval(members[:, at], y, cols[at])
+                for k in fresh:
+                    self._uncapped[todo[k]] = (ef[k * n:(k + 1) * n], eb[k * n:(k + 1) * n])
             caps = self.caps(members, K, cols)
-            binding = (caps < self.B).any(axis=0)
+            binding = (caps < self.B).any(axis=0) & worth
             ef = np.concatenate([self._uncapped[g][0] for g in todo])
             eb = np.concatenate([self._uncapped[g][1] for g in todo])
             if binding.any():
@@ -208,6 +224,16 @@ class AsteroidTables:
             for k, g in enumerate(todo):
                 self._capped[(g, K)] = (ef[k * n:(k + 1) * n], eb[k * n:(k + 1) * n])
         return [self._capped[(tuple(g), K)] for g in groups]
+
+    def worth(self, members: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Which ranges each group could compute in less than `bound` a step: its M
+        micro-batches at the group's summed rate (each member at its best time per sample)
+        take at least that long, and every plan with the stage at least as long
+        (planner/bounds.py). All, without a bound."""
+        if self.bound is None:
+            return np.ones(len(cols), dtype=bool)
+        rate = self.rate.take(members * len(self.valid) + cols[None, :]).sum(axis=0)
+        return self.inputs.microbatches * self.B < self.bound * rate
 
     def _columns(self, groups: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
         """Every range of every group as one column: (members (g, len(groups) * n), cols)."""
@@ -222,8 +248,9 @@ class AsteroidTables:
         last = self.ends_last[cols][None, :] & has
         f = np.where(has, f, 0.0)
         b = np.where(has, b, 0.0)
-        f = np.where(last, f + self.loss_f[members, y], f)
-        b = np.where(last, b + self.loss_b[members, y], b)
+        at_y = members * (self.B + 1) + y
+        f = np.where(last, f + self.loss_f.take(at_y), f)
+        b = np.where(last, b + self.loss_b.take(at_y), b)
         return np.maximum(0.0, f.max(axis=0)), np.maximum(0.0, b.max(axis=0))
 
     def allocation_of(self, group: list[int], K: int, first: int, last: int) -> dict[str, int] | None:

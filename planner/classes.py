@@ -25,19 +25,17 @@ CLASS_TOLERANCE = 0.01
 
 def device_classes(cluster: Cluster, tolerance: float = CLASS_TOLERANCE) -> list[int]:
     """Each device's class, as the cluster index of the class's first device."""
-    cached = getattr(cluster, "_classes", None)
-    if cached is not None and cached[0] == tolerance:
-        return list(cached[1])
-    firsts: list[int] = []
-    out = []
-    for i, device in enumerate(cluster.devices):
-        match = next((f for f in firsts if _alike(cluster, f, i, tolerance)), None)
-        if match is None:
-            firsts.append(i)
-            match = i
-        out.append(match)
-    cluster._classes = (tolerance, tuple(out))
-    return out
+    if tolerance not in cluster.class_cache:
+        firsts: list[int] = []
+        kinds = []
+        for i in range(len(cluster.devices)):
+            match = next((f for f in firsts if _alike(cluster, f, i, tolerance)), None)
+            if match is None:
+                firsts.append(i)
+                match = i
+            kinds.append(match)
+        cluster.class_cache[tolerance] = tuple(kinds)
+    return list(cluster.class_cache[tolerance])
 
 
 def _close(a, b, tolerance: float) -> bool:

@@ -55,7 +55,7 @@ def plan_hybrids(inputs: PlanInputs, tiles_plan: Plan | None, bound: float | Non
             except PlanError:
                 continue  # the grid does not fit the maps
         sub = PlanInputs(inputs.desc, inputs.mem, cl.subset(rest), inputs.batch_size, inputs.microbatches)
-        dp = AsteroidDP(sub, start=end)
+        dp = AsteroidDP(sub, start=end, bound=bound)
         for pipe in sorted(dp.solve(), key=lambda q: q.estimate)[:HYBRID_CANDIDATES]:
             tail = pipeline_plan(sub, dp, pipe).stages
             plan = inputs.plan([front, *tail], "auto")
