@@ -20,10 +20,16 @@ every extension tries both. The last stage may leave the slowest-memory devices 
 Candidates (the best pipelines for each stage count, the eight with the lowest estimates)
 are then simulated and the fastest that fits is the plan.
 
-The DP runs over (head devices, sub-pipeline devices) blocks with numpy arrays over all
-(first layer, cut) pairs at once. For deep models, stages start and end at no more than
-MAX_CUTS candidate boundaries: the cumulative compute is split into that many equal
-parts and each part offers its boundary with the smallest activation.
+The DP runs, for each stage count and head group size, over every head start and all
+(first layer, cut) pairs at once in numpy arrays. A group's costs depend on its devices'
+classes (planner/classes.py) and its slowest link, so they are worked out once per class
+make-up (the first group with it stands for the others), every make-up of one size in one
+vectorised Alg. 1. Past EVERY_BLOCK_UP_TO devices a group has at most one device more than
+a micro-batch has samples. Given a step to beat (auto's best so far), a stage whose group
+cannot compute it in less is left out (AsteroidTables.worth). For deep models, stages
+start and end at no more than MAX_CUTS candidate boundaries: the cumulative compute is
+split into that many equal parts and each part offers its boundary with the smallest
+activation.
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@
 auto takes the best predicted plan of all the planners, and also tries hybrids the single
 planners do not build: the tileable front of the network as a tiles stage on the k fastest
 devices, followed by Asteroid's pipeline (dp and single stages) over the layers after it on
-the other devices. A plan that fits beats one that does not; then the shorter step.
+the other devices. A plan that fits beats one that does not; then the shorter step. The
+planners that search many candidates are given the best step found before them and leave
+out what cannot beat it (planner/bounds.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ most MAX_TILES_LAYERS of them, ending where a tiles stage can end); the rest of 
 network, if any, follows as one stage on the fastest device outside the group (or the
 group's device with the most memory). The group is the k fastest devices for k = 2, 4, 8,
 ..., N - 1 (leaving a device for the rest) and N, one tile each, on the most square grid
-of k tiles the maps allow. Each candidate is simulated with a sync at every layer; for the
+of k tiles the maps allow. Each candidate is simulated with a sync at every layer, in the
+order of their floors (quick_floor, then candidate_floor; planner/bounds.py), but not
+where the floor shows it cannot beat the best so far (or auto's best step); for the
 best — unless its syncs take under 2% of the step, when fewer syncs cannot pay for the
 recomputation they cost — the tiles cost model's grouping choice (tiles.cost.
 choose_grouping: its dynamic program over sync points, from the devices' speed and link)

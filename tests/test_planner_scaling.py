@@ -87,12 +87,13 @@ def test_devices_of_a_kind_are_one_class(yolo):
     kinds = device_classes(cluster)
     assert len(set(kinds)) == 5
     assert all(kinds[i] == kinds[i % 5] for i in range(16))  # dealt round-robin
-    near = dict(data, data_source=None, devices=[*data["devices"][:2], dict(data["devices"][0], name="near",
-                                                         gflops=data["devices"][0]["gflops"] * (1 - CLASS_TOLERANCE / 2))])
+    first, second = data["devices"][:2]
+    near = dict(data, data_source=None,
+                devices=[first, second, dict(first, name="near", gflops=first["gflops"] * (1 - CLASS_TOLERANCE / 2))])
     assert len(set(device_classes(cluster_from_dict(near, desc, None)))) == 2
-    far = dict(near, devices=[*near["devices"][:2], dict(near["devices"][2], gflops=near["devices"][0]["gflops"] * 0.9)])
+    far = dict(near, devices=[first, second, dict(first, name="near", gflops=first["gflops"] * 0.9)])
     assert len(set(device_classes(cluster_from_dict(far, desc, None)))) == 3
-    slow = dict(near, links=[{"between": ["near", near["devices"][1]["name"]], "mbps": 100}])
+    slow = dict(near, links=[{"between": ["near", second["name"]], "mbps": 100}])
     assert len(set(device_classes(cluster_from_dict(slow, desc, None)))) == 3  # the same board on another link
 
 
