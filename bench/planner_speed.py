@@ -13,17 +13,18 @@ pooling every 40 layers (a .cfg written below), at 128x128.
 
 The classroom (`--classroom`): N = 8, 16, 32, 64, 128 Raspberry-Pi-4-class devices of five
 kinds on one gigabit switch (940 Mbit/s, 0.3 ms a message), yolov2-16 at 416, batch 64 in 8
-micro-batches, planned as `swarm plan --devices examples/classroom-N-cluster.json
---batch-size 64 --microbatches 8 --compare` plans it (the same memory model, glibc). The
-kinds, dealt round-robin, are assumptions in the manner of examples/pi-jetson-cluster.json
-(a Pi 4's four A72 cores sustaining about 5 GFLOP/s of float32 conv training, 4 GB/s of
-memory; budgets are the RAM less the OS, the runtime and a job's reserve):
+micro-batches, planned as `swarm plan --model yolov2-16 --img-size 416 --devices
+examples/classroom-N-cluster.json --batch-size 64 --microbatches 8 --compare` plans it (the
+same memory model, glibc). The kinds, dealt round-robin, are assumptions in the manner of
+examples/pi-jetson-cluster.json (a Pi 4's four A72 cores sustaining about 5 GFLOP/s of
+float32 conv training, 4 GB/s of memory; budgets are the RAM less the OS, the runtime and a
+job's reserve):
 
-    pi4-1g  Pi 4 Model B 1 GB, an early board at 1.5 GHz    4.8 GFLOP/s   450 MiB
-    pi4-2g  Pi 4 Model B 2 GB at 1.5 GHz                    5.0 GFLOP/s   1.3 GiB
-    pi4-4g  Pi 4 Model B 4 GB at 1.5 GHz                    5.0 GFLOP/s   3 GiB
-    pi4-8g  Pi 4 Model B 8 GB, a later board (1.8 GHz firmware, warmer)   5.2 GFLOP/s   6.8 GiB
-    pi400   Pi 400 (4 GB, 1.8 GHz)                          6.0 GFLOP/s   3 GiB
+    pi4-1g  Pi 4 Model B 1 GB, an early board at 1.5 GHz               4.8 GFLOP/s   450 MiB
+    pi4-2g  Pi 4 Model B 2 GB at 1.5 GHz                               5.0 GFLOP/s   1.3 GiB
+    pi4-4g  Pi 4 Model B 4 GB at 1.5 GHz                               5.0 GFLOP/s   3 GiB
+    pi4-8g  Pi 4 Model B 8 GB, a later board (1.8 GHz firmware, warmer) 5.2 GFLOP/s  6.8 GiB
+    pi400   Pi 400 (4 GB, 1.8 GHz)                                     6.0 GFLOP/s   3 GiB
 
 The first Pi 400 holds the data. Targets: `auto` within 2 s at 64 devices and 10 s at 128.
 Beside each plan's predicted step stands the step the planner of commit 0edfb3b (before
