@@ -277,3 +277,17 @@ def test_layers_come_only_from_devices_of_the_new_plan():
     plan = simple_plan("pp", desc, ["d0", "d3"], 4, 2)  # d3 new; only d1 and d2 held layers 8 and up
     moves, step = ledger.sources(plan, 2, layers)
     assert step == 2 and {m.src for m in moves} == {"coordinator"}, moves
+
+
+def test_an_epoch_started_before_the_newest_backup_forgets_it():
+    """Rolled back past the newest backup (to the coordinator's copy), the devices drop what
+    is newer than the start: the ledger (and so the replica a successor takes over from) no
+    longer names that backup or its holdings."""
+    from swarm.execution.replay import BackupLedger
+
+    ledger = BackupLedger(1)
+    ledger.step, ledger.holdings = 18, {"d0": {0, 1}, "d1": {2, 3}}
+    ledger.epoch_started(18, ["d0", "d1"])  # from the backup itself: kept
+    assert (ledger.step, ledger.holdings) == (18, {"d0": {0, 1}, "d1": {2, 3}})
+    ledger.epoch_started(0, ["d0", "d1"])
+    assert (ledger.step, ledger.holdings) == (None, {})

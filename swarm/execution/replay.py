@@ -306,9 +306,13 @@ class BackupLedger:
     def epoch_started(self, start: int, devices: list[str]) -> None:
         """Every epoch's devices snapshot at its start step; that backup is timed from the
         epoch's first step, not from here: building the stages and moving layers is no part
-        of what a backup costs."""
+        of what a backup costs. An epoch that starts before the newest backup (its layers
+        came from the coordinator's copy) has every device drop what is newer than its
+        start (DeviceBackups.send_moves): that backup is gone, and a replica must not name it."""
         self.pending = {start: set(devices)}
         self.started = {}
+        if self.step is not None and self.step > start:
+            self.step, self.holdings = None, {}
 
     def step_begins(self, step: int) -> None:
         if step in self.pending:  # an epoch's first snapshot, timed from its first step
