@@ -155,6 +155,12 @@ class AsteroidDP:
             self._stacks[key] = tuple(np.stack([p[k] for p in parts]) for k in range(3))
         return self._stacks[key]
 
+    def _forget_below(self, K: int) -> None:
+        """Drop the blocks of warm-ups under K, which no later level uses (a deep model's
+        blocks over many devices take hundreds of MiB)."""
+        self._stacks = {key: v for key, v in self._stacks.items() if key[1] >= K}
+        self._group_cache = {key: v for key, v in self._group_cache.items() if key[2] >= K}
+
     def warmup(self, p: int) -> int:
         """K of the head of a p-stage pipeline: Asteroid's 2p - 1, at most M and the cap."""
         return min(2 * p - 1, self.M, self.cap or self.M)
@@ -182,6 +188,7 @@ class AsteroidDP:
         lat = self.inputs.cluster.latency
         for p in range(2, P + 1):
             K = self.warmup(p)
+            self._forget_below(K)  # warm-ups only grow with the level
             for w in range(1, G + 1):
                 heads = np.arange(max(0, N - p + 2 - w))  # a head [a, a + w) leaves p - 1 devices at least
                 if heads.size == 0:
