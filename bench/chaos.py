@@ -36,8 +36,9 @@ One testbed runs on a machine at a time: where others use it too, run this under
    phase or backup it landed in); each recovery the run logs, and the time from the fault (or
    undo) behind it to the next committed step; at the end, the worst relative difference of the
    final checkpoint's weights from the reference's (per tensor, norm of the difference over the
-   norm), and each agent's RSS (psutil) at the first and the last recovery whose plan it was in, per
-   role it had there (the stages, shares and backups it held: only readings in one role compare).
+   norm), and each agent's RSS (psutil) after the first and the last recovery whose plan it was in
+   (at the second backup step after it), per role it had there (the stages, shares and backups it
+   held: only readings in one role compare).
 
 Exit status: 0 the run finished equal to the reference (within --tolerance); 1 it failed, or
 nothing happened for --timeout; 2 it finished with other weights; 3 it finished before every
@@ -229,8 +230,8 @@ def rss_growth(rss: dict[str, list[tuple[int, float, float, str]]]) -> dict[str,
     what its plan has it hold (on the mixed testbed one agent read 331-456 MiB over nine
     recoveries, its role changing), so only readings in the same role compare: a leak shows
     as growth within one."""
-    print("== agents' RSS at their first and last recovery in each role (MiB; read as each recovery's first step "
-          "commits, for the agents of its plan; an agent started again is another pid)")
+    print("== agents' RSS at their first and last recovery in each role (MiB; read at the second backup step after "
+          "each recovery, for the agents of its plan; an agent started again is another pid)")
     growth = {}
     for device, readings in sorted(rss.items()):
         by_role: dict[tuple[int, str], list] = {}
@@ -243,6 +244,14 @@ def rss_growth(rss: dict[str, list[tuple[int, float, float, str]]]) -> dict[str,
             print(f"  {device} (pid {pid}) as {role}: {first:.0f} at {values[0][0]:.0f} s, {last:.0f} at "
                   f"{values[-1][0]:.0f} s ({len(values)} recoveries, {100 * (last / first - 1):+.1f}%)")
     return growth
+
+
+# An agent's RSS is read at the second backup step after a recovery: by then the first
+# backup of the new plan is complete and each device keeps only what that plan has it keep
+# (DeviceStore.keep_only). Read at the recovery's first step, it still held the snapshots of
+# its role before (an agent back from holding the whole network read 491 MiB where it had
+# read 386 in the same role before).
+RSS_AFTER_BACKUPS = 2
 
 
 def rss_mib(pid: int) -> float | None:
@@ -416,6 +425,7 @@ class Chaos:
         self.phase_seen: list[tuple[float, str]] = []  # (when, phase) of recovery moments
         self.rss: dict[str, list[tuple[int, float, float, str]]] = {}  # device -> (pid, when, MiB, its role)
         self.roles: dict[str, str] = {}  # device -> what it holds in the plan running (the metrics' "roles")
+        self.rss_due = 0  # backup steps until the RSS is read (after a recovery)
         self.agent_lines: list[str] = []
         self.done_term = None
         self.ended: str | None = None  # done / failed / lost / hung
@@ -488,13 +498,14 @@ class Chaos:
         for f in self.faults[:self.next]:
             if f.next_commit_s is None and f.fired_at is not None:
                 f.next_commit_s = round(self.now() - f.fired_at, 1)
-        sampled = False
+        if backup and not replayed and self.rss_due:
+            self.rss_due -= 1
+            if not self.rss_due:
+                self._sample_rss()
         for r in self.recoveries:
             if r.committed_at is None:
                 r.committed_at, r.committed_step = self.now(), step
-                if not sampled:
-                    self._sample_rss()
-                    sampled = True
+                self.rss_due = RSS_AFTER_BACKUPS
                 self.say(f"recovered: {r.line[:70]}... -> step {step} committed {r.committed_at - r.cause_at:.1f} s "
                          f"after {r.cause} ({r.committed_at - r.at:.1f} s after the re-plan)")
         if replayed:
@@ -504,8 +515,9 @@ class Chaos:
             self.state = f"backup of step {step}" if backup else f"training (step {step} committed)"
 
     def _sample_rss(self) -> None:
-        """Each agent's RSS as a recovery ends (its first step committed), for the agents the new
-        plan uses: one that is not training (or has just started again) holds no job's memory."""
+        """Each agent's RSS once a recovery has settled (RSS_AFTER_BACKUPS backup steps after its
+        first committed step), for the agents the plan uses: one that is not training (or has
+        just started again) holds no job's memory."""
         for name, pid in self.bed.agent_pids().items():
             value = rss_mib(pid) if name in self.plan_devices and name not in self.down else None
             if value is not None:
