@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,16 @@ def test_every_built_in_model_trains_two_steps_and_evaluates(name):
     result = evaluate(trainer.net, desc, SyntheticShapes("heldout", desc.img_size, desc.in_channels, size=4))
     assert result.metric == ("mAP@0.5" if desc.detects else "top-1 accuracy")
     assert 0.0 <= result.value <= 1.0 and result.samples == 4
+
+
+def test_train_help_names_every_built_in_model():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "swarm", "train", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60).stdout
+    words = " ".join(out.split())
+    listed = set(re.findall(r"[\w.-]+", words[words.index("--model MODEL"):words.index("--img-size N|WxH ")]))
+    assert set(BUILTIN) <= listed, words

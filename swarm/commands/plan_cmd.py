@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
                                    "profiled and planned, or this machine alone when none answers.")
     p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
     p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: as "
-                   "swarm train: 128 for the built-in YOLO models, a .cfg file's own)")
+                   "swarm train: 128 for the built-in YOLO models (256 yolov4-tiny), a .cfg file's own)")
     p.add_argument("--classes", type=positive_int, help="classes of a built-in detector's head (default: the built-in "
                    "data's)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="samples per optimizer step (default: 16)")

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
                                    "and swarm train use the cache).")
     p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
     p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: as "
-                   "swarm train: 128 for the built-in YOLO models, a .cfg file's own)")
+                   "swarm train: 128 for the built-in YOLO models (256 yolov4-tiny), a .cfg file's own)")
     p.add_argument("--classes", type=positive_int, help="classes of the head (default: the built-in data's)")
     p.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="1,2,4,8",
                    help="batch sizes to time (default: 1,2,4,8)")

@@ -28,9 +28,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model", description=(
         "Train a model. With no other device on the network (or --strategy local) it trains on "
         "this machine; with no --data it uses the built-in synthetic shapes data set."))
-    p.add_argument("--model", help="yolov2-16 (default), yolov2, yolov2-tiny, vgg16, alexnet, lenet5, or a .cfg path")
+    p.add_argument("--model", help="a built-in model (yolov2-16, the default; yolov2, yolov2-tiny, yolov3-tiny, "
+                   "yolov4-tiny, yolov7-tiny, darknet53, resnet18, resnet50, mobilenetv2, efficientnet-b0, vgg16, "
+                   "alexnet, lenet5: the README's table) or a .cfg path")
     p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size in pixels: {IMG_SIZE_HELP} "
-                   "(default: 128 for the built-in YOLO models whatever the data, 64 vgg16, 96 alexnet, 32 lenet5; "
+                   "(default: 128 for the built-in YOLO models whatever the data (256 yolov4-tiny), 64 the classifiers, 96 "
+                   "alexnet, 32 lenet5; "
                    "a .cfg file's own width and height)")
     p.add_argument("--data", help="a YOLO-format folder (images/, labels/); default: built-in synthetic shapes")
     p.add_argument("--classes", type=positive_int, help="number of classes for a built-in model (default: the data's)")
