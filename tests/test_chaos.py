@@ -44,10 +44,10 @@ def test_rss_compares_an_agents_readings_in_one_role_only():
     from planner.plan import Plan, Stage
     from swarm.execution.launch import device_roles
 
-    plan = Plan("yolov2-16", 64, 8, 4, [Stage(0, 8, "single", ["a"]), Stage(8, 12, "dp", ["b", "c"]),
+    plan = Plan("yolov2-16", 64, 8, 4, [Stage(0, 8, "single", ["a"]), Stage(8, 12, "dp", ["b", "c"], {"b": 1, "c": 1}),
                                         Stage(12, 17, "single", ["c"])], backups={0: "b", 2: "b"})
-    assert device_roles(plan) == {"a": "0-7 single", "b": "backs up 0-7; 8-11 dp of 2; backs up 12-16",
-                                  "c": "8-11 dp of 2; 12-16 single"}
+    assert device_roles(plan) == {"a": "0-7 single", "b": "backs up 0-7; 8-11 dp 1 of 2 samples; backs up 12-16",
+                                  "c": "8-11 dp 1 of 2 samples; 12-16 single"}
     rss = {"a": [(1, 10.0, 300.0, "0-7 single"), (1, 20.0, 420.0, "0-11 single"), (1, 30.0, 315.0, "0-7 single")],
            "b": [(2, 10.0, 300.0, "8-11 dp of 2")]}
     growth = chaos.rss_growth(rss)

@@ -539,8 +539,11 @@ def device_roles(plan: Plan) -> dict[str, str]:
     steps whose devices have the same roles hold the same weights, states and backups."""
     roles: dict[str, list[str]] = {}
     for p, s in enumerate(plan.stages):
-        share = f" of {len(s.devices)}" if len(s.devices) > 1 else ""
         for d in dict.fromkeys(s.devices):
+            if s.allocation:  # a dp share: its samples of each micro-batch
+                share = f" {s.allocation.get(d, 0)} of {sum(s.allocation.values())} samples"
+            else:
+                share = f" of {len(s.devices)}" if len(s.devices) > 1 else ""
             roles.setdefault(d, []).append(f"{s.first}-{s.last - 1} {s.mode}{share}")
         holder = (plan.backups or {}).get(p)
         if holder is not None:
