@@ -26,6 +26,8 @@ from swarm.local.trainer import LocalTrainer
 FAILURE_GRACE_S = 10.0
 # a phase event's loss is given this long to be noticed while its phase goes on
 NOTICE_S = 0.05
+# threads trio lends this process's other work (loading batches, copies), as its default
+THREADS_BESIDE_COMPUTE = 40
 
 
 class LocalControl:
@@ -62,6 +64,13 @@ class LocalControl:
             scope.cancel()
         self.scopes = {}
         self.epochs_started += 1
+        # Every device of a gang holds a compute thread while it waits for the others at a
+        # BatchNorm exchange: trio's default 40 threads would leave the rest of a group of 64
+        # waiting for a thread, and the group for them. One thread per stage on each device,
+        # beside the rest.
+        threads = THREADS_BESIDE_COMPUTE + len(job.plan.stages) * len(job.plan.used_devices())
+        limiter = trio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, threads)
         network = LocalNetwork()
         coordinator = network.endpoint(COORDINATOR)
         for d in job.plan.used_devices():
