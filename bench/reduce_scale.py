@@ -1,0 +1,242 @@
+"""A dp group's gradient sums over 16, 32 and 64 devices in one process, measured and set
+against the planner's reduction cost.
+
+    PYTHONPATH=. python bench/reduce_scale.py [--model yolov2-16] [--devices 16,32,64]
+                                              [--repeats 5] [--rounds 3]
+
+Measured: the wall time of swarm.execution.collectives.allreduce_sum over g endpoints of one
+in-memory network (swarm.execution.endpoint.LocalNetwork), summing the model's gradient
+buckets (planner.stage_work.buckets_of over its float32 parameters, every bucket under way at
+once, as GradReducer starts them during the last backward), the median of --repeats after
+one left out (it warms the allocator), on the allocator settings the `swarm` command gives
+every process (swarm.host.malloc.tune).
+
+Predicted: planner.stage_work.ring_allreduce_time, what the simulator gives a dp stage's
+reduction (StageWork.allreduce), for the same bytes, buckets and group, on a Cluster that
+describes the process:
+- one trio loop and torch on one thread run every device: g devices share one core, each a
+  device of 1/g core, whose time per message and per byte is g times its time at full speed
+  (as a CPU quota divides it, docs/planner.md "Transfers");
+- nothing waits for a wire: latency 0, bandwidth unbounded.
+
+The two full-speed figures are calibrated at 2 devices, two ways, and each gives its own
+prediction:
+- "endpoint": what the bandwidth job measures between two agents (swarm.profiling.bandwidth),
+  on the in-memory endpoint: the time per message handled (sent or received) from a burst of
+  swaps of a one-element array (each end sends from a task of its own while it waits for the
+  other's, and adds what comes into its own), and the time per byte handled from a burst of
+  1 MiB arrays sent one way, half added into a sum on arrival and half copied into place,
+  less their messages' time;
+- "sum at 2": the all-reduce's own rounds between two endpoints (halving and doubling, the
+  way groups of 16, 32 and 64 sum): the time per message from 200 sums of four floats (two
+  messages out and two in a sum), and the time per byte from the model's buckets, less their
+  messages' time. It counts what a round costs beyond moving its bytes (the swap's task,
+  slicing, the shape checks, each sum's setting up) as the planner's per-message and
+  per-byte figures.
+Nothing measured at 16 or more devices goes into either prediction.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from planner.cluster import Cluster, Device  # noqa: E402
+from planner.costs import CostTable  # noqa: E402
+from planner.stage_work import (DIRECT_REDUCE_MAX, allreduce_messages, allreduce_rounds, buckets_of,  # noqa: E402
+                                ring_allreduce_time)
+from swarm.execution import collectives  # noqa: E402
+from swarm.execution.endpoint import LocalNetwork  # noqa: E402
+from swarm.host import malloc  # noqa: E402
+
+MESSAGE_BURST = 2000  # swaps of a one-element array
+# arrays of 1 MiB (the least bucket) sent one way, 64 MiB in all: more than a cache holds, as a
+# group's gradients are
+BYTE_BURST, BYTE_ARRAY = 64, 1 << 20
+SMALL_SUMS, SMALL_SUM_BYTES = 200, 16  # sums of four floats, for a round's time per message
+
+
+def bucket_bytes(model: str) -> list[int]:
+    """The model's gradient buckets in bytes (float32), in the order the backward ends them."""
+    from swarm.local.trainer import LocalTrainer, TrainConfig
+
+    desc = LocalTrainer(TrainConfig(model=model, img_size=32, batch_size=1, accelerator="cpu")).desc
+    sizes = {i: layer.param_bytes for i, layer in enumerate(desc.layers) if layer.param_bytes > 0}
+    return [sum(sizes[i] for i in bucket) for bucket in buckets_of(sizes)]
+
+
+def calibrate_endpoint(repeats: int) -> tuple[float, float]:
+    """(seconds per message handled, seconds per byte handled) at full speed: medians over
+    `repeats` bursts between two endpoints of one in-memory network."""
+    def message_burst() -> float:
+        network = LocalNetwork()
+        eps = [network.endpoint("a"), network.endpoint("b")]
+        sums = [torch.zeros(1), torch.zeros(1)]
+
+        async def swaps(me: int):  # sent from a task of its own while waiting for the partner's
+            for k in range(MESSAGE_BURST):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(eps[me].send, eps[1 - me].name, ("swap", k, me), {"arrays": [sums[me]]})
+                    got = (await eps[me].mailbox.get(("swap", k, 1 - me)))["arrays"][0]
+                sums[me].add_(got)
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                t0 = time.perf_counter()
+                nursery.start_soon(swaps, 0)
+                nursery.start_soon(swaps, 1)
+            return time.perf_counter() - t0
+        return trio.run(main) / (4 * MESSAGE_BURST)  # each message sent and received
+
+    per_message = statistics.median(message_burst() for _ in range(repeats))
+
+    def byte_burst() -> float:
+        network = LocalNetwork()
+        a, b = network.endpoint("a"), network.endpoint("b")
+        arrays = [torch.ones(BYTE_ARRAY // 4) for _ in range(BYTE_BURST)]
+        into = [torch.ones_like(x) for x in arrays]
+
+        async def send():
+            for k, array in enumerate(arrays):
+                await a.send("b", ("bytes", k), {"arrays": [array]})
+
+        async def receive():  # half added into a sum (a reduce-scatter's), half copied into place (an all-gather's)
+            for k in range(BYTE_BURST):
+                got = (await b.mailbox.get(("bytes", k)))["arrays"][0]
+                into[k].add_(got) if k % 2 else into[k].copy_(got)
+
+        async def main():  # all sent, then all taken: copies waiting in a mailbox, as a round's do
+            t0 = time.perf_counter()
+            await send()
+            await receive()
+            return time.perf_counter() - t0
+        seconds = trio.run(main) - 2 * BYTE_BURST * per_message
+        return seconds / (2 * BYTE_BURST * BYTE_ARRAY)  # each byte sent and received
+
+    per_byte = statistics.median(byte_burst() for _ in range(repeats))
+    return per_message, per_byte
+
+
+def sums_at_two(buckets: list[int], repeats: int) -> float:
+    """Median wall seconds of halving and doubling each bucket between two endpoints."""
+    grads = [[torch.randn(n // 4) for n in buckets] for _ in range(2)]
+
+    def once() -> float:
+        network = LocalNetwork()
+        eps = [network.endpoint("a"), network.endpoint("b")]
+        flats = [[grad.clone() for grad in member] for member in grads]
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                t0 = time.perf_counter()
+                for b in range(len(buckets)):
+                    for i in range(2):
+                        nursery.start_soon(collectives._halving_doubling, eps[i], ["a", "b"], ("grads", 0, 0, b),
+                                           flats[i][b], np.inf)
+            return time.perf_counter() - t0
+        return trio.run(main)
+
+    return statistics.median([once() for _ in range(repeats + 1)][1:])
+
+
+def calibrate_sum(buckets: list[int], repeats: int) -> tuple[float, float]:
+    """(seconds per message handled, seconds per byte handled) at full speed, from the
+    all-reduce's own rounds at 2 devices: a sum there is a message out and one in each way
+    per member, and 2(g-1)/g = 1 of its bytes out and in."""
+    small = sums_at_two([SMALL_SUM_BYTES] * SMALL_SUMS, repeats)
+    per_message = small / (SMALL_SUMS * 2 * 2 * 2)  # two members, two messages out and two in
+    messages = len(buckets) * 2 * 2 * 2 * per_message
+    per_byte = (sums_at_two(buckets, repeats) - messages) / (2 * 2 * sum(buckets))  # two members, out and in
+    return per_message, per_byte
+
+
+def in_process_cluster(g: int, per_message: float, per_byte: float) -> Cluster:
+    """g devices sharing one core, with no wire between them (see the module docstring)."""
+    idle = CostTable((1,), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1))
+    devices = [Device(f"d{i}", idle, memory=2**40, comm_s_per_byte=g * per_byte, msg_s=g * per_message)
+               for i in range(g)]
+    return Cluster(devices, np.full((g, g), np.inf), latency=0.0, name=f"{g} devices in one process")
+
+
+def measure(g: int, buckets: list[int], repeats: int) -> float:
+    """Median wall seconds of every bucket's all-reduce over g in-process endpoints."""
+    names = [f"d{i}" for i in range(g)]
+    grads = {(i, b): torch.randn(n // 4) for i in range(g) for b, n in enumerate(buckets)}
+
+    def once() -> float:
+        network = LocalNetwork()
+        eps = [network.endpoint(name) for name in names]
+        flats = {key: grad.clone() for key, grad in grads.items()}
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                t0 = time.perf_counter()
+                for b in range(len(buckets)):
+                    for i, ep in enumerate(eps):
+                        nursery.start_soon(collectives.allreduce_sum, ep, names, ("grads", 0, 0, b), flats[i, b])
+            return time.perf_counter() - t0
+        return trio.run(main)
+
+    return statistics.median([once() for _ in range(repeats + 1)][1:])
+
+
+def algorithm(g: int) -> str:
+    if g <= DIRECT_REDUCE_MAX:
+        return "direct"
+    return "halving-doubling" if g & (g - 1) == 0 else "ring"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="yolov2-16")
+    parser.add_argument("--devices", default="16,32,64", help="group sizes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5, help="timings a figure is the median of")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over the group sizes, each size measured right after its calibrations")
+    args = parser.parse_args()
+    malloc.tune()  # as the swarm command runs every process, `swarm train --in-process` too
+    torch.set_num_threads(1)  # the process's one core, which its devices share
+    buckets = bucket_bytes(args.model)
+    nbytes = float(sum(buckets))
+    sizes = [int(x) for x in args.devices.split(",")]
+    ways = {"sum at 2": lambda: calibrate_sum(buckets, args.repeats),
+            "endpoint": lambda: calibrate_endpoint(args.repeats)}
+    calibrations = {way: [] for way in ways}
+    measured = {g: [] for g in sizes}
+    predicted = {(way, g): [] for way in ways for g in sizes}
+    for _ in range(args.rounds):  # a shared machine's load drifts: each measure right after its calibrations
+        for g in sizes:
+            for way, calibrate in ways.items():
+                per_message, per_byte = calibrate()
+                calibrations[way].append((per_message, per_byte))
+                cluster = in_process_cluster(g, per_message, per_byte)
+                predicted[way, g].append(ring_allreduce_time(nbytes, cluster.names, cluster, buckets=len(buckets)))
+            measured[g].append(measure(g, buckets, args.repeats))
+    print(f"{args.model}: {len(buckets)} buckets, {nbytes / 2**20:.2f} MiB; calibrated at 2 devices (medians of "
+          f"{args.rounds * len(sizes)}), a message and a byte at each end:")
+    for way, figures in calibrations.items():
+        per_message, per_byte = (statistics.median(c) for c in zip(*figures))
+        print(f"  {way}: {per_message * 1e6:.2f} us, {per_byte * 1e9:.3f} ns")
+    print("| devices | algorithm | messages a member | rounds | measured s | predicted s (sum at 2) | ratio "
+          "| predicted s (endpoint) | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for g in sizes:
+        cells = []
+        for way in ways:  # each ratio the median of the rounds' predicted / measured
+            ratio = statistics.median(p / m for p, m in zip(predicted[way, g], measured[g]))
+            cells += [f"{statistics.median(predicted[way, g]):.4f}", f"{ratio:.2f}"]
+        print(f"| {g} | {algorithm(g)} | {allreduce_messages(g) * len(buckets)} | {allreduce_rounds(g)} | "
+              f"{statistics.median(measured[g]):.4f} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
