@@ -1,6 +1,6 @@
-"""dp over 32 and 64 devices in one process gives the local trainer's weights (float64,
-after real optimizer steps): the gradient sums of a large group (halving and doubling) and,
-with BatchNorm, a gang of 64 gathering its statistics at every BN layer."""
+"""dp over 32 to 64 devices in one process gives the local trainer's weights (float64,
+after real optimizer steps): the gradient sums of a large group (halving and doubling, or a
+ring) and, with BatchNorm, a gang of 64 gathering its statistics at every BN layer."""
 from __future__ import annotations
 
 import pytest
@@ -30,8 +30,9 @@ def _local_and_dp(model: str, channels: int, devices: int) -> tuple[dict, dict]:
     return planned.net.state_dict(), local.net.state_dict()
 
 
-def test_dp_over_32_devices_equals_local():
-    planned, local = _local_and_dp("lenet5", 1, 32)
+@pytest.mark.parametrize("devices", [32, 48])  # halving and doubling; a ring
+def test_dp_over_many_devices_equals_local(devices):
+    planned, local = _local_and_dp("lenet5", 1, devices)
     assert _worst(planned, local)[0] < 1e-9
 
 
