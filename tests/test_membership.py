@@ -175,3 +175,45 @@ async def test_a_member_whose_message_is_still_arriving_is_given_the_grace_not_o
         membership.heard_from("b")
         await trio.sleep(0.1)
     assert await run(bytes_arrive) == [("suspect", 1.75), ("recovered", 3.0)]
+
+
+class CountedMembers(dict):
+    """Membership's table of members, counting how many members its deadline scans visit."""
+
+    def __init__(self):
+        super().__init__()
+        self.visits = 0
+
+    def values(self):
+        self.visits += len(self)
+        return super().values()
+
+
+async def test_a_classroom_of_256_members_loses_exactly_the_silent_one_without_a_scan_per_heartbeat(autojump_clock):
+    """256 members join over a second and beat every 0.25 s; the one that falls silent is suspect
+    3 intervals after its last heartbeat and dead a probe timeout later, and nobody else changes.
+    The deadline scan walks every member, so it must run about once per deadline, not once per
+    heartbeat: while they all beat, it visits each member a few times a second, where a scan at
+    every heartbeat visits each member hundreds of times a second (256 with these heartbeats)."""
+    count = 256
+    devices = {}
+    async with trio.open_nursery() as nursery:
+        membership = setup(nursery, devices)
+        membership.members = CountedMembers()
+        await nursery.start(membership.run)
+        for k in range(count):                 # member k joins at k/256 s (exact in binary)
+            start_beating(nursery, membership, devices, [f"m{k}"])
+            await trio.sleep(1 / count)
+        await trio.sleep(0.5)                  # t = 1.5: everyone has joined and beaten
+        visits, since = membership.members.visits, trio.current_time()
+        await trio.sleep(0.5)                  # t = 2.0
+        per_member_second = (membership.members.visits - visits) / count / (trio.current_time() - since)
+        devices["m100"].beating = devices["m100"].answers = False   # it last beat at 100/256 + 6 * 0.25
+        await trio.sleep(2.0)
+        nursery.cancel_scope.cancel()
+    last_beat = 100 / 256 + 6 * 0.25
+    changes = [(n, kind, t) for n, kind, t in timeline(membership) if kind != "joined"]
+    assert changes == [("m100", "suspect", last_beat + 0.75), ("m100", "dead", last_beat + 0.75 + 0.5)]
+    assert sum(kind == "joined" for _, kind, _ in timeline(membership)) == count
+    assert all(membership.health(f"m{k}") == "alive" for k in range(count) if k != 100)
+    assert per_member_second <= 4, f"the deadline scan visited each member {per_member_second:g} times a second"
