@@ -55,6 +55,7 @@ class CoordinatorJob:
         if state.state == "refused":
             raise JobError(f"{self._name(node_id)} refused job {self.job_id}: {state.detail}")
         self.nodes.add(node_id)
+        self.cluster.note_assigned()
         return state
 
     async def start(self, node_id: str, *, timeout: float = 10.0) -> JobState:

@@ -58,6 +58,7 @@ class Roster:
         self._answers: dict[int, tuple[str, trio.Event, list]] = {}  # request's seq -> (node id, done, [answer])
         self._seq = itertools.count(1)
         self._changed = trio.Event()
+        self._assigned = trio.Event()  # set, and replaced, whenever a job of ours is assigned to a device
         self.on_lease_answer = None  # (node id, LeaseAnswer) -> None: a replicated run's lease (launch.py)
         self._nursery: trio.Nursery | None = None
 
@@ -266,6 +267,7 @@ class Roster:
         device.conn, device.error = conn, ""
         device.seen()
         conn.on_activity = lambda: (self.membership.heard_from(node_id), device.seen())
+        beat = trio.CancelScope()
         try:
             ping = next(self._seq)  # first, so that the round trip is known when Info makes it alive
             self._pongs[ping] = trio.Event()
@@ -273,7 +275,7 @@ class Roster:
             await conn.send(Ping(ping))
             await conn.send(InfoRequest())
             await conn.send(Watch(self.heartbeat_interval))
-            self._nursery.start_soon(self._beat, conn)  # ends when the connection does
+            self._nursery.start_soon(self._beat, node_id, conn, beat)
             async for message in conn:
                 if isinstance(message, Pong) and message.seq == ping:
                     device.rtt = trio.current_time() - sent_at
@@ -283,6 +285,7 @@ class Roster:
         except RemoteProtocolError as exc:
             log.warning("closed connection to %s: %s", conn.address, exc)
         finally:
+            beat.cancel()
             device.conn = None
             device.connected = trio.Event()
             for asked_of, done, _ in self._answers.values():
@@ -292,18 +295,34 @@ class Roster:
             self.membership.lost(node_id, "its connection closed")
             self._touch()
 
-    async def _beat(self, conn) -> None:
-        """A Ping whenever nothing else went to the agent for a heartbeat interval: the agents of
-        a job see that its coordinator is alive (swarm/agent/failover.py)."""
-        try:
-            while not conn.closed:
-                quiet = trio.current_time() - conn.last_sent
-                if quiet >= self.heartbeat_interval:
-                    await conn.send(Ping(0))
-                    quiet = 0.0
-                await trio.sleep(self.heartbeat_interval - quiet)
-        except ConnectionLost:
-            pass
+    async def _beat(self, node_id: str, conn, scope: trio.CancelScope) -> None:
+        """A Ping whenever nothing else went to the agent for a heartbeat interval while a job of
+        ours is assigned to it: the agents of a job see that its coordinator is alive
+        (swarm/agent/failover.py). An agent of no job of ours is sent none: it watches no
+        coordinator, and its own heartbeats say it is alive (a beat to each idle agent of a
+        classroom of 64 was 256 sends a second, about half the coordinator's CPU at rest).
+        Ends when `scope` is cancelled (the connection ended) or the connection breaks."""
+        with scope:
+            try:
+                while not conn.closed:
+                    if not self._in_job(node_id):
+                        await self._assigned.wait()
+                        continue
+                    quiet = trio.current_time() - conn.last_sent
+                    if quiet >= self.heartbeat_interval:
+                        await conn.send(Ping(0))
+                        quiet = 0.0
+                    await trio.sleep(self.heartbeat_interval - quiet)
+            except ConnectionLost:
+                pass
+
+    def _in_job(self, node_id: str) -> bool:
+        return any(node_id in job.nodes for job in self._jobs.values())
+
+    def note_assigned(self) -> None:
+        """A job of ours was assigned to a device (CoordinatorJob.assign): its beats begin."""
+        self._assigned.set()
+        self._assigned = trio.Event()
 
     def _on_message(self, device: Member, message) -> None:
         if isinstance(message, Info):
