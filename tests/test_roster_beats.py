@@ -1,0 +1,48 @@
+"""The coordinator's beats (Ping 0): sent to the agents of its jobs while nothing else goes to them,
+and to no idle agent."""
+from __future__ import annotations
+
+import pytest
+import trio
+
+from swarm.agent import register_job_kind
+from swarm.wire import Ping
+from tests.test_agent import swarm_of
+
+pytestmark = pytest.mark.trio
+
+
+def count_beats(agent) -> list[float]:
+    """The times `agent` receives a beat from now on."""
+    beats = []
+    dispatch = agent._dispatch
+
+    async def counting(peer, message, nursery):
+        if isinstance(message, Ping) and message.seq == 0:
+            beats.append(trio.current_time())
+        await dispatch(peer, message, nursery)
+
+    agent._dispatch = counting
+    return beats
+
+
+async def test_only_the_agent_of_a_job_is_beaten_and_only_while_it_holds_it():
+    async def idle(ctx):
+        await trio.sleep_forever()
+
+    register_job_kind("beats-test", idle)
+    async with swarm_of(2, heartbeat_interval=0.05) as (agents, cluster):
+        beats = [count_beats(agent) for agent in agents]
+        await trio.sleep(0.5)
+        assert beats == [[], []]                       # idle agents: their own heartbeats say enough
+        job = cluster.job("beats")
+        await job.assign(agents[0].node_id, "beats-test", {})
+        assigned = trio.current_time()
+        await trio.sleep(0.5)
+        assert beats[1] == []
+        during = [t for t in beats[0] if t > assigned + 0.1]
+        assert 5 <= len(during) <= 0.4 / 0.05 + 2, len(during)   # one per quiet interval
+        await job.release_all()
+        released = trio.current_time()
+        await trio.sleep(0.5)
+        assert [t for t in beats[0] if t > released + 0.1] == []
