@@ -2,7 +2,7 @@
 against the planner's reduction cost.
 
     PYTHONPATH=. python bench/reduce_scale.py [--model yolov2-16] [--devices 16,32,64]
-                                              [--repeats 5] [--rounds 3]
+                                              [--repeats 5] [--rounds 5]
 
 Measured: the wall time of swarm.execution.collectives.allreduce_sum over g endpoints of one
 in-memory network (swarm.execution.endpoint.LocalNetwork), summing the model's gradient
@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--model", default="yolov2-16")
     parser.add_argument("--devices", default="16,32,64", help="group sizes, comma-separated")
     parser.add_argument("--repeats", type=int, default=5, help="timings a figure is the median of")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="rounds over the group sizes, each size measured right after its calibrations")
     args = parser.parse_args()
     malloc.tune()  # as the swarm command runs every process, `swarm train --in-process` too
