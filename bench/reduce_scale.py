@@ -150,8 +150,8 @@ def sums_at_two(buckets: list[int], repeats: int) -> float:
 
 def calibrate_sum(buckets: list[int], repeats: int) -> tuple[float, float]:
     """(seconds per message handled, seconds per byte handled) at full speed, from the
-    all-reduce's own rounds at 2 devices: a sum there is a message out and one in each way
-    per member, and 2(g-1)/g = 1 of its bytes out and in."""
+    all-reduce's own rounds at 2 devices: there a sum is two swaps, two messages out and
+    two in per member, and moves 2(g-1)/g = 1 times its bytes out and as many in."""
     small = sums_at_two([SMALL_SUM_BYTES] * SMALL_SUMS, repeats)
     per_message = small / (SMALL_SUMS * 2 * 2 * 2)  # two members, two messages out and two in
     messages = len(buckets) * 2 * 2 * 2 * per_message

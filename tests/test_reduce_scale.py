@@ -25,7 +25,7 @@ def _local_and_dp(model: str, channels: int, devices: int) -> tuple[dict, dict]:
         local.step(*training_batch(local, data, s))
     planned = LocalTrainer(TrainConfig(**vars(cfg)))
     plan = simple_plan("dp", planned.desc, [f"d{i}" for i in range(devices)], cfg.batch_size, cfg.microbatches)
-    assert len(plan.stages[0].devices) == devices  # one group, two samples each
+    assert len(plan.stages[0].devices) == devices  # one group, every device with samples
     train_plan_in_process(plan, planned, data, STEPS, timeout_s=120)
     return planned.net.state_dict(), local.net.state_dict()
 
