@@ -1,6 +1,7 @@
-"""Chaos runs (bench/chaos.py): the seeded schedule of faults. (A short chaos run on the
-testbed joins the suite once the runtime survives the runs bench/chaos.py fails today:
-docs/runtime.md, "Chaos runs".)"""
+"""Chaos runs (bench/chaos.py): the seeded schedule of faults, and how an agent's RSS is
+compared between recoveries. (The runs themselves take 3-14 minutes each on the testbed,
+more than the suite has: bench/RESULTS.md has them, and docs/runtime.md, "Chaos runs", what
+they found.)"""
 from __future__ import annotations
 
 import importlib.util
