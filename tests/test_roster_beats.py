@@ -1,5 +1,5 @@
-"""The coordinator's beats (Ping 0): sent to the agents of its jobs while nothing else goes to them,
-and to no idle agent."""
+"""What a coordinator and its idle agents send each other at rest: beats (Ping 0) only to the agents
+of its jobs, and heartbeats from idle agents no more often than its suspect deadline needs."""
 from __future__ import annotations
 
 import pytest
@@ -46,3 +46,19 @@ async def test_only_the_agent_of_a_job_is_beaten_and_only_while_it_holds_it():
         released = trio.current_time()
         await trio.sleep(0.5)
         assert [t for t in beats[0] if t > released + 0.1] == []
+
+
+async def test_an_idle_agent_is_asked_for_three_heartbeats_per_suspect_deadline_not_more():
+    """A coordinator whose members are suspect only after a long silence (a training run's) asks
+    idle agents for fewer heartbeats than its interval; with the default deadline, one per interval."""
+    for suspect_after, expected in ((None, 0.05), (0.6, 0.2)):
+        async with swarm_of(1, heartbeat_interval=0.05, suspect_after=suspect_after) as (agents, cluster):
+            assert cluster.watch_interval == pytest.approx(expected)
+            heartbeats = []
+            on_message = cluster._on_message
+            cluster._on_message = lambda device, message: (
+                heartbeats.append(trio.current_time()) if type(message).__name__ == "Heartbeat" else None,
+                on_message(device, message))
+            await trio.sleep(1.0)
+            assert 1.0 / expected - 3 <= len(heartbeats) <= 1.0 / expected + 1, (suspect_after, len(heartbeats))
+            assert agents[0].node_id in [d.node_id for d in cluster.alive()]
