@@ -159,5 +159,8 @@ def test_a_partition_leaves_one_coordinator(bed5, local_weights, tmp_path):
     terms = {run["term"]: run for run in records("dev0", job) + records("dev1", job)}
     old = terms[0]
     assert (old["node"], old["state"]) == ("dev1", "failed"), old
-    assert "heard from 2 of 5 devices (a majority is 3)" in old["detail"], old  # its lease, not a loss
+    # it stopped on its lease, or found itself cut off first (the partition's links are not cut
+    # all at once: a worker across it may report its link to dev4 broken, and dev4 counts lost
+    # too); either way it gave up rather than training on
+    assert "heard from 2 of 5 devices (a majority is 3)" in old["detail"] or "this one gives up" in old["detail"], old
     assert [run["state"] for run in terms.values()].count("running") == 0 and sorted(terms) == [0, 1], terms
