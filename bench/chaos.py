@@ -414,6 +414,7 @@ class Chaos:
         self.rng = random.Random(args.seed * 7919 + 1)  # the devices faults hit, drawn as they fire
         self.next = 0  # the next fault to fire
         self.armed_at: float | None = None  # when the next fault, aimed at a recovery, began to wait
+        self.armed_step = 0  # the furthest step committed then
         self.undos: list[tuple[float, str, str, int]] = []  # (when, action, device, fault index)
         self.down: dict[str, str] = {}  # device -> why it is not up (killed, cut, stalled)
         self.actions: list[tuple[float, str, str, int]] = []  # (when, action, device, fault index) done
@@ -536,10 +537,12 @@ class Chaos:
         if f.step is not None:
             return self.furthest >= f.step, f"at step {f.step}"
         if self.armed_at is None:
-            self.armed_at = self.now()
+            self.armed_at, self.armed_step = self.now(), self.furthest
         seen = [p for when, p in self.phase_seen if when >= self.armed_at]
         if f.phase in seen:
             return True, f"aimed at the recovery's {f.phase}"
+        if seen and self.furthest > self.armed_step:  # it is over (a replay commits no new step)
+            return True, f"aimed at the recovery's {f.phase}; it had none, fired at the first new step after it"
         waited = self.now() - self.armed_at
         if waited > NO_PHASE_S and seen:
             return True, f"aimed at the recovery's {f.phase}; none came in {NO_PHASE_S:g} s, fired at its {seen[-1]}"
@@ -615,7 +618,7 @@ class Chaos:
             return
         self.fire(f, self.next, device, why)
         self.next += 1
-        self.armed_at = self.now()  # a next fault aimed at a recovery: the one this fault brings
+        self.armed_at, self.armed_step = self.now(), self.furthest  # a next fault aimed at a recovery: the one this fault brings
 
     # ---- the loop ----
     def run(self) -> None:

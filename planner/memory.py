@@ -41,14 +41,19 @@ JOB_BYTES = STAGE_SCRATCH_BYTES + WORKER_BYTES
 # runtime of 342 MiB: 1 sample 541 MiB (model 668), 2 samples of a group's micro-batch
 # 733-825 (954), 2 samples alone 840-873 (954), 4 alone on a 2 GiB device 1528-1775 (1869).
 WHOLE_MODEL_RESERVE = JOB_BYTES
-# The allocator's slack grows with a device's share of a micro-batch: one heap (swarm.host.
-# malloc) reuses the holes that a small share's maps leave, less so a large share's. Measured
+# The allocator's slack grew with a device's share of a micro-batch: one heap (swarm.host.
+# malloc) reused the holes that a small share's maps leave, less so a large share's. Measured
 # for yolov2-16 at 416 as a dp share on the testbed, resident with the runtime: 541 MiB with
 # 1 sample, 733-873 with 2, 1528-1775 with 4 (the most with 5 micro-batches a step), where a
 # constant slack gives 1525; in one process, 4 samples held 1.24 GB after one micro-batch
-# and 1.67 GB from the third on. So beyond 2 samples each sample adds SHARE_GROWTH to the
-# slack (4 samples: 1.3x, 1869 MiB with the runtime).
-SHARE_GROWTH = 0.15
+# and 1.67 GB from the third on: beyond 2 samples each sample added 0.15 to the slack. That
+# growth was glibc's small-chunk caches (tcache and fastbins) keeping large freed blocks from
+# merging; swarm runs glibc without them (swarm.host.malloc), and a share's peak is then
+# linear in its samples and flat from the third micro-batch on: in one process, 215, 422,
+# 650, 861 and 1027 MiB above the start for 1-5 samples (bench/allocator_peaks.py; before,
+# 4 samples 1048-1251). So on glibc, as on jemalloc, no growth: SHARE_GROWTH is the
+# mechanism, for an allocator that needs it.
+SHARE_GROWTH = 0.0
 GROWTH_FROM = 2
 # On jemalloc (swarm.host.malloc preloads it where it is installed) large blocks come in size
 # classes from extents that are reused whatever their order, and a share's peak grows by

@@ -53,3 +53,21 @@ def test_rss_compares_an_agents_readings_in_one_role_only():
            "b": [(2, 10.0, 300.0, "8-11 dp of 2")]}
     growth = chaos.rss_growth(rss)
     assert growth == {"a/1 (0-7 single)": pytest.approx(0.05)}  # a's 420 was in another role; b read once
+
+
+def test_a_fault_aimed_at_a_phase_its_recovery_never_had_fires_once_the_run_moves_past_it():
+    """A takeover that replays one step has no replayed step with more to come: the fault aimed
+    at its replay fires at the first new step after it, not never (the run ending first)."""
+    run = object.__new__(chaos.Chaos)  # (no testbed: only what `due` reads)
+    run.t0, run.armed_at, run.armed_step, run.furthest, run.phase_seen = 0.0, None, 0, 31, []
+    fault = chaos.Fault("kill", None, "replay", 5.0)
+    clock = iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0])
+    run.now = lambda: next(clock)
+    assert run.due(fault) == (False, "")  # armed at step 31, nothing seen yet
+    run.phase_seen.append((101.5, "re-plan"))
+    assert run.due(fault) == (False, "")  # the recovery re-planned; its replay may come
+    run.furthest = 32
+    fire, why = run.due(fault)
+    assert fire and "it had none" in why
+    run.armed_at, run.phase_seen = 103.5, [(104.0, "replay")]
+    assert run.due(fault) == (True, "aimed at the recovery's replay")

@@ -103,3 +103,36 @@ def test_the_swarm_command_runs_on_jemalloc_where_it_is_installed(tmp_path):
     assert out.stdout.split()[-1] == ("jemalloc" if JEMALLOC else "glibc"), out
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(env, SWARM_MALLOC="glibc"))
     assert out.stdout.split()[-1] == "glibc", out
+
+
+def test_a_command_that_trains_on_glibc_starts_again_without_glibcs_small_chunk_cache():
+    """The tcache can only be turned off at a process's start (swarm.host.malloc)."""
+    base = {"PATH": "/usr/bin"}
+    env = malloc.preload_environment(base, None, glibc=True)
+    assert env == dict(base, GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
+    assert malloc.preload_environment(env, None, glibc=True) is None  # started again already: no loop
+    assert malloc.preload_environment(base, None) is None  # a command that does not train
+    assert malloc.preload_environment(dict(base, SWARM_MALLOC="glibc"), "/usr/lib/libjemalloc.so.2", glibc=True) \
+        == dict(base, SWARM_MALLOC="glibc", GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
+    for chosen in ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {"MALLOC_ARENA_MAX": "2"},
+                   {"LD_PRELOAD": "/opt/libtcmalloc.so"}):
+        assert malloc.preload_environment(dict(base, **chosen), None, glibc=True) is None, chosen
+    assert malloc.without_own_preload(env) == base
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc settings")
+def test_swarm_train_runs_with_glibcs_tunables_and_status_starts_once(tmp_path):
+    """What `swarm train` and `swarm status` end on, seen from inside (a sitecustomize prints it at exit)."""
+    if JEMALLOC is not None:
+        env_extra = {"SWARM_MALLOC": "glibc"}  # (where jemalloc is installed, swarm runs on it otherwise)
+    else:
+        env_extra = {}
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, os\natexit.register(lambda: print('TUNABLES', os.environ.get('GLIBC_TUNABLES', '-')))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES",
+                                                                                          malloc.PRELOADED)}
+    env.update(PYTHONPATH=f"{tmp_path}:{ROOT}", **env_extra)
+    for command, expected in ((["train", "--help"], malloc.GLIBC_TUNABLES), (["status", "--help"], "-")):
+        out = subprocess.run([sys.executable, "-m", "swarm", *command], capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1] == f"TUNABLES {expected}", out.stdout[-300:]

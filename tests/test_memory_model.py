@@ -78,16 +78,21 @@ def test_largest_share_is_the_most_samples_whose_stage_fits():
                 assert b == (max(fits) if model.weights(first, last) <= room else 0), (first, last, warmup, mib)
 
 
-def test_a_share_beyond_two_samples_is_held_with_more_slack_and_the_whole_model_keeps_the_reserve():
+def test_a_share_is_held_in_proportion_to_its_samples_and_the_whole_model_keeps_the_reserve():
+    """On glibc without its small-chunk caches (swarm.host.malloc) a share's peak is linear in
+    its samples (planner/memory.py, SHARE_GROWTH); with a growth, a larger share holds more."""
     desc = describe_model("yolov2-16", 416, 5)
     model, n = MemoryModel.for_devices(desc), len(desc.layers)
     per = model.activations(0, n, 1) + model.transient(0, n, 1)
     assert model.stage(0, n, 2, 1) - model.weights(0, n) == pytest.approx(2 * per)
     assert model.stage(0, n, 4, 1) - model.weights(0, n) == pytest.approx(4 * per * (1 + 2 * SHARE_GROWTH))
+    growing = MemoryModel(desc, model.act_bytes, slack=model.slack, growth=0.15, reuse=False)
+    assert growing.stage(0, n, 4, 1) - growing.weights(0, n) == pytest.approx(4 * per * 1.3)
     assert model.budget(0, n, 1e9) == 1e9 + JOB_BYTES and model.budget(0, n - 1, 1e9) == 1e9
     # a 1 GiB device (426 MiB once its runtime and the job's reserve are off) holds 2
-    # samples of the whole model, and a 2 GiB one 4, as measured on the mixed testbed
-    assert model.max_batch(0, n, 1, 426 * 2**20) == 2 and model.max_batch(0, n, 1, 1450 * 2**20) == 4
+    # samples of the whole model, as measured on the mixed testbed, and a 2 GiB one 5 (in
+    # one process 5 samples peaked 977-1077 MiB above the start: about 1.4 GiB with the runtime)
+    assert model.max_batch(0, n, 1, 426 * 2**20) == 2 and model.max_batch(0, n, 1, 1450 * 2**20) == 5
     assert MemoryModel.estimated(desc).share_factor(8) == 1.0  # the papers' equation has no slack
 
 
@@ -147,7 +152,8 @@ SHARE = textwrap.dedent("""
 def share_peak(b: int, size: int, env_extra: dict) -> dict:
     import os
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES", "SWARM_PRELOADED")}
     env.update(PYTHONPATH=str(ROOT), **env_extra)
     run = subprocess.run([sys.executable, "-c", SHARE, str(b), str(size)], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=env)
@@ -159,7 +165,7 @@ def share_peak(b: int, size: int, env_extra: dict) -> dict:
 def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
     from swarm.host import malloc
 
-    env = {}
+    env = {"GLIBC_TUNABLES": malloc.GLIBC_TUNABLES, malloc.PRELOADED: "glibc"}  # as the swarm command runs on glibc
     if allocator == "jemalloc":
         if malloc.find_jemalloc() is None:
             pytest.skip("jemalloc is not installed here")

@@ -1,0 +1,126 @@
+"""A training process's resident peak on each allocator setting, micro-batch after micro-batch.
+
+    python bench/allocator_peaks.py [--model yolov2-16 --img-size 416 --samples 4 --iterations 6
+        --rounds 3 --settings before,swarm,mmap,jemalloc --jemalloc PATH]
+
+One process per setting and round (alternating: round 1 runs every setting, then round 2),
+each training the whole model on one thread, `--iterations` forward-backward passes of
+`--samples` samples (a list, such as 4,2,3, is taken in turn: micro-batches of varying size).
+It prints, per setting, the median over the rounds of the resident peak above the process's
+settled start after each pass, and the CPU time (user, system) and page faults of the passes:
+
+    before    glibc as swarm set it before: one arena, no mmap, freed memory kept
+    swarm     what the `swarm` command runs a training on, on glibc (swarm.host.malloc):
+              the above, and neither fastbins nor the per-thread cache (tcache)
+    mmap      one arena, and every block of 256 KiB or more its own mapping, unmapped on
+              free (each pass faults its pages in again)
+    jemalloc  jemalloc as swarm preloads it (where it is installed, or the library --jemalloc
+              names: `apt-get download libjemalloc2 && dpkg -x libjemalloc2_*.deb DIR` gives one
+              without installing it)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from swarm.host import malloc  # noqa: E402
+
+PASSES = r"""
+import ctypes, json, resource, sys, time
+setting, samples, size, iterations, model = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], \
+    int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+from swarm.host import malloc
+if setting == "mmap":
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(malloc.M_ARENA_MAX, 1); libc.mallopt(-3, 256 << 10); libc.mallopt(malloc.M_TRIM_THRESHOLD, 1 << 30)
+elif setting == "before":
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(malloc.M_ARENA_MAX, 1); libc.mallopt(malloc.M_MMAP_MAX, 0); libc.mallopt(malloc.M_TRIM_THRESHOLD, 1 << 30)
+else:
+    malloc.tune()
+import torch
+from swarm.profiling.memory_guard import PeakRSS
+from swarm.profiling.profiler import settled_rss
+from swarm.zoo import build_model
+torch.set_num_threads(1)
+net, desc, _ = build_model(model, size, classes=5, seed=1)
+net.train()
+net(torch.rand(1, *desc.layers[0].in_shape)).sum().backward()
+base = settled_rss()
+before = resource.getrusage(resource.RUSAGE_SELF)
+peaks = []
+with PeakRSS() as rss:
+    for i in range(iterations):
+        net(torch.rand(samples[i % len(samples)], *desc.layers[0].in_shape)).float().pow(2).mean().backward()
+        peaks.append((rss.peak - base) / 2**20)
+after = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"allocator": malloc.allocator(), "peaks": peaks, "user": after.ru_utime - before.ru_utime,
+                  "sys": after.ru_stime - before.ru_stime, "faults": after.ru_minflt - before.ru_minflt}))
+"""
+
+
+def environment(setting: str, jemalloc: str | None) -> dict[str, str] | None:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES", malloc.PRELOADED)}
+    env["PYTHONPATH"] = str(ROOT)
+    if setting == "swarm":
+        env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})  # as `swarm` starts itself again
+    elif setting == "jemalloc":
+        library = jemalloc or malloc.find_jemalloc()
+        if library is None:
+            return None
+        env.update(LD_PRELOAD=library, MALLOC_CONF=malloc.JEMALLOC_CONF)
+    return env
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="yolov2-16")
+    parser.add_argument("--img-size", type=int, default=416)
+    parser.add_argument("--samples", default="4", help="samples a pass, or a list taken in turn (4,2,3)")
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settings", default="before,swarm,mmap,jemalloc")
+    parser.add_argument("--jemalloc", help="the jemalloc library to preload (default: the installed one)")
+    args = parser.parse_args()
+    settings = [s for s in args.settings.split(",") if s]
+    unknown = set(settings) - {"before", "swarm", "mmap", "jemalloc"}
+    if unknown:
+        parser.error(f"no setting {', '.join(sorted(unknown))}")
+    runs: dict[str, list[dict]] = {s: [] for s in settings}
+    for _ in range(args.rounds):
+        for setting in settings:
+            env = environment(setting, args.jemalloc)
+            if env is None:
+                continue  # jemalloc not installed
+            out = subprocess.run([sys.executable, "-c", PASSES, setting, args.samples, str(args.img_size),
+                                  str(args.iterations), args.model], capture_output=True, text=True, env=env, cwd=ROOT)
+            if out.returncode != 0:
+                print(f"{setting}: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                return 1
+            runs[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"{args.model} at {args.img_size}, {args.samples} samples a pass, {args.iterations} passes, "
+          f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass)")
+    print(f"{'setting':9} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8}")
+    for setting, done in runs.items():
+        if not done:
+            print(f"{setting:9} (not installed)")
+            continue
+        medians = [statistics.median(r["peaks"][i] for r in done) for i in range(args.iterations)]
+        last = sorted(r["peaks"][-1] for r in done)
+        print(f"{setting:9} {done[0]['allocator']:9} {' '.join(f'{m:.0f}' for m in medians):48} "
+              f"{last[0]:.0f}-{last[-1]:.0f}{'':6} {statistics.median(r['user'] for r in done):7.2f} "
+              f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
