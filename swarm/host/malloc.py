@@ -29,10 +29,10 @@ On glibc the one heap still fragments, and more with every micro-batch: small fr
 that glibc holds back for quick reuse (its per-thread cache, "tcache", and its fastbins)
 count as in use, so the large free blocks on either side of one cannot merge, and the next
 large activation extends the heap instead. One process training yolov2-16 at 416 on 4-sample
-micro-batches (bench/allocator_peaks.py) peaked 913-1163 MiB above its start after 6 of
-them, growing by 85 MiB steps (850 after the first, 1211 after the twelfth); with neither
-cache 783-864 MiB, and flat after the third; jemalloc 612 from the second on. With sizes
-that vary (4, 2, 3 samples in turn) 1091-1285 against 852-926 (jemalloc 646), at the same
+micro-batches (bench/allocator_peaks.py, 3 rounds) peaked 1074-1251 MiB above its start
+after 6 of them, growing by 85 MiB steps (850 after the first, 1211 after the twelfth);
+with neither cache 851-866 MiB, flat from the fourth; jemalloc 611. With sizes that vary
+(4, 2, 3 samples in turn) 1228-1432 against 776-854 (jemalloc 646), at the same
 CPU time. Fastbins are turned off at run time (M_MXFAST 0); the tcache only at a process's
 start (GLIBC_TUNABLES), so the `swarm` command training on glibc starts itself again with
 it (`preload`), as it does on jemalloc.
