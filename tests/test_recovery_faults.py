@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -298,3 +299,32 @@ def test_an_epoch_started_before_the_newest_backup_forgets_it():
     assert (ledger.step, ledger.holdings) == (18, {"d0": {0, 1}, "d1": {2, 3}})
     ledger.epoch_started(0, ["d0", "d1"])
     assert (ledger.step, ledger.holdings) == (None, {})
+
+
+def test_a_device_that_lacks_a_holding_it_is_counted_for_is_a_lost_holding_and_the_run_recovers_again(local_weights):
+    """After step 1 d1 loses what it kept (an agent started again, its layers gone) while the
+    run goes on; then d2 dies. The recovery counts on d1's snapshot of its own stage; d1 lacks
+    it, which makes d1 a lost device too (not the end of the run), and the next recovery goes
+    on without what d1 kept, to the failure-free weights."""
+    trainer, coordinator = _run([(1, "forget", "d1", 0.0), (1, "kill", "d2", 0.3)])
+    lost = [set(r.lost) for r in coordinator.recoveries]
+    assert lost[0] == {"d2"} and {"d1"} in lost[1:], lost
+    assert trainer.step_count == STEPS and _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_a_missing_holding_names_its_holder_in_the_text_the_roster_reads():
+    from planner.backups import Move
+    from swarm.execution.replay import MISSING_HOLDING, holding_missed, missing_holding
+
+    moves = [Move("d3", "d0", 1, [5, 6], 2), Move("d1", "d0", 1, [7, 8, 9], 2), Move("d1", "d2", 1, [9], 2)]
+    lacking = missing_holding(moves, "d0", 1, {8, 9, 12})
+    assert lacking is not None and lacking.holder == "d1"
+    assert str(lacking) == "d1 lacks layers [8, 9] of stage 1 at step 2, which it was counted as holding"
+    assert missing_holding(moves, "d0", 1, {12}) is None  # nobody was to bring it
+    wrapped = f"job train-1 on d0 failed: ExceptionGroup: ... ({lacking})"
+    assert MISSING_HOLDING.search(wrapped).group(1) == "d1"
+    if sys.version_info < (3, 11):
+        from exceptiongroup import BaseExceptionGroup as Group  # (trio's, before Python 3.11)
+    else:
+        Group = BaseExceptionGroup
+    assert holding_missed(Group("tasks", [ValueError("x"), Group("in", [lacking])])) is lacking

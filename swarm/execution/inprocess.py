@@ -16,7 +16,7 @@ from swarm.errors import SwarmError, run_trio
 from swarm.execution.channels import COORDINATOR
 from swarm.execution.coordinator import RECOVERY_PHASES, TrainingCoordinator
 from swarm.execution.endpoint import LocalNetwork
-from swarm.execution.replay import DeviceStore
+from swarm.execution.replay import DeviceStore, holding_missed
 from swarm.execution.worker import DeviceWorker, JobSpec
 from swarm.local.trainer import LocalTrainer
 
@@ -82,18 +82,26 @@ class LocalControl:
             self.nursery.start_soon(self._run, scope, DeviceWorker(network.endpoint(d), job, self.stores[d]))
         return coordinator
 
-    @staticmethod
-    async def _run(scope: trio.CancelScope, worker: DeviceWorker) -> None:
+    async def _run(self, scope: trio.CancelScope, worker: DeviceWorker) -> None:
         with scope:
             try:
                 await worker.run()
             except Exception as exc:  # noqa: BLE001 (one line, unless a new epoch makes it moot first)
+                missed = holding_missed(exc)
+                if missed is not None:  # a holding counted that is not there: lost, as the roster counts it
+                    self._loss_send.send_nowait({missed.holder})
+                    return
                 await trio.sleep(FAILURE_GRACE_S)
                 raise SwarmError(f"{worker.device} failed: {type(exc).__name__}: {exc}") from exc
 
     def kill(self, device: str) -> None:
         self.vanish(device)
         self._loss_send.send_nowait({device})
+
+    def forget(self, device: str) -> None:
+        """A device that goes on, but without the states it kept (as an agent started again
+        that a recovery still counts as holding them)."""
+        self.stores[device] = DeviceStore()
 
     def vanish(self, device: str) -> None:
         """A device that dies and whose loss is reported to no one (the news went astray):

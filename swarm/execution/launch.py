@@ -27,6 +27,7 @@ from swarm.cluster.membership import BUSY_PROBE_TIMEOUT, BUSY_SUSPECT_AFTER
 from swarm.errors import SwarmError, run_trio
 from swarm.execution.channels import COORDINATOR, LINK
 from swarm.execution.coordinator import StepReport, TrainingCoordinator
+from swarm.execution.replay import MISSING_HOLDING
 from swarm.execution.train_job import CHANNEL, WireEndpoint, job_spec_dict
 from swarm.execution.worker import JobSpec
 from swarm.host.state import find_token, process_id, state_dir_from
@@ -766,6 +767,13 @@ class RosterControl:
             device = self.cluster.device(node_id)
             if device is None or device.health in ("dead", "left"):
                 self._lose({name}, epoch)
+                return
+            missed = MISSING_HOLDING.search(str(exc))
+            if missed is not None and missed.group(1) in self.names:
+                # a device counted as holding layers it lacks (started again since): that holding
+                # is lost, and so the device, for this epoch (taken in again at a backup step)
+                self.log(f"{name} could not start: {missed.group(0)}; counting it lost")
+                self._lose({missed.group(1)}, epoch)
                 return
             await trio.sleep(self.failure_grace_s)
             raise SwarmError(f"{name} failed: {exc}") from None

@@ -32,6 +32,7 @@ them.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,42 @@ def select(states: LayerStates, layers) -> LayerStates:
 
 def layers_in(states: LayerStates) -> set[int]:
     return {layer_of(k) for k in states}
+
+
+class MissingHolding(ValueError):
+    """A device lacks the state of layers the recovery counted it as holding (it started again
+    since, or dropped them): the run counts that holding as lost, and recovers again."""
+
+    def __init__(self, holder: str, stage: int, step: int, layers: list[int]):
+        self.holder = holder
+        super().__init__(f"{holder} lacks layers {layers[:4]}{'...' if len(layers) > 4 else ''} of stage {stage} "
+                         f"at step {step}, which it was counted as holding")
+
+
+# the message above, wherever it travels as text (a failed job's detail)
+MISSING_HOLDING = re.compile(r"([\w.-]+) lacks layers \[[\d, ]*\](?:\.\.\.)? of stage \d+ at step \d+, which it was counted "
+                             r"as holding")
+
+
+def holding_missed(exc: BaseException) -> MissingHolding | None:
+    """The MissingHolding `exc` is or holds (a task group wraps what its tasks raise)."""
+    if isinstance(exc, MissingHolding):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):
+        found = holding_missed(inner)
+        if found is not None:
+            return found
+    return None
+
+
+def missing_holding(moves, device: str, stage: int, missing: set[int]) -> MissingHolding | None:
+    """Which holder failed `device`: the first move that was to bring it any of `missing`
+    layers of `stage` (None if none was: nobody was counted for them)."""
+    for move in moves:
+        lacking = missing & set(move.layers)
+        if move.dst == device and move.stage == stage and lacking:
+            return MissingHolding(move.src, stage, move.step, sorted(lacking))
+    return None
 
 
 PIECE_BYTES = 1 << 20

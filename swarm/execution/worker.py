@@ -33,7 +33,7 @@ from swarm.execution.endpoint import Endpoint
 from swarm.execution.group_bn import merge_running_stats, replay_running_stats
 from swarm.execution.halos import DeviceTiles, TileGeometry
 from swarm.execution.reduce import GradReducer
-from swarm.execution.replay import DeviceBackups, DeviceStore
+from swarm.execution.replay import DeviceBackups, DeviceStore, layer_of, layers_in, missing_holding
 from swarm.execution.stage import StageCopy
 from swarm.execution.threads import LOCK_POLL_S, ComputeLock, call_in_loop, check_cancelled
 from swarm.host.resources import cpu_quota
@@ -202,6 +202,10 @@ class DeviceWorker:
         copy = await trio.to_thread.run_sync(StageCopy.build, self.plan, p, self.cfg, self.job.cfg_text,
                                              len(self.bn_group_of(p)), self.compute_on)
         states = await self.backups.states_for(p, self.job.moves)
+        missing = {layer_of(k) for k in copy.net.state_dict()} - layers_in(states)
+        lacking = missing_holding(self.job.moves, self.device, p, missing) if missing else None
+        if lacking is not None:
+            raise lacking
         await trio.to_thread.run_sync(copy.load_states, states)
         self.copies[p] = copy
         if copy.stage.mode == "tiles":
