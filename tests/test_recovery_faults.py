@@ -306,7 +306,7 @@ def test_a_device_that_lacks_a_holding_it_is_counted_for_is_a_lost_holding_and_t
     run goes on; then d2 dies. The recovery counts on d1's snapshot of its own stage; d1 lacks
     it, which makes d1 a lost device too (not the end of the run), and the next recovery goes
     on without what d1 kept, to the failure-free weights."""
-    trainer, coordinator = _run([(1, "forget", "d1", 0.0), (1, "kill", "d2", 0.3)])
+    trainer, coordinator = _run([(1, "forget", "d1", 0.0), (1, "kill", "d2", 0.05)])
     lost = [set(r.lost) for r in coordinator.recoveries]
     assert lost[0] == {"d2"} and {"d1"} in lost[1:], lost
     assert trainer.step_count == STEPS and _worst(trainer.net.state_dict(), local_weights) < 1e-9
