@@ -41,8 +41,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # testbed (one per machine), agents advertising on loopback's mDNS, and checks of how long
 # something took or how much memory it reached. Meanwhile the other process runs the rest.
 MACHINE_WIDE = {
-    "test_agent", "test_agent_bounds", "test_auth", "test_clean_stop", "test_cuda", "test_deploy_notify",
-    "test_detached", "test_discovery", "test_failover", "test_flapping", "test_memory_model",
+    "test_agent", "test_agent_bounds", "test_auth", "test_chaos_run", "test_clean_stop", "test_cuda",
+    "test_deploy_notify", "test_detached", "test_discovery", "test_failover", "test_flapping", "test_memory_model",
     "test_planner_live", "test_service_install", "test_status", "test_swarm_detached", "test_swarm_replay",
     "test_swarm_spare_memory", "test_swarm_training", "test_testbed", "test_torch_libs", "test_wire_sockets",
 }
