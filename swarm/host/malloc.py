@@ -25,17 +25,17 @@ instead of trimmed after each free; on jemalloc the same in its terms. `give_bac
 it to the system when a job ends. A user who sets LD_PRELOAD, MALLOC_*, GLIBC_TUNABLES or
 SWARM_MALLOC=glibc in the environment has the last word.
 
-On glibc the one heap still fragments, and more with every micro-batch: small freed chunks
-that glibc holds back for quick reuse (its per-thread cache, "tcache", and its fastbins)
-count as in use, so the large free blocks on either side of one cannot merge, and the next
-large activation extends the heap instead. One process training yolov2-16 at 416 on 4-sample
-micro-batches (bench/allocator_peaks.py, 3 rounds) peaked 1074-1251 MiB above its start
-after 6 of them, growing by 85 MiB steps (850 after the first, 1211 after the twelfth);
-with neither cache 851-866 MiB, flat from the fourth; jemalloc 611. With sizes that vary
-(4, 2, 3 samples in turn) 1228-1432 against 776-854 (jemalloc 646), at the same
-CPU time. Fastbins are turned off at run time (M_MXFAST 0); the tcache only at a process's
-start (GLIBC_TUNABLES), so the `swarm` command training on glibc starts itself again with
-it (`preload`), as it does on jemalloc.
+On glibc the one heap fragmented even so, and more with every micro-batch: small freed
+chunks that glibc holds back for quick reuse (its per-thread cache, "tcache", and its
+fastbins) count as in use, so the large free blocks on either side of one cannot merge, and
+the next large activation extends the heap instead. One process training yolov2-16 at 416 on
+4-sample micro-batches (bench/allocator_peaks.py, 3 rounds) peaked 1074-1251 MiB above its
+start after 6 of them, growing by 85 MiB steps (850 after the first, 1211 after the twelfth);
+with neither cache 851-866 MiB, flat from the fourth (in five more rounds on a quiet machine
+836-890 against 999-1191); jemalloc 611. With sizes that vary (4, 2, 3 samples in turn)
+1228-1432 against 776-854 (jemalloc 646); the same CPU time. Fastbins are turned off at run
+time (M_MXFAST 0); the tcache only at a process's start (GLIBC_TUNABLES), so the `swarm`
+command training on glibc starts itself again with it (`preload`), as it does on jemalloc.
 """
 from __future__ import annotations
 
