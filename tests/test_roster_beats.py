@@ -41,7 +41,9 @@ async def test_only_the_agent_of_a_job_is_beaten_and_only_while_it_holds_it():
         await trio.sleep(0.5)
         assert beats[1] == []
         during = [t for t in beats[0] if t > assigned + 0.1]
-        assert 5 <= len(during) <= 0.4 / 0.05 + 2, len(during)   # one per quiet interval
+        # one per quiet interval, not more; the floor is loose, as on a loaded machine (the suite's
+        # two workers beside the testbed) four came in the 0.4 s where eight were due
+        assert 2 <= len(during) <= 0.4 / 0.05 + 2, len(during)
         await job.release_all()
         released = trio.current_time()
         await trio.sleep(0.5)
