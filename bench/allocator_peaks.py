@@ -1,7 +1,7 @@
 """A training process's resident peak on each allocator setting, micro-batch after micro-batch.
 
     python bench/allocator_peaks.py [--model yolov2-16 --img-size 416 --samples 4 --iterations 6
-        --rounds 3 --settings before,swarm,mmap,jemalloc --jemalloc PATH]
+        --rounds 3 --settings before,swarm,mmap,jemalloc --jemalloc PATH --recompute off,on]
 
 One process per setting and round (alternating: round 1 runs every setting, then round 2),
 each training the whole model on one thread, `--iterations` forward-backward passes of
@@ -17,6 +17,11 @@ settled start after each pass, and the CPU time (user, system) and page faults o
     jemalloc  jemalloc as swarm preloads it (where it is installed, or the library --jemalloc
               names: `apt-get download libjemalloc2 && dpkg -x libjemalloc2_*.deb DIR` gives one
               without installing it)
+
+With `--recompute off,on` each setting runs twice a round: keeping every map the backward reads,
+and remaking BatchNorm's output and its activation's result in the backward (swarm.zoo.recompute)
+for every layer that has BatchNorm; the rows say `+rc`. The CPU time is then the passes' cost of
+remaking them.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ PASSES = r"""
 import ctypes, json, resource, sys, time
 setting, samples, size, iterations, model = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], \
     int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+recompute = sys.argv[6] == "on"
 from swarm.host import malloc
 if setting == "mmap":
     libc = ctypes.CDLL("libc.so.6")
@@ -53,6 +59,8 @@ from swarm.zoo import build_model
 torch.set_num_threads(1)
 net, desc, _ = build_model(model, size, classes=5, seed=1)
 net.train()
+if recompute:
+    net.recompute = frozenset(l.index for l in desc.layers if l.kind in ("conv", "connected") and l.batch_normalize)
 net(torch.rand(1, *desc.layers[0].in_shape)).sum().backward()
 base = settled_rss()
 before = resource.getrusage(resource.RUSAGE_SELF)
@@ -90,33 +98,40 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settings", default="before,swarm,mmap,jemalloc")
     parser.add_argument("--jemalloc", help="the jemalloc library to preload (default: the installed one)")
+    parser.add_argument("--recompute", default="off", help="off, on, or off,on: BatchNorm and activation remade "
+                        "in the backward")
     args = parser.parse_args()
     settings = [s for s in args.settings.split(",") if s]
     unknown = set(settings) - {"before", "swarm", "mmap", "jemalloc"}
     if unknown:
         parser.error(f"no setting {', '.join(sorted(unknown))}")
-    runs: dict[str, list[dict]] = {s: [] for s in settings}
+    modes = [m for m in args.recompute.split(",") if m]
+    if not modes or set(modes) - {"off", "on"}:
+        parser.error("--recompute takes off, on or off,on")
+    rows = [(s, m) for s in settings for m in modes]
+    runs: dict[str, list[dict]] = {s + ("+rc" if m == "on" else ""): [] for s, m in rows}
     for _ in range(args.rounds):
-        for setting in settings:
+        for setting, mode in rows:
             env = environment(setting, args.jemalloc)
             if env is None:
                 continue  # jemalloc not installed
             out = subprocess.run([sys.executable, "-c", PASSES, setting, args.samples, str(args.img_size),
-                                  str(args.iterations), args.model], capture_output=True, text=True, env=env, cwd=ROOT)
+                                  str(args.iterations), args.model, mode],
+                                 capture_output=True, text=True, env=env, cwd=ROOT)
             if out.returncode != 0:
                 print(f"{setting}: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 return 1
-            runs[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[setting + ("+rc" if mode == "on" else "")].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.model} at {args.img_size}, {args.samples} samples a pass, {args.iterations} passes, "
           f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass)")
-    print(f"{'setting':9} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8}")
+    print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8}")
     for setting, done in runs.items():
         if not done:
-            print(f"{setting:9} (not installed)")
+            print(f"{setting:12} (not installed)")
             continue
         medians = [statistics.median(r["peaks"][i] for r in done) for i in range(args.iterations)]
         last = sorted(r["peaks"][-1] for r in done)
-        print(f"{setting:9} {done[0]['allocator']:9} {' '.join(f'{m:.0f}' for m in medians):48} "
+        print(f"{setting:12} {done[0]['allocator']:9} {' '.join(f'{m:.0f}' for m in medians):48} "
               f"{last[0]:.0f}-{last[-1]:.0f}{'':6} {statistics.median(r['user'] for r in done):7.2f} "
               f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f}")
     return 0

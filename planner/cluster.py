@@ -95,6 +95,7 @@ class Cluster:
     latency: float = 0.0  # seconds added to every message
     data_source: str | None = None  # the device that holds the samples (None: every device has them)
     name: str = "cluster"
+    recomputing: bool = False  # the devices' backward times include remaking BatchNorm (planner.recompute)
     # tolerance -> each device's class (planner/classes.py), worked out once per cluster
     class_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -10,7 +10,7 @@ the layer's shapes in the same way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -120,14 +120,41 @@ def input_kept_upstream(desc: ModelDesc) -> set[int]:
     return {layer.index for layer in desc.layers if len(layer.inputs) == 1 and layer.inputs[0] in kept}
 
 
-def estimate_activation_bytes(desc: ModelDesc) -> list[int]:
+def recomputable(desc: ModelDesc) -> frozenset[int]:
+    """The layers whose BatchNorm output and activation result a backward can remake from the
+    conv's output (swarm.zoo.recompute): conv and connected layers with BatchNorm."""
+    return frozenset(layer.index for layer in desc.layers if layer.kind in ("conv", "connected") and layer.batch_normalize)
+
+
+def remade_maps(desc: ModelDesc, remade: frozenset[int]) -> set[int]:
+    """The layers whose output is, to every layer reading it, a recipe rather than a kept map:
+    the remade layers, and routes that pass one remade map on (the same tensor, or a group of
+    its channels: a view of it)."""
+    maps: set[int] = set()
+    for layer in desc.layers:
+        if layer.index in remade:
+            maps.add(layer.index)
+        elif layer.kind == "route" and len(layer.inputs) == 1 and layer.inputs[0] in maps:
+            maps.add(layer.index)
+    return maps
+
+
+def estimate_activation_bytes(desc: ModelDesc, remade: frozenset[int] = frozenset()) -> list[int]:
     """Per-sample bytes each layer keeps for its backward, as torch does for the zoo's layers:
     a conv keeps its input (unless its producer keeps it: input_kept_upstream), BatchNorm its
     input, the activation its result; max pooling a byte per output (the selected position
     in its window); average pooling, route, reorg, upsample, crop and the heads only rearrange or pass maps on,
     and a shortcut only adds (nothing kept, but an activation's); scale_channels and sam
-    multiply, keeping both factors."""
+    multiply, keeping both factors. A layer in `remade` keeps only its conv's output (BatchNorm's
+    input): its BatchNorm output and activation result, and any layer's copy of them, are
+    recipes (swarm.zoo.recompute)."""
     upstream = input_kept_upstream(desc)
+    recipes = remade_maps(desc, remade)
+
+    def read(index: int) -> int:  # what keeping the layer's inputs costs
+        return sum(0 if s in recipes else (desc.input_bytes if s < 0 else desc.layers[s].out_bytes)
+                   for s in desc.layers[index].inputs)
+
     out = []
     for layer in desc.layers:
         ob = layer.out_bytes
@@ -136,18 +163,20 @@ def estimate_activation_bytes(desc: ModelDesc) -> list[int]:
         elif layer.kind == "shortcut":
             out.append(ob if layer.activation != "linear" else 0)
         elif layer.kind in ("scale_channels", "sam"):
-            out.append(in_bytes(desc, layer.index) + (ob if layer.activation != "linear" else 0))
+            out.append(read(layer.index) + (ob if layer.activation != "linear" else 0))
         elif layer.kind == "maxpool":
             out.append(ob // BYTES_PER_FLOAT if layer.kernel * layer.kernel <= 256 else 2 * ob)
+        elif layer.index in remade:
+            out.append((0 if layer.index in upstream else read(layer.index)) + ob)
         elif layer.kind in ("conv", "connected"):
-            keep = 0 if layer.index in upstream else in_bytes(desc, layer.index)
+            keep = 0 if layer.index in upstream else read(layer.index)
             keep += ob if layer.batch_normalize else 0
             keep += ob if layer.activation != "linear" else 0
             out.append(keep)
         elif layer.kind == "dropout":
             out.append(ob)  # the mask, in the map's own type (swarm.zoo.net multiplies by it)
         else:  # avgpool and anything local: keeps its input
-            out.append(0 if layer.index in upstream else in_bytes(desc, layer.index))
+            out.append(0 if layer.index in upstream else read(layer.index))
     return out
 
 
@@ -167,6 +196,8 @@ class MemoryModel:
     kept: bool = False  # a device also keeps a copy of its stages' weights and optimizer state to roll back to
     #                     (for_devices: the runtime's rollback, swarm.execution.worker), and the stage
     #                     it backs up for another device (planner.simulator)
+    remade: frozenset[int] = frozenset()  # layers whose BatchNorm output and activation result the backward
+    #                                       remakes (recomputing); act_bytes are then what they keep so
 
     def __post_init__(self):
         self.act_bytes = np.asarray(self.act_bytes, dtype=float)
@@ -179,7 +210,8 @@ class MemoryModel:
         self.in_bytes = np.array([in_bytes(self.desc, i) for i in range(len(self.desc.layers))], dtype=float)
         # a layer's backward holds the gradient of its output and of its input, and one more
         # map of its output's size for each pointwise step it runs (BatchNorm, activation)
-        pointwise = [int(layer.batch_normalize) + int(layer.activation != "linear")
+        # (a remade layer's backward also holds the map it remade)
+        pointwise = [int(layer.batch_normalize) + int(layer.activation != "linear") + int(layer.index in self.remade)
                      if layer.kind in ("conv", "connected") else 0 for layer in self.desc.layers]
         self.grad_bytes = self.out_bytes * (1 + np.array(pointwise, dtype=float)) + self.in_bytes
         self._cum_params = np.concatenate([[0.0], np.cumsum(self.param_bytes)])
@@ -220,6 +252,17 @@ class MemoryModel:
         if act_bytes is None:
             return cls(desc, estimate_activation_bytes(desc), optimizer, **held)
         return cls(desc, act_bytes, optimizer, measured=True, **held)
+
+    def recomputing(self) -> "MemoryModel":
+        """This model for a backward that remakes every BatchNorm output and activation result
+        (swarm.zoo.recompute): each such layer keeps only its conv's output. Measured bytes
+        lose what the estimate says the recipes save, layer by layer."""
+        remade = recomputable(self.desc)
+        if self.remade == remade:
+            return self
+        saving = np.array(estimate_activation_bytes(self.desc)) - np.array(estimate_activation_bytes(self.desc, remade))
+        act = np.maximum(self.act_bytes - saving, 0.0)
+        return replace(self, act_bytes=act, remade=remade)
 
     def budget(self, first: int, last: int, memory: float) -> float:
         """What a device with budget `memory` (its memory less the runtime and JOB_BYTES) may

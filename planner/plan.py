@@ -78,6 +78,10 @@ class Stage:
             while one waits for its group's BatchNorm sums, the other computes. Backwards
             still run in order, and forwards, so the result does not change. Costs one more
             micro-batch of activations during each backward. Default off.
+    recompute: (single, dp) the backward remakes each BatchNorm output and activation result from
+            the conv's output instead of keeping them (swarm.zoo.recompute): a layer keeps one
+            map of its output's size, not two or three, for one more pass over it in the
+            backward. The gradients are the same, bit for bit. Default off.
     """
 
     first: int
@@ -95,6 +99,7 @@ class Stage:
     shares: list[int] | None = None
     groups: list[int] | None = None
     overlap: bool | None = None
+    recompute: bool | None = None
 
     @property
     def layers(self) -> range:
@@ -271,6 +276,10 @@ class Plan:
             lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {on}")
         return "\n".join(lines)
 
+    def recomputes(self) -> bool:
+        """Whether the plan's stages remake BatchNorm in the backward (Stage.recompute)."""
+        return any(s.recompute for s in self.stages)
+
     def validate(self, desc: ModelDesc | None = None) -> None:
         """Raise PlanError unless the plan can run (against the model when given)."""
         if self.version != PLAN_VERSION:
@@ -311,6 +320,10 @@ class Plan:
                 raise PlanError(f"{where}: overlap is true or false, not {s.overlap!r}")
             if s.overlap and s.mode != "dp":
                 raise PlanError(f"{where}: only a dp stage overlaps a backward with the next forward")
+            if s.recompute not in (None, False, True):
+                raise PlanError(f"{where}: recompute is true or false, not {s.recompute!r}")
+            if s.recompute and s.mode == "tiles":
+                raise PlanError(f"{where}: a tiles stage keeps its own maps; recompute is for single and dp stages")
             if s.replicas not in (None, 1):
                 if len(self.stages) > 1:
                     raise PlanError(f"{where}: replicas={s.replicas} only in a plan with this one stage")

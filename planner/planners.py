@@ -13,7 +13,7 @@ out what cannot beat it (planner/bounds.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.asteroid import AsteroidDP, pipeline_plan, plan_asteroid
 from planner.baselines import plan_dp, plan_local, plan_pp, square_grid
@@ -22,6 +22,7 @@ from planner.hiertrain import plan_hiertrain
 from planner.inputs import NoPlan, PlanInputs
 from planner.jointdnn import plan_jointdnn
 from planner.plan import Plan, PlanError, Stage
+from planner.recompute import recomputing
 from planner.tiles_planner import plan_tiles, tiles_end
 
 HYBRID_CANDIDATES = 2  # Asteroid pipelines tried after each tiles front
@@ -87,6 +88,28 @@ BOUNDED = {"dp", "tiles", "asteroid"}
 
 
 def plan_auto(inputs: PlanInputs) -> Plan:
+    """The best plan of every planner and the hybrids, keeping every map the backward reads;
+    then the same search again with BatchNorm remade in the backward (planner.recompute),
+    bounded by the first search's best: its plans need less memory for more compute, and win
+    where memory held the first search back (a device that can then take a whole micro-batch,
+    fewer stages). A plan that remakes says so in its single and dp stages."""
+    plan = _plan_auto(inputs)
+    if not inputs.mem.recomputing().remade or inputs.cluster.recomputing:
+        return plan
+    mem, cluster = recomputing(inputs.mem, inputs.cluster, inputs.desc)
+    try:
+        other = _plan_auto(replace(inputs, mem=mem, cluster=cluster), best_step(plan))
+    except NoPlan:
+        return plan
+    if not any(s.mode != "tiles" for s in other.stages) or _fits_then_time(other) >= _fits_then_time(plan):
+        return plan
+    for s in other.stages:
+        if s.mode != "tiles":
+            s.recompute = True
+    return other
+
+
+def _plan_auto(inputs: PlanInputs, bound: float | None = None) -> Plan:
     """The best plan of every planner and the hybrids. Each planner that builds many
     candidates is given the best step found before it, and does not simulate what its
     devices alone cannot compute in less (planner/bounds.py): such a plan could not win."""
@@ -95,7 +118,7 @@ def plan_auto(inputs: PlanInputs) -> Plan:
     best = None
     for name, planner in PLANNERS.items():
         try:
-            plan = planner(inputs, bound=best_step(best)) if name in BOUNDED else planner(inputs)
+            plan = planner(inputs, bound=best_step(best, bound)) if name in BOUNDED else planner(inputs)
         except NoPlan as exc:
             reasons.append(f"{name}: {exc}")
             continue
@@ -105,7 +128,7 @@ def plan_auto(inputs: PlanInputs) -> Plan:
         if best is None or _fits_then_time(plan) < _fits_then_time(best):
             best = plan
     tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
-    candidates += plan_hybrids(inputs, tiles_plan, best_step(best))
+    candidates += plan_hybrids(inputs, tiles_plan, best_step(best, bound))
     if not candidates:
         raise NoPlan("no planner found a plan: " + "; ".join(reasons))
     best = min(candidates, key=_fits_then_time)

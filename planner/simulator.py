@@ -36,6 +36,7 @@ from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
+from planner.recompute import recomputing
 from planner.schedule import stage_schedule
 from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, gradient_buckets, microbatch_sizes,
                                 ring_allreduce_time, split_stage_work)
@@ -166,6 +167,8 @@ def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster)
 def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, validate: bool = True) -> Timeline:
     if validate:
         plan.validate(desc)
+    if plan.recomputes():
+        mem, cluster = recomputing(mem, cluster, desc)
     stage = plan.stages[0]
     if len(plan.stages) > 1 or stage.replica_count() == 1:
         blocks = plan.in_blocks()

@@ -62,11 +62,11 @@ class _GroupBatchNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight, gmean, gvar)
         ctx.exchange, ctx.eps, ctx.n = exchange, eps, float(n)
         unbiased = (gm2 / max(float(n) - 1.0, 1.0)).to(x.device, x.dtype)
-        ctx.mark_non_differentiable(gmean, unbiased)
-        return y, gmean, unbiased
+        ctx.mark_non_differentiable(gmean, unbiased, gvar)
+        return y, gmean, unbiased, gvar
 
     @staticmethod
-    def backward(ctx, dy, _dmean, _dvar):
+    def backward(ctx, dy, _dmean, _dvar, _dgvar):
         x, weight, gmean, gvar = ctx.saved_tensors
         if x.numel():  # with the group's mean and variance as "running" statistics: (dy w invstd, sum dy xhat, sum dy)
             # (also as the saved ones: CUDA's kernel reads those where its fused path does not apply)
@@ -110,6 +110,7 @@ class GroupBatchNorm(nn.BatchNorm2d):
         self.running_mean, self.running_var = bn.running_mean, bn.running_var
         self.num_batches_tracked = bn.num_batches_tracked
         self.exchange: Exchange | None = None
+        self._group_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last training forward
 
     def _check_input_dim(self, x):  # 2-D (connected) and 4-D inputs alike
         if x.dim() not in (2, 4):
@@ -118,13 +119,27 @@ class GroupBatchNorm(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.exchange is None:
             return super().forward(x)
-        y, mean, var = _GroupBatchNorm.apply(x, self.weight, self.bias, self.eps, self.exchange)
+        y, mean, var, biased = _GroupBatchNorm.apply(x, self.weight, self.bias, self.eps, self.exchange)
+        self._group_stats = (mean.detach(), biased.detach())
         with torch.no_grad():
             momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked + 1)
             self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
             self.running_var.mul_(1 - momentum).add_(var, alpha=momentum)
             self.num_batches_tracked.add_(1)
         return y
+
+    def recompute_output(self, x: torch.Tensor):
+        """How to remake the last training forward's output for its input `x` (swarm.zoo.recompute):
+        the same kernel with the group's statistics, which a plain BatchNorm could not find again
+        from this replica's samples alone."""
+        if not self.training or self.exchange is None:
+            weight, bias, eps = self.weight, self.bias, self.eps
+            return lambda: torch.nn.functional.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+        mean, var = self._group_stats
+        weight, bias, eps = self.weight, self.bias, self.eps
+        if weight is None:
+            weight = torch.ones_like(mean)
+        return lambda: torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
 
 
 def replace_batchnorm(module: nn.Module) -> list[tuple[str, GroupBatchNorm]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from planner.model_desc import ModelDesc
+from planner.memory import recomputable
 from planner.plan import Plan
 from swarm.execution.group_bn import GroupBatchNorm, replace_batchnorm
 from swarm.execution.threads import stop_if_cancelled
@@ -57,6 +58,8 @@ class StageCopy:
         net.to(device, torch_dtype(cfg.dtype))
         net.train()
         group_bns = replace_batchnorm(net) if stage.mode == "dp" and group_size > 1 else []
+        if stage.recompute:
+            net.recompute = recomputable(desc) & set(range(stage.first, stage.last))
         for i in range(stage.first, stage.last):  # a cancelled job stops its forward at the next layer
             net.layers[i].register_forward_pre_hook(stop_if_cancelled)
         optimizer = make_optimizer(net.named_parameters(), cfg)

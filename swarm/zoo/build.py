@@ -466,7 +466,7 @@ def make_modules(plans: list[LayerPlan], only: range | None = None):
     stage allocates just that stage's weights, under the same state_dict keys."""
     from torch import nn
 
-    from swarm.zoo.layers import (Crop, MaxPool2d, Reorg, Route, ScaleChannels, Shortcut, Upsample,
+    from swarm.zoo.layers import (Crop, MaxPool2d, Reorg, Route, ScaleChannels, Shortcut, Upsample, Weighted,
                                   activation)
 
     modules = []
@@ -481,7 +481,7 @@ def make_modules(plans: list[LayerPlan], only: range | None = None):
             if d.batch_normalize:
                 parts["bn"] = nn.BatchNorm2d(d.out_shape[0])
             parts["act"] = activation(d.activation)
-            modules.append(nn.Sequential(parts))
+            modules.append(Weighted(parts))
         elif d.kind == "maxpool":
             parts = OrderedDict()
             if any(d.padding):
@@ -496,7 +496,7 @@ def make_modules(plans: list[LayerPlan], only: range | None = None):
             if d.batch_normalize:
                 parts["bn"] = nn.BatchNorm1d(plan.out_features)
             parts["act"] = activation(d.activation)
-            modules.append(nn.Sequential(parts))
+            modules.append(Weighted(parts))
         elif d.kind == "route":
             modules.append(Route(d.groups, d.group_id))
         elif d.kind == "shortcut":

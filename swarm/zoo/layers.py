@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from swarm.zoo.recompute import active as active_recipes
+from swarm.zoo.recompute import run_recomputed
 from tiles.ops import HardMish, max_pool_channels_last, maxpool_forward, maxpool_input_grad
 
 
@@ -77,6 +79,21 @@ class _MaxPoolChannelsLast(torch.autograd.Function):
         dx = torch.ops.aten.max_pool2d_with_indices_backward(dy.contiguous(), shape_only, [k, k], [s, s], [0, 0],
                                                              [1, 1], False, code)
         return dx, None, None
+
+
+class Weighted(nn.Sequential):
+    """A conv or connected layer: its weights (`conv` or `fc`), BatchNorm (`bn`) if it has one,
+    and its activation (`act`). With `remade` set, a training forward under swarm.zoo.recompute's
+    Recipes keeps BatchNorm's output and the activation's result as recipes."""
+
+    remade = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.remade and self.training:
+            recipes = active_recipes()
+            if recipes is not None:
+                return run_recomputed(self, x, recipes)
+        return super().forward(x)
 
 
 def activation(name: str) -> nn.Module:

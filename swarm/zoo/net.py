@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from planner.model_desc import ModelDesc
+from swarm.zoo.layers import Weighted
+from swarm.zoo.recompute import Recipes
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant for mixing dropout seeds
 _MASK64 = (1 << 64) - 1
@@ -28,6 +30,24 @@ class Net(nn.Module):
         self.desc = desc
         self.layers = nn.ModuleList(modules)
         self.dropout_p = dropout_p
+        self._recompute: frozenset[int] = frozenset()
+
+    @property
+    def recompute(self) -> frozenset[int]:
+        """The layers whose BatchNorm output and activation result a training backward remakes
+        rather than keeps (swarm.zoo.recompute): a plan's choice, set by whoever runs the net.
+        Only conv and connected layers with BatchNorm can be among them."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, layers) -> None:
+        layers = frozenset(layers)
+        for i, module in enumerate(self.layers):
+            if i in layers and not (isinstance(module, Weighted) and hasattr(module, "bn")):
+                raise ValueError(f"layer {i} has no BatchNorm to recompute")
+            if isinstance(module, Weighted):
+                module.remade = i in layers
+        self._recompute = layers
 
     def forward(self, x: torch.Tensor, keys: list[int] | None = None) -> torch.Tensor:
         """x: (B, C, S, S) uint8 image or float in [0, 1]; keys: one int per sample, used to
@@ -43,10 +63,26 @@ class Net(nn.Module):
         outs = dict(live)
         if -1 in outs and outs[-1].dtype == torch.uint8:  # images travel as bytes
             outs[-1] = outs[-1].to(self.dtype).div_(255.0)
+        crossing = self.desc.live_after(last)
+        remade = [i for i in range(first, last) if i in self._recompute] if self.training else []
+        if remade and torch.is_grad_enabled():
+            with Recipes():
+                self._run(first, last, outs, set(crossing), keys)
+        else:
+            self._run(first, last, outs, set(crossing), keys)
+        return {k: outs[k] for k in crossing}
+
+    def _run(self, first: int, last: int, outs: dict[int, torch.Tensor], crossing: set[int], keys) -> None:
+        """Layers [first, last) into `outs`; a map that no later layer of the range reads and
+        that does not cross `last` is let go as soon as its last reader has run."""
         layers = self.desc.layers
+        last_reader = {s: i for i in range(first, last) for s in layers[i].inputs}
         for i in range(first, last):
             d = layers[i]
             xs = [outs[s] for s in d.inputs]
+            for s in d.inputs:
+                if last_reader[s] == i and s not in crossing:
+                    outs.pop(s, None)
             if d.kind == "dropout":
                 y = self._dropout(xs[0], i, keys)
             elif d.kind == "crop":
@@ -56,7 +92,6 @@ class Net(nn.Module):
             else:
                 y = self.layers[i](*xs)
             outs[i] = y
-        return {k: outs[k] for k in self.desc.live_after(last)}
 
     @property
     def dtype(self) -> torch.dtype:
