@@ -83,22 +83,24 @@ PLANNERS = {
 STRATEGIES = (*PLANNERS, "auto")
 
 
+# the planners auto runs again for stages that remake BatchNorm (plan_auto)
+REMAKING = ("local", "dp", "pp")
 # the planners that take auto's best step so far and skip what cannot beat it
 BOUNDED = {"dp", "tiles", "asteroid"}
 
 
 def plan_auto(inputs: PlanInputs) -> Plan:
     """The best plan of every planner and the hybrids, keeping every map the backward reads;
-    then the same search again with BatchNorm remade in the backward (planner.recompute),
-    bounded by the first search's best: its plans need less memory for more compute, and win
-    where memory held the first search back (a device that can then take a whole micro-batch,
-    fewer stages). A plan that remakes says so in its single and dp stages."""
+    then the one-stage planners and pp again with BatchNorm remade in the backward
+    (planner.recompute), bounded by the first search's best: their plans need less memory for
+    more compute, and win where memory held the first search back (a device that can then take
+    a larger share of a micro-batch, or whole ones). A plan that remakes says so in its single and dp stages."""
     plan = _plan_auto(inputs)
     if not inputs.mem.recomputing().remade or inputs.cluster.recomputing:
         return plan
     mem, cluster = recomputing(inputs.mem, inputs.cluster, inputs.desc)
     try:
-        other = _plan_auto(replace(inputs, mem=mem, cluster=cluster), best_step(plan))
+        other = _plan_auto(replace(inputs, mem=mem, cluster=cluster), best_step(plan), remaking=True)
     except NoPlan:
         return plan
     if not any(s.mode != "tiles" for s in other.stages) or _fits_then_time(other) >= _fits_then_time(plan):
@@ -109,14 +111,20 @@ def plan_auto(inputs: PlanInputs) -> Plan:
     return other
 
 
-def _plan_auto(inputs: PlanInputs, bound: float | None = None) -> Plan:
+def _plan_auto(inputs: PlanInputs, bound: float | None = None, remaking: bool = False) -> Plan:
     """The best plan of every planner and the hybrids. Each planner that builds many
     candidates is given the best step found before it, and does not simulate what its
-    devices alone cannot compute in less (planner/bounds.py): such a plan could not win."""
+    devices alone cannot compute in less (planner/bounds.py): such a plan could not win.
+    `remaking`: the search for stages that remake, which runs only the planners of whole-model
+    stages and plain pipelines (REMAKING): where remaking wins, a device takes a larger share of
+    a micro-batch, or whole ones; Asteroid's and the hybrids' searches, the longest, are not run
+    twice (a tiles stage keeps its maps anyway)."""
     candidates = []
     reasons = []
     best = None
     for name, planner in PLANNERS.items():
+        if remaking and name not in REMAKING:
+            continue
         try:
             plan = planner(inputs, bound=best_step(best, bound)) if name in BOUNDED else planner(inputs)
         except NoPlan as exc:
@@ -128,7 +136,8 @@ def _plan_auto(inputs: PlanInputs, bound: float | None = None) -> Plan:
         if best is None or _fits_then_time(plan) < _fits_then_time(best):
             best = plan
     tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
-    candidates += plan_hybrids(inputs, tiles_plan, best_step(best, bound))
+    if not remaking:
+        candidates += plan_hybrids(inputs, tiles_plan, best_step(best, bound))
     if not candidates:
         raise NoPlan("no planner found a plan: " + "; ".join(reasons))
     best = min(candidates, key=_fits_then_time)

@@ -13,6 +13,10 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def stage_devices(stage) -> str:
+    return _devices(stage) + ("; BatchNorm remade in the backward" if stage.recompute else "")
+
+
+def _devices(stage) -> str:
     if stage.mode == "dp" and stage.replica_count() > 1:
         groups = " | ".join(", ".join(f"{d} ({stage.allocation[d]})" for d in stage.replica_devices(r))
                             for r in range(stage.replica_count()))
