@@ -19,15 +19,12 @@ from planner.model_desc import BYTES_PER_FLOAT, ModelDesc
 OPTIMIZER_STATE_FLOATS = {"sgd": 1, "adam": 2, "plain-sgd": 0}  # extra floats per parameter
 
 # A process holds more than the tensors autograd keeps: the allocator's free blocks between
-# them and the temporaries of the last layer run. Measured for yolov2-16 in one process as the
-# `swarm` command runs glibc (no small-chunk caches: swarm.host.malloc), above its settled
-# start, once the fixed scratch is taken off: whole-model shares of 1, 2 and 4 samples at 320
-# and 416 and stages of 1-4 micro-batches at 320, keeping every map or remaking BatchNorm,
-# two runs each, peaked at most 1.08x the saved bytes plus one backward's buffers (transient
-# below); 0.8-1.08x for every whole-model share (2026-11-29; with glibc's caches on it was up
-# to 1.3x, and 1.5 was the slack). Plans for real devices use this factor
-# (MemoryModel.for_devices); the model alone (slack 1) is the papers' equation.
-RESIDENT_SLACK = 1.15
+# them and the temporaries of the last layer run. Measured for yolov2-16's stages at 320 and
+# 416 in one process tuned as workers are, on 1-4 micro-batches of one sample: peaks up to
+# 1.3x the saved bytes plus one backward's gradients (transient below), once the fixed
+# scratch is taken off. Plans for real devices use this factor (MemoryModel.for_devices);
+# the model alone (slack 1) is the papers' equation.
+RESIDENT_SLACK = 1.5
 # Fixed per device, whatever its stage holds: the kernels' scratch and weight-format copies
 # of a stage's backward (40-50 MiB in the same measurements, however small the stage), and
 # what a worker holds for a job besides its stages: messages in flight both ways, its share
