@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.commands.flags import _number
+from swarm.commands.flags import IMG_SIZE_HELP, _number, image_size
 
 SAMPLE_SIZES = _number(int, "a whole number", lambda v: 32 <= v <= 2048, "must be between 32 and 2048")
 SAMPLE_COUNT = _number(int, "a whole number", lambda v: 10 <= v <= 100000, "must be between 10 and 100000")
@@ -27,10 +27,53 @@ def add_parser(sub) -> None:
     s.add_argument("--val", type=float, default=0.1, help="share of them held out in val/ (default: 0.1)")
     s.add_argument("--width", type=SAMPLE_SIZES, default=320, help="image width in pixels (default: 320)")
     s.add_argument("--height", type=SAMPLE_SIZES, default=240, help="image height in pixels (default: 240)")
+    a = tools.add_parser("anchors", help="fit a model's [yolo] anchors to a data set's boxes",
+                         description="Fit the anchors of a model's [yolo] heads to the boxes of a YOLO-format data "
+                                     "set's training pictures, as darknet's `detector calc_anchors` does (k-means "
+                                     "with 1 - IoU as the distance), at the size the model trains at, and print "
+                                     "darknet's anchors= line. `swarm train --anchors auto` fits the same ones when "
+                                     "a run starts.")
+    a.add_argument("dir", metavar="DIR", help="the data set (images/ and labels/, as `swarm data sample` writes)")
+    a.add_argument("--model", required=True, help="a built-in model with [yolo] heads (yolov3-tiny, yolov4-tiny, "
+                   "yolov7-tiny) or a .cfg path")
+    a.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size in pixels: {IMG_SIZE_HELP} "
+                   "(default: the size `swarm train` takes for the model)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tool == "anchors":
+        return run_anchors(args)
+    return run_sample(args)
+
+
+def run_anchors(args: argparse.Namespace) -> int:
+    from swarm.data import open_datasets
+    from swarm.zoo import default_img_size, describe_model
+    from swarm.zoo.anchors import anchors_line, box_sizes, fitted_anchors, yolo_anchor_slots
+
+    desc = describe_model(args.model, default_img_size(args.model, args.img_size))
+    yolo_anchor_slots(desc)  # a model without [yolo] heads: say so before reading the data
+    train, _ = open_datasets(args.dir, desc.img_size, desc.in_channels)
+    wh = box_sizes(train)
+    if not len(wh):
+        from swarm.errors import SwarmError
+
+        raise SwarmError(f"{train.name} has no boxes: its label files are empty")
+    anchors, before, after = fitted_anchors(desc, wh)
+    _, used = yolo_anchor_slots(desc)
+    print(f"{desc.name} at {desc.img_size}: anchors fitted to the {len(wh)} boxes of {train.name}, in pixels of "
+          f"that input (a .cfg whose [net] width and height say {desc.img_size.width} and "
+          f"{desc.img_size.height} takes them as they are)")
+    print(f"anchors={anchors_line(anchors)}")
+    unused = [i for i in range(len(anchors)) if i not in used]
+    if unused:
+        print(f"anchor(s) {', '.join(map(str, unused))} in no head's mask: kept as the .cfg has them")
+    print(f"mean IoU of a box with its anchor: {before:.3f} with the .cfg's anchors, {after:.3f} fitted")
+    return 0
+
+
+def run_sample(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from PIL import Image

@@ -80,6 +80,10 @@ def add_parser(sub) -> None:
                    "recoloured as the cfg's jitter, flip, hue, saturation, exposure, angle and mosaic say (darknet's "
                    "defaults where it says nothing), drawn from the sample and the step so every plan sees the same; "
                    "off: samples as they are")
+    p.add_argument("--anchors", choices=("cfg", "auto"), help="the [yolo] heads' anchors: cfg (default) as the "
+                   ".cfg writes them, or auto: fitted to the training boxes at the training size when the run starts "
+                   "(k-means with IoU, as darknet's calc_anchors; kept in the checkpoint for eval, detect and export; "
+                   "`swarm data anchors` shows them)")
     p.add_argument("--dtype", choices=("float32", "float64"), help="arithmetic of weights and activations (default "
                    "float32; float64 is slower but makes every plan agree with --strategy local to ~1e-12)")
     p.add_argument("--accelerator", choices=("cpu", "cuda"), help="where this machine computes with --strategy "
@@ -207,6 +211,9 @@ def training_config(args: argparse.Namespace):
         cfg.model = state["model_name"] if "model" not in saved else saved["model"]
         if args.model and args.model != cfg.model:
             raise SwarmError(f"--model {args.model} differs from the checkpoint's model {cfg.model}")
+        if getattr(args, "anchors", None) and args.anchors != cfg.anchors:
+            raise SwarmError(f"--anchors {args.anchors} differs from the checkpoint's {cfg.anchors}: a resumed run "
+                             "keeps the anchors it started with")
         if args.img_size and args.img_size != state["img_size"]:
             raise SwarmError(f"--img-size {args.img_size.to_json()} differs from the checkpoint's "
                              f"{state['img_size'].to_json()}")

@@ -54,6 +54,9 @@ class TrainConfig:
     dtype: str = "float32"  # float64: slower, but any plan then matches local to ~1e-12 (see README)
     weights: str | None = None  # darknet .weights or swarm checkpoint loaded over the seeded initial weights
     augment: bool = True  # the cfg's augmentation options (jitter, flip, hue, ...); False: samples as they are
+    # [yolo] anchors: "cfg" as the .cfg writes them, "auto" fitted to the training boxes when a
+    # run starts (written into the checkpoint's cfg text, which eval, detect and export read)
+    anchors: str = "cfg"
     accelerator: str | None = None  # where this machine computes: cpu, cuda, None: its accelerator if torch sees one
 
     def __post_init__(self) -> None:
@@ -288,6 +291,24 @@ def prepare(cfg: TrainConfig, cfg_text: str | None = None):
     return cfg, train_set, heldout
 
 
+def fit_cfg_anchors(cfg: TrainConfig, train_set, log=print) -> str:
+    """The model's .cfg text with its [yolo] anchors fitted to the training boxes (k-means with
+    IoU, as darknet's calc_anchors) at the training size; SwarmError for a model without [yolo]
+    heads or data without boxes."""
+    from swarm.zoo import describe_model, model_source
+    from swarm.zoo.anchors import anchors_line, box_sizes, cfg_with_anchors, fitted_anchors
+
+    _, text, source = model_source(cfg.model)
+    desc = describe_model(cfg.model, cfg.img_size, cfg.classes, text)
+    wh = box_sizes(train_set)
+    if not len(wh):
+        raise SwarmError(f"--anchors auto: {train_set.name} has no boxes to fit anchors to")
+    anchors, before, after = fitted_anchors(desc, wh)
+    log(f"anchors fitted to the {len(wh)} training boxes at {desc.img_size}: {anchors_line(anchors)} "
+        f"(mean IoU of a box with its anchor {before:.3f} with the .cfg's, {after:.3f} fitted)")
+    return cfg_with_anchors(text, source, desc, anchors)
+
+
 class StepReporter:
     """What happens after every committed step: the progress line, the metrics file, and
     the periodic checkpoint."""
@@ -360,6 +381,8 @@ def train(cfg: TrainConfig, *, state: dict | None = None, save: str | None = Non
     n_threads = set_threads(threads)
     cfg_text = state.get("cfg") if state else None
     cfg, train_set, heldout = prepare(cfg, cfg_text)
+    if state is None and cfg.anchors == "auto":
+        cfg_text = fit_cfg_anchors(cfg, train_set, log)
     total_steps = resolve_steps(cfg, len(train_set))
     cfg.resolve_lr_drops(total_steps)
     trainer = make_trainer(cfg, cfg_text, state)

@@ -97,3 +97,26 @@ def parse_cfg(text: str, source: str = "<cfg>") -> list[Section]:
     if len(sections) == 1:
         raise SwarmError(f"{source}: the [net] section is not followed by any layer")
     return sections
+
+
+def set_options(text: str, sections: list[Section], edits: list[tuple[int, str, str]]) -> str:
+    """`text` with option `key=value` set in section n (an index into `sections`, parsed from
+    `text`) for each (n, key, value) of `edits`: the option's line replaced where the section
+    has it, added under the section's header where not. The rest, comments included, unchanged."""
+    lines = text.splitlines()
+    starts = [s.line - 1 for s in sections] + [len(lines)]  # 0-based header lines
+    by_section: dict[int, list[tuple[str, str]]] = {}
+    for n, key, value in edits:
+        by_section.setdefault(n, []).append((key, value))
+    for n in sorted(by_section, reverse=True):  # bottom up: the header lines above stay where they are
+        header, end = starts[n], starts[n + 1]
+        for key, value in by_section[n]:
+            for i in range(header + 1, end):
+                stripped = lines[i].split("#", 1)[0].split(";", 1)[0]
+                if "=" in stripped and stripped.split("=", 1)[0].strip().lower() == key:
+                    lines[i] = f"{key}={value}"
+                    break
+            else:
+                lines.insert(header + 1, f"{key}={value}")
+                end += 1
+    return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ import numpy as np
 
 from planner.model_desc import LayerDesc, ModelDesc
 from swarm.errors import SwarmError
-from swarm.zoo.darknet import parse_cfg
+from swarm.zoo.darknet import parse_cfg, set_options
 from swarm.zoo.darknet_shortcuts import resized_shortcut_inputs, with_explicit_subsampling
 
 # The file, as darknet's save_weights writes it and load_weights_upto reads it (src/parser.c):
@@ -209,20 +209,4 @@ def darknet_cfg(text: str, desc: ModelDesc, source: str = "<cfg>") -> tuple[str,
               "darknet's shortcut_cpu does; AlexeyAB's darknet and OpenCV's reader add maps of one size only"
               for layer, src, _, sample in resized_shortcut_inputs(desc) if sample > 1]
 
-    lines = text.splitlines()
-    starts = [s.line - 1 for s in sections] + [len(lines)]  # 0-based header lines
-    by_section: dict[int, list[tuple[str, str]]] = {}
-    for n, key, value in edits:
-        by_section.setdefault(n, []).append((key, value))
-    for n in sorted(by_section, reverse=True):  # bottom up: the header lines above stay where they are
-        header, end = starts[n], starts[n + 1]
-        for key, value in by_section[n]:
-            for i in range(header + 1, end):
-                stripped = lines[i].split("#", 1)[0].split(";", 1)[0]
-                if "=" in stripped and stripped.split("=", 1)[0].strip().lower() == key:
-                    lines[i] = f"{key}={value}"
-                    break
-            else:
-                lines.insert(header + 1, f"{key}={value}")
-                end += 1
-    return with_explicit_subsampling("\n".join(lines) + "\n", desc, source), notes
+    return with_explicit_subsampling(set_options(text, sections, edits), desc, source), notes
