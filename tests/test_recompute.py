@@ -33,7 +33,7 @@ def _passes(net, desc, x, steps: int = 2):
 
 
 @pytest.mark.parametrize("name,size,dtype", [("yolov2-16", 64, torch.float64), ("yolov4-tiny", 64, torch.float32),
-                                             ("mobilenetv2", 64, torch.float64), ("resnet18", 64, torch.float32),
+                                             ("mobilenetv2", 64, torch.float32), ("resnet18", 64, torch.float32),
                                              ("efficientnet-b0", 64, torch.float32)])
 def test_remaking_gives_the_same_weights_bit_for_bit(name, size, dtype):
     net, desc, _ = build_model(name, size, seed=3)
