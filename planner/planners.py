@@ -20,6 +20,7 @@ from planner.baselines import plan_dp, plan_local, plan_pp, square_grid
 from planner.bounds import best_step, compute_floor
 from planner.hiertrain import plan_hiertrain
 from planner.inputs import NoPlan, PlanInputs
+from planner.memory import recomputable
 from planner.jointdnn import plan_jointdnn
 from planner.plan import Plan, PlanError, Stage
 from planner.recompute import recomputing
@@ -96,7 +97,7 @@ def plan_auto(inputs: PlanInputs) -> Plan:
     more compute, and win where memory held the first search back (a device that can then take
     a larger share of a micro-batch, or whole ones). A plan that remakes says so in its single and dp stages."""
     plan = _plan_auto(inputs)
-    if not inputs.mem.recomputing().remade or inputs.cluster.recomputing:
+    if not recomputable(inputs.desc) or inputs.cluster.recomputing:
         return plan
     mem, cluster = recomputing(inputs.mem, inputs.cluster, inputs.desc)
     try:

@@ -7,9 +7,9 @@ larger the fewer multiply-adds each output element costs the conv. Measured on o
 (x86, float32): BatchNorm's training forward plus leaky over a 2x64x208x208 map took 17 ms,
 3.1 ns an element, where a 3x3 conv of 32 channels into it took 0.22 ns a multiply-add: an
 element remade costs about RECOMPUTE_MACS_PER_ELEMENT multiply-adds of the conv. Whole
-training passes (python bench/allocator_peaks.py --recompute off,on) took 1.03-1.09x as long
-for yolov2-16 at 416 (a 3x3 conv of 32-512 channels an element), 1.06x for yolov4-tiny at
-256, 1.36x for mobilenetv2 at 128 (depthwise convs: 9 multiply-adds an element).
+training passes (python bench/recompute_time.py, one thread, a quiet machine) took 1.10x as
+long for yolov2-16 at 416 (a 3x3 conv of 32-512 channels an element), 1.08x for yolov4-tiny at
+256, 1.29x for mobilenetv2 at 128 (depthwise convs: 9 multiply-adds an element).
 
 A plan remakes in all its single and dp stages or in none (Stage.recompute); `auto` plans
 both ways and keeps the faster (planner.planners.plan_auto).

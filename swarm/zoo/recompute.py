@@ -54,8 +54,9 @@ def batchnorm_recipe(bn: nn.modules.batchnorm._BatchNorm, c: torch.Tensor) -> Ca
     by its own kernel on the same input (the statistics are the batch's again; the running
     ones are left alone)."""
     own = getattr(bn, "recompute_output", None)
-    if own is not None:
-        return own(c)
+    remake = own(c) if own is not None else None
+    if remake is not None:
+        return remake
     weight, bias, eps = bn.weight, bn.bias, bn.eps
     return lambda: F.batch_norm(c, None, None, weight, bias, True, 0.0, eps)
 

@@ -1,0 +1,58 @@
+"""What remaking BatchNorm in the backward costs in time: whole training passes, keeping every map
+and remaking (swarm.zoo.recompute), alternating in one process on one thread, medians.
+
+    python bench/recompute_time.py [--models yolov2-16:416:2,yolov4-tiny:256:4,mobilenetv2:128:4 --rounds 5]
+
+Each entry is model:size:samples. Prints, per model, the median CPU seconds of a pass each way
+and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from planner.memory import recomputable  # noqa: E402
+from swarm.zoo import build_model  # noqa: E402
+
+
+def one_pass(net, x) -> None:
+    out = net(x)
+    out = out if isinstance(out, (list, tuple)) else [out]
+    sum(o.float().pow(2).mean() for o in out).backward()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="yolov2-16:416:2,yolov4-tiny:256:4,mobilenetv2:128:4")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("model        size samples  keeping s  remaking s  ratio")
+    for entry in args.models.split(","):
+        name, size, samples = entry.split(":")
+        net, desc, _ = build_model(name, int(size), classes=5, seed=1)
+        net.train()
+        every = recomputable(desc)
+        x = torch.rand(int(samples), *desc.layers[0].in_shape)
+        one_pass(net, x)  # kernels initialised
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(args.rounds):
+            for mode in ("off", "on"):
+                net.recompute = every if mode == "on" else frozenset()
+                start = time.process_time()
+                one_pass(net, x)
+                times[mode].append(time.process_time() - start)
+        off, on = statistics.median(times["off"]), statistics.median(times["on"])
+        print(f"{name:12} {size:>4} {samples:>7}  {off:9.3f}  {on:10.3f}  {on / off:5.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
