@@ -21,12 +21,13 @@ describes the process:
 
 The two full-speed figures are calibrated at 2 devices, two ways, and each gives its own
 prediction:
-- "endpoint": what the bandwidth job measures between two agents (swarm.profiling.bandwidth),
-  on the in-memory endpoint: the time per message handled (sent or received) from a burst of
-  swaps of a one-element array (each end sends from a task of its own while it waits for the
-  other's, and adds what comes into its own), and the time per byte handled from a burst of
-  1 MiB arrays sent one way, half added into a sum on arrival and half copied into place,
-  less their messages' time;
+- "profiles": what a live swarm's profiles give the planner. The bandwidth job's figures
+  between two agents (swarm.profiling.bandwidth), on the in-memory endpoint: the time per
+  message handled (sent or received) from a burst of swaps of a one-element array
+  (swarm.profiling.reduction.bare_message_cpu), and the time per byte handled from a burst
+  of 1 MiB arrays sent one way, half added into a sum on arrival and half copied into place,
+  less their messages' time; and the profile job's figure for a sum's own work per message
+  beyond a bare one (swarm.profiling.reduction.reduce_msg_cpu, the device's reduce_msg_s);
 - "sum at 2": the all-reduce's own rounds between two endpoints (halving and doubling, the
   way groups of 16, 32 and 64 sum): the time per message from 200 sums of four floats (two
   messages out and two in a sum), and the time per byte from the model's buckets, less their
@@ -57,6 +58,7 @@ from planner.stage_work import (DIRECT_REDUCE_MAX, allreduce_messages, allreduce
 from swarm.execution import collectives  # noqa: E402
 from swarm.execution.endpoint import LocalNetwork  # noqa: E402
 from swarm.host import malloc  # noqa: E402
+from swarm.profiling.reduction import bare_message_cpu, reduce_msg_cpu, sums_at_two_cpu  # noqa: E402
 
 MESSAGE_BURST = 2000  # swaps of a one-element array
 # arrays of 1 MiB (the least bucket) sent one way, 64 MiB in all: more than a cache holds, as a
@@ -74,30 +76,10 @@ def bucket_bytes(model: str) -> list[int]:
     return [sum(sizes[i] for i in bucket) for bucket in buckets_of(sizes)]
 
 
-def calibrate_endpoint(repeats: int) -> tuple[float, float]:
-    """(seconds per message handled, seconds per byte handled) at full speed: medians over
-    `repeats` bursts between two endpoints of one in-memory network."""
-    def message_burst() -> float:
-        network = LocalNetwork()
-        eps = [network.endpoint("a"), network.endpoint("b")]
-        sums = [torch.zeros(1), torch.zeros(1)]
-
-        async def swaps(me: int):  # sent from a task of its own while waiting for the partner's
-            for k in range(MESSAGE_BURST):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(eps[me].send, eps[1 - me].name, ("swap", k, me), {"arrays": [sums[me]]})
-                    got = (await eps[me].mailbox.get(("swap", k, 1 - me)))["arrays"][0]
-                sums[me].add_(got)
-
-        async def main():
-            async with trio.open_nursery() as nursery:
-                t0 = time.perf_counter()
-                nursery.start_soon(swaps, 0)
-                nursery.start_soon(swaps, 1)
-            return time.perf_counter() - t0
-        return trio.run(main) / (4 * MESSAGE_BURST)  # each message sent and received
-
-    per_message = statistics.median(message_burst() for _ in range(repeats))
+def calibrate_profiles(repeats: int) -> tuple[float, float, float]:
+    """(seconds per message handled, per byte handled, per message of a sum beyond a bare one)
+    at full speed: medians over `repeats` bursts between two endpoints of one in-memory network."""
+    per_message = statistics.median(bare_message_cpu(MESSAGE_BURST) for _ in range(repeats))
 
     def byte_burst() -> float:
         network = LocalNetwork()
@@ -123,29 +105,12 @@ def calibrate_endpoint(repeats: int) -> tuple[float, float]:
         return seconds / (2 * BYTE_BURST * BYTE_ARRAY)  # each byte sent and received
 
     per_byte = statistics.median(byte_burst() for _ in range(repeats))
-    return per_message, per_byte
+    return per_message, per_byte, reduce_msg_cpu(repeats)
 
 
 def sums_at_two(buckets: list[int], repeats: int) -> float:
-    """Median wall seconds of halving and doubling each bucket between two endpoints."""
-    grads = [[torch.randn(n // 4) for n in buckets] for _ in range(2)]
-
-    def once() -> float:
-        network = LocalNetwork()
-        eps = [network.endpoint("a"), network.endpoint("b")]
-        flats = [[grad.clone() for grad in member] for member in grads]
-
-        async def main():
-            async with trio.open_nursery() as nursery:
-                t0 = time.perf_counter()
-                for b in range(len(buckets)):
-                    for i in range(2):
-                        nursery.start_soon(collectives._halving_doubling, eps[i], ["a", "b"], ("grads", 0, 0, b),
-                                           flats[i][b], np.inf)
-            return time.perf_counter() - t0
-        return trio.run(main)
-
-    return statistics.median([once() for _ in range(repeats + 1)][1:])
+    """Median CPU seconds of halving and doubling each bucket between two endpoints, one left out."""
+    return statistics.median([sums_at_two_cpu(buckets) for _ in range(repeats + 1)][1:])
 
 
 def calibrate_sum(buckets: list[int], repeats: int) -> tuple[float, float]:
@@ -156,14 +121,14 @@ def calibrate_sum(buckets: list[int], repeats: int) -> tuple[float, float]:
     per_message = small / (SMALL_SUMS * 2 * 2 * 2)  # two members, two messages out and two in
     messages = len(buckets) * 2 * 2 * 2 * per_message
     per_byte = (sums_at_two(buckets, repeats) - messages) / (2 * 2 * sum(buckets))  # two members, out and in
-    return per_message, per_byte
+    return per_message, per_byte, 0.0  # the sum's own work is in both figures
 
 
-def in_process_cluster(g: int, per_message: float, per_byte: float) -> Cluster:
+def in_process_cluster(g: int, per_message: float, per_byte: float, reduce_message: float) -> Cluster:
     """g devices sharing one core, with no wire between them (see the module docstring)."""
     idle = CostTable((1,), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1))
-    devices = [Device(f"d{i}", idle, memory=2**40, comm_s_per_byte=g * per_byte, msg_s=g * per_message)
-               for i in range(g)]
+    devices = [Device(f"d{i}", idle, memory=2**40, comm_s_per_byte=g * per_byte, msg_s=g * per_message,
+                      reduce_msg_s=g * reduce_message) for i in range(g)]
     return Cluster(devices, np.full((g, g), np.inf), latency=0.0, name=f"{g} devices in one process")
 
 
@@ -209,25 +174,26 @@ def main() -> None:
     nbytes = float(sum(buckets))
     sizes = [int(x) for x in args.devices.split(",")]
     ways = {"sum at 2": lambda: calibrate_sum(buckets, args.repeats),
-            "endpoint": lambda: calibrate_endpoint(args.repeats)}
+            "profiles": lambda: calibrate_profiles(args.repeats)}
     calibrations = {way: [] for way in ways}
     measured = {g: [] for g in sizes}
     predicted = {(way, g): [] for way in ways for g in sizes}
     for _ in range(args.rounds):  # a shared machine's load drifts: each measure right after its calibrations
         for g in sizes:
             for way, calibrate in ways.items():
-                per_message, per_byte = calibrate()
-                calibrations[way].append((per_message, per_byte))
-                cluster = in_process_cluster(g, per_message, per_byte)
+                figures = calibrate()
+                calibrations[way].append(figures)
+                cluster = in_process_cluster(g, *figures)
                 predicted[way, g].append(ring_allreduce_time(nbytes, cluster.names, cluster, buckets=len(buckets)))
             measured[g].append(measure(g, buckets, args.repeats))
     print(f"{args.model}: {len(buckets)} buckets, {nbytes / 2**20:.2f} MiB; calibrated at 2 devices (medians of "
           f"{args.rounds * len(sizes)}), a message and a byte at each end:")
     for way, figures in calibrations.items():
-        per_message, per_byte = (statistics.median(c) for c in zip(*figures))
-        print(f"  {way}: {per_message * 1e6:.2f} us, {per_byte * 1e9:.3f} ns")
+        per_message, per_byte, reduce_message = (statistics.median(c) for c in zip(*figures))
+        print(f"  {way}: {per_message * 1e6:.2f} us, {per_byte * 1e9:.3f} ns"
+              + (f", and a sum's own {reduce_message * 1e6:.2f} us a message" if reduce_message else ""))
     print("| devices | algorithm | messages a member | rounds | measured s | predicted s (sum at 2) | ratio "
-          "| predicted s (endpoint) | ratio |")
+          "| predicted s (profiles) | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for g in sizes:
         cells = []

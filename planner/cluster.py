@@ -61,6 +61,10 @@ class Device:
     # the quota like everything else. A message's one-way time is the latency plus both
     # ends' msg_s.
     msg_s: float = 0.0
+    # seconds of this device's time per message of a gradient sum, beyond msg_s: the sum's own
+    # work each round (a task per swap, the shape check, slicing and adding in), which a bare
+    # message does not do (swarm.profiling.reduction measures it with the profile).
+    reduce_msg_s: float = 0.0
     accelerator: Accelerator | None = None  # None: the device computes on its CPU
     # the CPU's own figures when an accelerator is given (None: `costs` and `memory` are the CPU's)
     cpu_costs: CostTable | None = None
@@ -165,6 +169,11 @@ class Cluster:
         """The largest seconds per message handled among a group's devices (0: not measured)."""
         return max((self.device(n).msg_s for n in names), default=0.0)
 
+    def reduce_msg_cpu(self, names: list[str]) -> float:
+        """The largest seconds per message of a gradient sum among a group's devices: a message's
+        handling and the sum's own work on it (0: not measured)."""
+        return max((self.device(n).msg_s + self.device(n).reduce_msg_s for n in names), default=0.0)
+
     def min_bw(self, names: list[str]) -> float:
         """The slowest link among a group: what a ring all-reduce runs at (Asteroid eq. 5)."""
         idx = [self._index[n] for n in names]
@@ -204,7 +213,7 @@ class Cluster:
 # ---- the JSON description -------------------------------------------------------------
 
 DEVICE_KEYS = {"name", "memory", "speed", "gflops", "mem_gbps", "profile", "tier", "power_w", "radio", "link_mbps",
-               "cores", "note", "comm_ns_per_byte", "msg_us", "accelerator", "allocator"}
+               "cores", "note", "comm_ns_per_byte", "msg_us", "reduce_msg_us", "accelerator", "allocator"}
 ACCELERATOR_KEYS = {"kind", "speed", "gflops", "mem_gbps", "profile", "copy_gbps", "memory", "shared_memory", "note"}
 CLUSTER_KEYS = {"name", "description", "reference", "data_source", "bandwidth_mbps", "latency_ms", "links", "devices",
                 "note"}
@@ -285,8 +294,9 @@ def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
         facts["allocator"] = spec["allocator"]
     comm = _non_negative(spec, "comm_ns_per_byte", "nanoseconds", where)
     msg = _non_negative(spec, "msg_us", "microseconds", where)
+    reduce_msg = _non_negative(spec, "reduce_msg_us", "microseconds", where)
     device = Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts,
-                    comm_s_per_byte=comm * 1e-9, msg_s=msg * 1e-6)
+                    comm_s_per_byte=comm * 1e-9, msg_s=msg * 1e-6, reduce_msg_s=reduce_msg * 1e-6)
     if "accelerator" in spec:
         accelerator, acc_costs, acc_memory = _accelerator_from_dict(spec["accelerator"], memory, where, desc, reference,
                                                                     resolve_profile)

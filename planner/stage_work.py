@@ -64,14 +64,15 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
     round (allreduce_rounds). Each device sends and receives that much at once: the sum runs
     no faster than a device's CPU moves twice the bytes. The data goes in `buckets` sums
     (one per bucket of layers, started as the backward finishes each): their latencies
-    overlap, but every member handles each of its messages out and in (allreduce_messages). A
+    overlap, but every member handles each of its messages out and in (allreduce_messages),
+    each a message's handling and the sum's own work on it (Cluster.reduce_msg_cpu). A
     member computing on an accelerator copies its gradients to the host and the sums back:
     twice the bytes at the slowest member's copy rate."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
-    messages = max(1, buckets) * allreduce_messages(g) * 2 * cluster.msg_cpu(group)
+    messages = max(1, buckets) * allreduce_messages(g) * 2 * cluster.reduce_msg_cpu(group)
     copies = 2 * nbytes * cluster.copy_per_byte(group)
     return allreduce_rounds(g) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
 

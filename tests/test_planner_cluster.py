@@ -87,6 +87,7 @@ def test_every_example_cluster_loads(desc):
     ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "comm_ns_per_byte": -1}]}, "comm_ns_per_byte"),
     ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "msg_us": True}]}, "msg_us must be a number"),
     ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "msg_us": -5}]}, "msg_us must be a number"),
+    ({"devices": [{"name": "a", "memory": "1 GiB", "gflops": 1, "reduce_msg_us": "x"}]}, "reduce_msg_us must be"),
 ])
 def test_cluster_errors_say_what_is_wrong(desc, change, message):
     with pytest.raises(ClusterError, match=message):
@@ -118,6 +119,24 @@ def test_time_per_message_from_the_file(desc):
     assert cl.device("a").msg_s == pytest.approx(300e-6) and cl.msg_cpu(["a", "b"]) == pytest.approx(300e-6)
     assert cl.message_time("a", "b") == pytest.approx(1.5e-3)
     assert cl.transfer_time("a", "b", 1e6) == pytest.approx(1.5e-3 + 0.1)
+
+
+def test_a_sums_own_work_per_message_from_the_file(desc):
+    """reduce_msg_us is charged on a gradient sum's messages only, on top of msg_us."""
+    from planner.stage_work import allreduce_messages, ring_allreduce_time
+
+    spec = {"bandwidth_mbps": 80, "devices": [
+        {"name": "a", "memory": "1 GiB", "gflops": 1, "msg_us": 300, "reduce_msg_us": 50},
+        {"name": "b", "memory": "1 GiB", "gflops": 1, "msg_us": 200, "reduce_msg_us": 120}]}
+    cl = cluster_from_dict(spec, desc, no_profiles)
+    assert cl.device("a").reduce_msg_s == pytest.approx(50e-6)
+    assert cl.reduce_msg_cpu(["a", "b"]) == pytest.approx(350e-6)  # the worst device's message and sum together
+    assert cl.message_time("a", "b") == pytest.approx(0.5e-3)  # a plain message does not do a sum's work
+    for d in spec["devices"]:
+        d.pop("reduce_msg_us")
+    bare = cluster_from_dict(spec, desc, no_profiles)
+    extra = ring_allreduce_time(1e6, ["a", "b"], cl, buckets=3) - ring_allreduce_time(1e6, ["a", "b"], bare, buckets=3)
+    assert extra == pytest.approx(3 * allreduce_messages(2) * 2 * 50e-6)
 
 
 def test_measured_bandwidth_matrix_seam():

@@ -11,6 +11,7 @@ from planner.planners import make_plan
 from swarm.agent import Agent, AgentConfig, register_job_kind
 from swarm.host.resources import cpu_quota, default_reserve
 from swarm.net import Credentials, resolve_network
+from swarm.profiling.cache import read_profile
 from swarm.profiling.profiler import PROFILE_JOB, run_profile_job
 from swarm.profiling.survey import cluster_from_live, gather_live
 from swarm.zoo import describe_model
@@ -46,6 +47,11 @@ async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
         assert 0 < r["msg_cpu_s"]["from"] < 0.01
         assert r["msg_s"]["from"] == pytest.approx(r["msg_cpu_s"]["from"] * (1 / quota - 1))
     profile = live["profiles"]["node0"]
+    # the sum's own work a message, measured with the profile, kept in the cache and planned on
+    assert 0 < profile.device["reduce_msg_cpu_s"] < 0.01
+    assert cluster.device("dev0").reduce_msg_s == pytest.approx(profile.device["reduce_msg_cpu_s"] / quota)
+    cached = [read_profile(p) for p in tmp_path.rglob("*.json") if "lenet5" in p.name]
+    assert cached and all("reduce_msg_cpu_s" in c.device for c in cached)
     # planned on what the device could spare after profiling (within its 2 GiB less the default reserve)
     spare = next(d["spare"] for d in live["devices"] if d["name"] == "dev0")
     assert 0 < spare <= 2**31 - default_reserve(2**31)

@@ -28,6 +28,7 @@ from swarm.host.resources import usable_cores
 from swarm.profiling.accelerator import accelerator_identity, usable_accelerator
 from swarm.profiling.cache import cache_path, default_state_dir, device_facts, read_profile, write_profile
 from swarm.profiling.measure import DEFAULT_BATCH_SIZES, DEFAULT_REPEATS, default_classes, profile_model
+from swarm.profiling.reduction import reduce_msg_cpu
 
 # what other modules and tools import from here, from the modules that hold it
 from swarm.profiling.accelerator import AcceleratorMemory  # noqa: F401
@@ -75,6 +76,7 @@ def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None =
 
 
 PROFILE_JOB = "profile"
+REDUCE_MSG = "reduce_msg_cpu_s"  # in a profile's device facts: swarm.profiling.reduction
 
 
 async def run_profile_job(ctx) -> dict:
@@ -92,7 +94,10 @@ async def run_profile_job(ctx) -> dict:
                              int(spec.get("repeats") or DEFAULT_REPEATS), spec.get("threads"), spec.get("cfg"),
                              bool(spec.get("refresh")), accelerator=usable_accelerator(spec.get("accelerator")),
                              stop=stop, memory_limit=ctx.spare_memory())
-    profile, cached, _ = await ctx.run_in_thread(call, stop=stop)
+    profile, cached, path = await ctx.run_in_thread(call, stop=stop)
+    if REDUCE_MSG not in profile.device:  # a fresh profile, or one cached before it was measured
+        profile.device[REDUCE_MSG] = await ctx.run_in_thread(reduce_msg_cpu)
+        write_profile(profile, path)
     return {"profile": profile.to_dict(), "cached": cached}
 
 

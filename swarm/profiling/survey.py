@@ -85,6 +85,15 @@ def with_runtime(costs, device: dict):
     return costs.scaled(max(0.5, 1.0 - RUNTIME_CORES / share))
 
 
+def reduce_msg_time(facts: dict) -> float:
+    """A device's time per message of a gradient sum beyond the message's own handling: the
+    sum's work its profile measured at full speed (swarm.profiling.reduction), spread over its
+    CPU quota where that is below a core."""
+    quota = facts.get("cpu_quota")
+    share = min(1.0, float(quota)) if quota else 1.0
+    return float(facts.get("reduce_msg_cpu_s") or 0.0) / share
+
+
 def plan_memory(device: dict) -> int:
     """The memory a plan may count on of a device as the roster saw it (Member's fields): what it
     can spare, where it said (swarm/host/resources.py; at least 1 byte, as 0 reads as not known),
@@ -95,7 +104,8 @@ def plan_memory(device: dict) -> int:
 
 def cluster_from_live(live: dict, desc):
     """A planner Cluster from what gather_live found: each device's measured costs, what it can
-    spare less the runtime's memory, its time per byte and per message moved, the measured pairwise
+    spare less the runtime's memory, its time per byte and per message moved (and per message of
+    a gradient sum, reduce_msg_time), the measured pairwise
     rates, and half the median round trip of an empty message. A device profiled on an
     accelerator is planned on it (its profile's "accelerator": the copy rate, and its own
     memory or the device's, shared)."""
@@ -122,7 +132,8 @@ def cluster_from_live(live: dict, desc):
             facts["allocator"] = profile.device["allocator"]  # the memory model's slack
         device = Device(name, with_runtime(profile.costs, profile.device), budget, facts=facts,
                         comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
-                        msg_s=_end_cost(d["node_id"], live["links"], "msg_s"))
+                        msg_s=_end_cost(d["node_id"], live["links"], "msg_s"),
+                        reduce_msg_s=reduce_msg_time(profile.device))
         entry = profile.device.get("accelerator")
         if entry:
             try:
