@@ -28,13 +28,16 @@ prediction:
   of 1 MiB arrays sent one way, half added into a sum on arrival and half copied into place,
   less their messages' time; and the profile job's figure for a sum's own work per message
   beyond a bare one (swarm.profiling.reduction.reduce_msg_cpu, the device's reduce_msg_s);
-- "sum at 2": the all-reduce's own rounds between two endpoints (halving and doubling, the
-  way groups of 16, 32 and 64 sum): the time per message from 200 sums of four floats (two
-  messages out and two in a sum), and the time per byte from the model's buckets, less their
-  messages' time. It counts what a round costs beyond moving its bytes (the swap's task,
-  slicing, the shape checks, each sum's setting up) as the planner's per-message and
-  per-byte figures.
-Nothing measured at 16 or more devices goes into either prediction.
+- "pairs": the all-reduce's own rounds between two endpoints, with the loop as loaded as the
+  group's sum: the g endpoints in g/2 pairs, each pair summing at 2 by halving and doubling
+  (the way groups of 16, 32 and 64 sum), every bucket at once. The time per message from sums
+  of four floats (two messages out and two in a member), the time per byte from the model's
+  buckets less their messages' time. In one process the loop holds every device's sums, and
+  a message costs more the more it holds (the garbage collector walks them, the caches hold
+  fewer of them): this checks the planner's rounds, messages and bytes at 16-64 on figures
+  taken where a message costs what it costs there; "profiles" is what a device with a loop of
+  its own measures.
+No sum over more than two devices is measured for either prediction.
 """
 from __future__ import annotations
 
@@ -58,13 +61,12 @@ from planner.stage_work import (DIRECT_REDUCE_MAX, allreduce_messages, allreduce
 from swarm.execution import collectives  # noqa: E402
 from swarm.execution.endpoint import LocalNetwork  # noqa: E402
 from swarm.host import malloc  # noqa: E402
-from swarm.profiling.reduction import bare_message_cpu, reduce_msg_cpu, sums_at_two_cpu  # noqa: E402
+from swarm.profiling.reduction import bare_message_cpu, reduce_msg_cpu  # noqa: E402
 
-MESSAGE_BURST = 2000  # swaps of a one-element array
 # arrays of 1 MiB (the least bucket) sent one way, 64 MiB in all: more than a cache holds, as a
 # group's gradients are
 BYTE_BURST, BYTE_ARRAY = 64, 1 << 20
-SMALL_SUMS, SMALL_SUM_BYTES = 200, 16  # sums of four floats, for a round's time per message
+SMALL_SUM_BYTES = 16  # sums of four floats, for a round's time per message
 
 
 def bucket_bytes(model: str) -> list[int]:
@@ -79,7 +81,7 @@ def bucket_bytes(model: str) -> list[int]:
 def calibrate_profiles(repeats: int) -> tuple[float, float, float]:
     """(seconds per message handled, per byte handled, per message of a sum beyond a bare one)
     at full speed: medians over `repeats` bursts between two endpoints of one in-memory network."""
-    per_message = statistics.median(bare_message_cpu(MESSAGE_BURST) for _ in range(repeats))
+    per_message = statistics.median(bare_message_cpu() for _ in range(repeats))
 
     def byte_burst() -> float:
         network = LocalNetwork()
@@ -108,19 +110,37 @@ def calibrate_profiles(repeats: int) -> tuple[float, float, float]:
     return per_message, per_byte, reduce_msg_cpu(repeats)
 
 
-def sums_at_two(buckets: list[int], repeats: int) -> float:
-    """Median CPU seconds of halving and doubling each bucket between two endpoints, one left out."""
-    return statistics.median([sums_at_two_cpu(buckets) for _ in range(repeats + 1)][1:])
+def pairs_cpu(g: int, sizes: list[int]) -> float:
+    """CPU seconds of g endpoints of one in-memory network, in g/2 pairs, each pair summing a
+    float32 array of each of `sizes` bytes at 2 by halving and doubling, every sum under way at
+    once: the loop holds as many sums as the whole group's would, each between two members."""
+    grads = {(i, b): torch.ones(max(1, n // 4)) for i in range(g) for b, n in enumerate(sizes)}
+    network = LocalNetwork()
+    eps = [network.endpoint(f"d{i}") for i in range(g)]
+
+    async def main():
+        await trio.lowlevel.checkpoint()
+        cpu0 = time.thread_time()
+        async with trio.open_nursery() as nursery:
+            for b in range(len(sizes)):
+                for i, ep in enumerate(eps):
+                    pair = [f"d{i & ~1}", f"d{i | 1}"]
+                    nursery.start_soon(collectives._halving_doubling, ep, pair, ("grads", 0, 0, b), grads[i, b],
+                                       np.inf)
+        return time.thread_time() - cpu0
+    return trio.run(main)
 
 
-def calibrate_sum(buckets: list[int], repeats: int) -> tuple[float, float]:
-    """(seconds per message handled, seconds per byte handled) at full speed, from the
-    all-reduce's own rounds at 2 devices: there a sum is two swaps, two messages out and
-    two in per member, and moves 2(g-1)/g = 1 times its bytes out and as many in."""
-    small = sums_at_two([SMALL_SUM_BYTES] * SMALL_SUMS, repeats)
-    per_message = small / (SMALL_SUMS * 2 * 2 * 2)  # two members, two messages out and two in
-    messages = len(buckets) * 2 * 2 * 2 * per_message
-    per_byte = (sums_at_two(buckets, repeats) - messages) / (2 * 2 * sum(buckets))  # two members, out and in
+def calibrate_pairs(g: int, buckets: list[int], repeats: int) -> tuple[float, float, float]:
+    """(seconds per message handled, seconds per byte handled) at full speed, from sums at 2
+    with the loop as loaded as the group's sum (pairs_cpu): a sum at 2 is two swaps, two
+    messages out and two in per member, and moves 2(g-1)/g = 1 times its bytes out and as
+    many in. The messages from sums of four floats, one per bucket."""
+    def median(sizes):
+        return statistics.median([pairs_cpu(g, sizes) for _ in range(repeats + 1)][1:])
+    per_message = median([SMALL_SUM_BYTES] * len(buckets)) / (g * len(buckets) * 2 * 2)
+    messages = g * len(buckets) * 2 * 2 * per_message
+    per_byte = (median(buckets) - messages) / (g * 2 * sum(buckets))
     return per_message, per_byte, 0.0  # the sum's own work is in both figures
 
 
@@ -173,26 +193,27 @@ def main() -> None:
     buckets = bucket_bytes(args.model)
     nbytes = float(sum(buckets))
     sizes = [int(x) for x in args.devices.split(",")]
-    ways = {"sum at 2": lambda: calibrate_sum(buckets, args.repeats),
-            "profiles": lambda: calibrate_profiles(args.repeats)}
-    calibrations = {way: [] for way in ways}
+    ways = {"pairs": lambda g: calibrate_pairs(g, buckets, args.repeats),
+            "profiles": lambda g: calibrate_profiles(args.repeats)}
+    calibrations = {(way, g): [] for way in ways for g in sizes}
     measured = {g: [] for g in sizes}
     predicted = {(way, g): [] for way in ways for g in sizes}
     for _ in range(args.rounds):  # a shared machine's load drifts: each measure right after its calibrations
         for g in sizes:
             for way, calibrate in ways.items():
-                figures = calibrate()
-                calibrations[way].append(figures)
+                figures = calibrate(g)
+                calibrations[way, g].append(figures)
                 cluster = in_process_cluster(g, *figures)
                 predicted[way, g].append(ring_allreduce_time(nbytes, cluster.names, cluster, buckets=len(buckets)))
             measured[g].append(measure(g, buckets, args.repeats))
-    print(f"{args.model}: {len(buckets)} buckets, {nbytes / 2**20:.2f} MiB; calibrated at 2 devices (medians of "
-          f"{args.rounds * len(sizes)}), a message and a byte at each end:")
-    for way, figures in calibrations.items():
+    print(f"{args.model}: {len(buckets)} buckets, {nbytes / 2**20:.2f} MiB; full-speed figures (medians of "
+          f"{args.rounds}), a message and a byte at each end:")
+    for (way, g), figures in calibrations.items():
         per_message, per_byte, reduce_message = (statistics.median(c) for c in zip(*figures))
-        print(f"  {way}: {per_message * 1e6:.2f} us, {per_byte * 1e9:.3f} ns"
-              + (f", and a sum's own {reduce_message * 1e6:.2f} us a message" if reduce_message else ""))
-    print("| devices | algorithm | messages a member | rounds | measured s | predicted s (sum at 2) | ratio "
+        print(f"  {way}, before the sum of {g}: {per_message * 1e6:.2f} us, "
+              f"{per_byte * 1e9:.3f} ns" + (f", and a sum's own {reduce_message * 1e6:.2f} us a message"
+                                            if reduce_message else ""))
+    print("| devices | algorithm | messages a member | rounds | measured s | predicted s (pairs) | ratio "
           "| predicted s (profiles) | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for g in sizes:
@@ -202,7 +223,6 @@ def main() -> None:
             cells += [f"{statistics.median(predicted[way, g]):.4f}", f"{ratio:.2f}"]
         print(f"| {g} | {algorithm(g)} | {allreduce_messages(g) * len(buckets)} | {allreduce_rounds(g)} | "
               f"{statistics.median(measured[g]):.4f} | {' | '.join(cells)} |", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -25,6 +25,9 @@ LAYERS = [  # lowest first; a module is in the layer of its longest matching pre
     ["swarm.cluster"],
     ["swarm.data", "swarm.zoo"],
     ["swarm.local"],
+    # the workers' messaging and collectives, which the profile job times (swarm.profiling.reduction)
+    ["swarm.execution.mailbox", "swarm.execution.endpoint", "swarm.execution.channels",
+     "swarm.execution.collectives"],
     ["swarm.profiling"],
     ["swarm.execution"],
     ["swarm.testbed"],

@@ -15,8 +15,8 @@ def test_a_sum_does_more_a_message_than_a_bare_swap():
     """Each message of a sum also starts a task, checks the shape that came and adds it in:
     measured on one thread's CPU clock, more than a bare swap's, and the difference is what
     the profile records."""
-    bare = min(bare_message_cpu(200) for _ in range(3))
-    summed = min(sum_message_cpu(50) for _ in range(3))
+    bare = min(bare_message_cpu(20) for _ in range(3))
+    summed = min(sum_message_cpu(20) for _ in range(3))
     assert 0 < bare < summed < 0.01
     assert 0 < reduce_msg_cpu(repeats=1) < 0.01
 

@@ -8,28 +8,47 @@ transport costs: framing, sealing, sockets), which is the planner's `msg_s`; the
 work comes on top of every message of a sum, and is the same whatever carries the message.
 So it is measured here, apart from any wire: two endpoints of one in-memory network, the
 all-reduce's own rounds on arrays of four floats against bare swaps of a one-element array,
-each timed in CPU seconds of this thread, and the difference per message handled (sent or
-received) is `reduce_msg_cpu_s`. Under a CPU quota of q cores it costs a device that over q
+as many under way at once as a model has gradient buckets, each timed in CPU seconds of this
+thread inside a running loop, and the difference per message handled (sent or received) is
+`reduce_msg_cpu_s`. Under a CPU quota of q cores it costs a device that over q
 (`planner.cluster.Device.reduce_msg_s`, set by swarm.profiling.survey.cluster_from_live).
-
-On this project's 2-core x86 machine a message of a sum at 2 took 37 us and a bare swap 19
-(bench/RESULTS.md, 2026-11-29 15:12 UTC): the planner, charging only the swap, put the sums
-of 16 and 32 in-process devices at 0.74 and 0.65 of the measure.
+On this project's 2-core x86 machine: 17 us a bare message, and 5-6 more in a sum
+(bench/RESULTS.md, 2026-11-29 16:25 UTC).
 """
 from __future__ import annotations
 
 import statistics
 import time
 
-SWAPS = 400  # bare swaps of a one-element array between two endpoints
-SUMS = 100  # sums of four floats between two endpoints: two messages out and two in a member each
+LANES = 5  # sums under way at once on a device: a model's gradient buckets (yolov2-16 has 5)
+ROUNDS = 60  # sums each lane runs, one after another
 REPEATS = 3
 
 
-def bare_message_cpu(swaps: int = SWAPS) -> float:
-    """CPU seconds per message handled (sent or received) when two endpoints swap a
-    one-element array, each sending from a task of its own while it waits for the other's and
-    adding what comes, `swaps` times: what the transport's in-memory form costs a message."""
+def _timed(run_lanes) -> float:
+    """CPU seconds of this thread inside one trio run of `run_lanes(lane)` for every lane at
+    once, the run's own start and end left out (a device's loop is running already)."""
+    import trio
+
+    spent = []
+
+    async def main() -> None:
+        await trio.lowlevel.checkpoint()
+        cpu0 = time.thread_time()
+        async with trio.open_nursery() as nursery:
+            for lane in range(LANES):
+                nursery.start_soon(run_lanes, lane)
+        spent.append(time.thread_time() - cpu0)
+
+    trio.run(main)
+    return spent[0]
+
+
+def bare_message_cpu(rounds: int = ROUNDS) -> float:
+    """CPU seconds per message handled (sent or received) when two endpoints of one in-memory
+    network swap a one-element array the way a sum's round does (each sends from a task of its
+    own while it waits for the other's) and add what comes, without the sum's own work: LANES
+    lanes at once, each `rounds` times two swaps."""
     import torch
     import trio
 
@@ -37,28 +56,27 @@ def bare_message_cpu(swaps: int = SWAPS) -> float:
 
     network = LocalNetwork()
     eps = [network.endpoint("a"), network.endpoint("b")]
-    sums = [torch.zeros(1), torch.zeros(1)]
 
-    async def swap(me: int) -> None:
-        for k in range(swaps):
+    async def member(me: int, lane: int) -> None:
+        into = torch.zeros(1)
+        for k in range(2 * rounds):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(eps[me].send, eps[1 - me].name, ("swap", k, me), {"arrays": [sums[me]]})
-                got = (await eps[me].mailbox.get(("swap", k, 1 - me)))["arrays"][0]
-            sums[me].add_(got)
+                nursery.start_soon(eps[me].send, eps[1 - me].name, ("swap", lane, k, me), {"arrays": [into]})
+                got = (await eps[me].mailbox.get(("swap", lane, k, 1 - me)))["arrays"][0]
+            into.add_(got)
 
-    async def both() -> None:
+    async def lane(k: int) -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(swap, 0)
-            nursery.start_soon(swap, 1)
+            nursery.start_soon(member, 0, k)
+            nursery.start_soon(member, 1, k)
 
-    cpu0 = time.thread_time()
-    trio.run(both)
-    return (time.thread_time() - cpu0) / (4 * swaps)  # two members, a message out and one in each
+    return _timed(lane) / (LANES * 2 * 2 * rounds * 2)  # two members, 2 swaps a round, a message out and in
 
 
-def sums_at_two_cpu(sizes: list[int]) -> float:
-    """CPU seconds of summing a float32 array of each of `sizes` bytes between two endpoints by
-    halving and doubling (the way groups of 8 to 64 sum), every sum under way at once."""
+def sum_message_cpu(rounds: int = ROUNDS, nbytes: int = 16) -> float:
+    """CPU seconds per message handled in sums at 2 of a float32 array of `nbytes` by halving
+    and doubling (the way groups of 8 to 64 sum; two messages out and two in a member): LANES
+    lanes at once, each `rounds` sums one after another."""
     import numpy as np
     import torch
     import trio
@@ -68,34 +86,27 @@ def sums_at_two_cpu(sizes: list[int]) -> float:
 
     network = LocalNetwork()
     eps = [network.endpoint("a"), network.endpoint("b")]
-    flats = [[torch.ones(max(1, n // 4)) for n in sizes] for _ in eps]
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            for b in range(len(sizes)):
+    async def lane(k: int) -> None:
+        flats = [torch.ones(max(1, nbytes // 4)) for _ in eps]
+        for r in range(rounds):
+            async with trio.open_nursery() as nursery:
                 for i, ep in enumerate(eps):
-                    nursery.start_soon(collectives._halving_doubling, ep, ["a", "b"], ("grads", 0, 0, b),
-                                       flats[i][b], np.inf)
+                    nursery.start_soon(collectives._halving_doubling, ep, ["a", "b"], ("grads", r, 0, k), flats[i],
+                                       np.inf)
 
-    cpu0 = time.thread_time()
-    trio.run(main)
-    return time.thread_time() - cpu0
-
-
-def sum_message_cpu(sums: int = SUMS) -> float:
-    """CPU seconds per message handled in a sum at 2: each member sends two and takes two."""
-    return sums_at_two_cpu([16] * sums) / (2 * 2 * 2 * sums)
+    return _timed(lane) / (LANES * 2 * 2 * 2 * rounds)
 
 
 def reduce_msg_cpu(repeats: int = REPEATS) -> float:
     """The sum's own CPU per message handled beyond a bare message, at full speed: medians of
-    `repeats` bursts of each, one of each left out first (it warms the interpreter's caches)."""
+    `repeats` runs of each, one of each left out first (it warms the interpreter's caches)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # four-float adds: what one core does, whatever the intra-op pool
     try:
-        bare_message_cpu(SWAPS // 10), sum_message_cpu(SUMS // 10)
+        bare_message_cpu(ROUNDS // 10), sum_message_cpu(ROUNDS // 10)
         bare = statistics.median(bare_message_cpu() for _ in range(repeats))
         summed = statistics.median(sum_message_cpu() for _ in range(repeats))
     finally:
