@@ -30,7 +30,19 @@ def _cfg(model: str, microbatches: int, dtype: str = "float64", img_size=64, **k
                        dtype=dtype, **{"accelerator": "cpu", **kw})  # local on the CPU, as the plans' devices
 
 
+_LOCAL: dict[str, dict] = {}
+
+
 def _local(cfg: TrainConfig, steps: int = STEPS) -> dict:
+    """The local trainer's weights after `steps` (each config trained once per process; the
+    weights are only read)."""
+    key = repr((sorted(vars(cfg).items()), steps))
+    if key not in _LOCAL:
+        _LOCAL[key] = _train_locally(cfg, steps)
+    return _LOCAL[key]
+
+
+def _train_locally(cfg: TrainConfig, steps: int) -> dict:
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, cfg.img_size, 3)
     for s in range(steps):
