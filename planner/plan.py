@@ -82,6 +82,12 @@ class Stage:
             the conv's output instead of keeping them (swarm.zoo.recompute): a layer keeps one
             map of its output's size, not two or three, for one more pass over it in the
             backward. The gradients are the same, bit for bit. Default off.
+    checkpoint: (single, and dp whose groups are one device each) the stage runs in the model's
+            checkpointed segments (planner.checkpoint): a micro-batch keeps only the maps that
+            cross a segment's start, and the backward runs each segment's forward again before
+            back-propagating through it, one segment's maps at a time. The gradients are the
+            same, bit for bit. Not with recompute (a remade segment keeps everything while it
+            is remade). Default off.
     """
 
     first: int
@@ -100,6 +106,7 @@ class Stage:
     groups: list[int] | None = None
     overlap: bool | None = None
     recompute: bool | None = None
+    checkpoint: bool | None = None
 
     @property
     def layers(self) -> range:
@@ -276,6 +283,10 @@ class Plan:
             lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {on}")
         return "\n".join(lines)
 
+    def checkpoints(self) -> bool:
+        """Whether the plan's stages run in checkpointed segments (Stage.checkpoint)."""
+        return any(s.checkpoint for s in self.stages)
+
     def recomputes(self) -> bool:
         """Whether the plan's stages remake BatchNorm in the backward (Stage.recompute)."""
         return any(s.recompute for s in self.stages)
@@ -324,6 +335,14 @@ class Plan:
                 raise PlanError(f"{where}: recompute is true or false, not {s.recompute!r}")
             if s.recompute and s.mode == "tiles":
                 raise PlanError(f"{where}: a tiles stage keeps its own maps; recompute is for single and dp stages")
+            if s.checkpoint not in (None, False, True):
+                raise PlanError(f"{where}: checkpoint is true or false, not {s.checkpoint!r}")
+            if s.checkpoint and (s.mode == "tiles" or (s.mode == "dp" and max(s.group_sizes()) > 1)):
+                raise PlanError(f"{where}: a checkpointed stage runs whole micro-batches on each device (single, or "
+                                f"dp replicas of one device each); its BatchNorm cannot gather a group's sums again "
+                                f"in the backward")
+            if s.checkpoint and s.recompute:
+                raise PlanError(f"{where}: checkpoint and recompute are one or the other")
             if s.replicas not in (None, 1):
                 if len(self.stages) > 1:
                     raise PlanError(f"{where}: replicas={s.replicas} only in a plan with this one stage")
