@@ -60,6 +60,7 @@ class StageCopy:
         group_bns = replace_batchnorm(net) if stage.mode == "dp" and group_size > 1 else []
         if stage.recompute:
             net.recompute = recomputable(desc) & set(range(stage.first, stage.last))
+        net.checkpoint = bool(stage.checkpoint)
         for i in range(stage.first, stage.last):  # a cancelled job stops its forward at the next layer
             net.layers[i].register_forward_pre_hook(stop_if_cancelled)
         optimizer = make_optimizer(net.named_parameters(), cfg)

@@ -1,9 +1,13 @@
 """The torch network built from a .cfg: a list of layers, some of which read earlier outputs."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from planner.checkpoint import stage_segments
 from planner.model_desc import ModelDesc
 from swarm.zoo.layers import Weighted
 from swarm.zoo.recompute import Recipes
@@ -31,6 +35,9 @@ class Net(nn.Module):
         self.layers = nn.ModuleList(modules)
         self.dropout_p = dropout_p
         self._recompute: frozenset[int] = frozenset()
+        # a training forward runs in the model's checkpointed segments (planner.checkpoint):
+        # a plan's choice (Stage.checkpoint), set by whoever runs the net
+        self.checkpoint = False
 
     @property
     def recompute(self) -> frozenset[int]:
@@ -65,7 +72,9 @@ class Net(nn.Module):
             outs[-1] = outs[-1].to(self.dtype).div_(255.0)
         crossing = self.desc.live_after(last)
         remade = [i for i in range(first, last) if i in self._recompute] if self.training else []
-        if remade and torch.is_grad_enabled():
+        if self.checkpoint and self.training and torch.is_grad_enabled():
+            self._run_segments(first, last, outs, set(crossing), keys)
+        elif remade and torch.is_grad_enabled():
             with Recipes():
                 self._run(first, last, outs, set(crossing), keys)
         else:
@@ -92,6 +101,45 @@ class Net(nn.Module):
             else:
                 y = self.layers[i](*xs)
             outs[i] = y
+
+    def _run_segments(self, first: int, last: int, outs: dict[int, torch.Tensor], crossing: set[int], keys) -> None:
+        """Layers [first, last) in checkpointed segments (planner.checkpoint.stage_segments):
+        each segment's forward keeps only the maps it reads from before it, and autograd runs
+        it again in the backward, keeping everything, before back-propagating through it.
+        Dropout and crops draw from the samples' keys, so the second forward is the first's to
+        the bit; BatchNorm's running statistics, which it would move again, are put back."""
+        layers = self.desc.layers
+        for a, b in stage_segments(self.desc, first, last):
+            reads = sorted({s for i in range(a, b) for s in layers[i].inputs if s < a})
+            later = crossing | {s for i in range(b, last) for s in layers[i].inputs}
+            made = [i for i in range(a, b) if i in later]
+
+            def segment(*xs, a=a, b=b, reads=reads, made=made):
+                local = dict(zip(reads, xs))
+                self._run(a, b, local, set(made), keys)
+                return tuple(local[i] for i in made)
+
+            ys = checkpoint(segment, *[outs[s] for s in reads], use_reentrant=False,
+                            context_fn=lambda a=a, b=b: (contextlib.nullcontext(), self._running_kept(a, b)))
+            for s in reads:
+                if s not in later:
+                    outs.pop(s, None)
+            outs.update(zip(made, ys))
+
+    @contextlib.contextmanager
+    def _running_kept(self, first: int, last: int):
+        """BatchNorm's running statistics of layers [first, last) as they were on entry, again on exit."""
+        bns = [m for layer in self.layers[first:last] for m in layer.modules()
+               if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        kept = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in bns]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, (mean, var, count) in zip(bns, kept):
+                    m.running_mean.copy_(mean)
+                    m.running_var.copy_(var)
+                    m.num_batches_tracked.copy_(count)
 
     @property
     def dtype(self) -> torch.dtype:
