@@ -1,7 +1,7 @@
 """A training process's resident peak on each allocator setting, micro-batch after micro-batch.
 
     python bench/allocator_peaks.py [--model yolov2-16 --img-size 416 --samples 4 --iterations 6
-        --rounds 3 --settings before,swarm,mmap,jemalloc --jemalloc PATH --recompute off,on]
+        --rounds 3 --settings before,swarm,mmap,jemalloc --jemalloc PATH --recompute off,on,segments]
 
 One process per setting and round (alternating: round 1 runs every setting, then round 2),
 each training the whole model on one thread, `--iterations` forward-backward passes of
@@ -21,7 +21,8 @@ settled start after each pass, and the CPU time (user, system) and page faults o
 With `--recompute off,on` each setting runs twice a round: keeping every map the backward reads,
 and remaking BatchNorm's output and its activation's result in the backward (swarm.zoo.recompute)
 for every layer that has BatchNorm; the rows say `+rc`. The CPU time is then the passes' cost of
-remaking them.
+remaking them. `--recompute segments` runs the net in checkpointed segments instead
+(planner.checkpoint; rows `+ck`): the passes' CPU is then a second forward.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ PASSES = r"""
 import ctypes, json, resource, sys, time
 setting, samples, size, iterations, model = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], \
     int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-recompute = sys.argv[6] == "on"
+recompute, segments = sys.argv[6] == "on", sys.argv[6] == "segments"
 from swarm.host import malloc
 if setting == "mmap":
     libc = ctypes.CDLL("libc.so.6")
@@ -61,6 +62,7 @@ net, desc, _ = build_model(model, size, classes=5, seed=1)
 net.train()
 if recompute:
     net.recompute = frozenset(l.index for l in desc.layers if l.kind in ("conv", "connected") and l.batch_normalize)
+net.checkpoint = segments
 net(torch.rand(1, *desc.layers[0].in_shape)).sum().backward()
 base = settled_rss()
 before = resource.getrusage(resource.RUSAGE_SELF)
@@ -98,18 +100,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settings", default="before,swarm,mmap,jemalloc")
     parser.add_argument("--jemalloc", help="the jemalloc library to preload (default: the installed one)")
-    parser.add_argument("--recompute", default="off", help="off, on, or off,on: BatchNorm and activation remade "
-                        "in the backward")
+    parser.add_argument("--recompute", default="off", help="any of off, on, segments (off,on,segments): BatchNorm "
+                        "and activation remade in the backward (on), or checkpointed segments")
     args = parser.parse_args()
     settings = [s for s in args.settings.split(",") if s]
     unknown = set(settings) - {"before", "swarm", "mmap", "jemalloc"}
     if unknown:
         parser.error(f"no setting {', '.join(sorted(unknown))}")
     modes = [m for m in args.recompute.split(",") if m]
-    if not modes or set(modes) - {"off", "on"}:
-        parser.error("--recompute takes off, on or off,on")
+    if not modes or set(modes) - {"off", "on", "segments"}:
+        parser.error("--recompute takes off, on, segments or a list of them")
     rows = [(s, m) for s in settings for m in modes]
-    runs: dict[str, list[dict]] = {s + ("+rc" if m == "on" else ""): [] for s, m in rows}
+    suffix = {"off": "", "on": "+rc", "segments": "+ck"}
+    runs: dict[str, list[dict]] = {s + suffix[m]: [] for s, m in rows}
     for _ in range(args.rounds):
         for setting, mode in rows:
             env = environment(setting, args.jemalloc)
@@ -121,7 +124,7 @@ def main() -> int:
             if out.returncode != 0:
                 print(f"{setting}: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
                 return 1
-            runs[setting + ("+rc" if mode == "on" else "")].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[setting + suffix[mode]].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.model} at {args.img_size}, {args.samples} samples a pass, {args.iterations} passes, "
           f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass)")
     print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8}")

@@ -1,10 +1,11 @@
-"""What remaking BatchNorm in the backward costs in time: whole training passes, keeping every map
-and remaking (swarm.zoo.recompute), alternating in one process on one thread, medians.
+"""What remaking BatchNorm in the backward and checkpointed segments cost in time: whole training
+passes keeping every map, remaking (swarm.zoo.recompute) and in checkpointed segments
+(planner.checkpoint, Net.checkpoint), alternating in one process on one thread, medians.
 
     python bench/recompute_time.py [--models yolov2-16:416:2,yolov4-tiny:256:4,mobilenetv2:128:4 --rounds 5]
 
 Each entry is model:size:samples. Prints, per model, the median CPU seconds of a pass each way
-and their ratio.
+and their ratios to keeping.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("model        size samples  keeping s  remaking s  ratio")
+    print("model        size samples  keeping s  remaking s  ratio  segments s  ratio")
     for entry in args.models.split(","):
         name, size, samples = entry.split(":")
         net, desc, _ = build_model(name, int(size), classes=5, seed=1)
@@ -42,15 +43,16 @@ def main() -> int:
         every = recomputable(desc)
         x = torch.rand(int(samples), *desc.layers[0].in_shape)
         one_pass(net, x)  # kernels initialised
-        times: dict[str, list[float]] = {"off": [], "on": []}
+        times: dict[str, list[float]] = {"off": [], "on": [], "segments": []}
         for _ in range(args.rounds):
-            for mode in ("off", "on"):
+            for mode in times:
                 net.recompute = every if mode == "on" else frozenset()
+                net.checkpoint = mode == "segments"
                 start = time.process_time()
                 one_pass(net, x)
                 times[mode].append(time.process_time() - start)
-        off, on = statistics.median(times["off"]), statistics.median(times["on"])
-        print(f"{name:12} {size:>4} {samples:>7}  {off:9.3f}  {on:10.3f}  {on / off:5.3f}")
+        off, on, ck = (statistics.median(times[mode]) for mode in ("off", "on", "segments"))
+        print(f"{name:12} {size:>4} {samples:>7}  {off:9.3f}  {on:10.3f}  {on / off:5.3f}  {ck:10.3f}  {ck / off:5.3f}")
     return 0
 
 
