@@ -17,7 +17,11 @@ model's that fall inside it, the first starting at the stage's first layer.
 """
 from __future__ import annotations
 
-from planner.memory import estimate_activation_bytes
+from dataclasses import replace
+
+from planner.cluster import Cluster
+from planner.costs import CostTable
+from planner.memory import MemoryModel, estimate_activation_bytes
 from planner.model_desc import ModelDesc
 
 
@@ -59,3 +63,25 @@ def kept_bytes(desc: ModelDesc, first: int, last: int) -> int:
             if segment_of.get(src) != segment_of[j]:
                 kept.add(src)
     return sum(desc.input_bytes if src < 0 else desc.layers[src].out_bytes for src in kept)
+
+
+def _checkpointed(costs: CostTable) -> CostTable:
+    """The costs of stages that checkpoint: each layer's backward also runs its forward again."""
+    return replace(costs, bwd=costs.bwd + costs.fwd, source=costs.source + " + checkpointing", _cum={})
+
+
+def checkpointing(mem: MemoryModel, cluster: Cluster, desc: ModelDesc) -> tuple[MemoryModel, Cluster]:
+    """The memory model (MemoryModel.checkpointing) and devices of plans whose stages run in
+    checkpointed segments (idempotent). Like remaking (planner.recompute), it is the whole
+    plan's: `auto` checkpoints all of a plan's stages or none."""
+    if cluster.recomputing:
+        raise ValueError("a plan remakes BatchNorm or checkpoints its segments, not both")
+    if len(desc.layers) != cluster.devices[0].costs.num_layers:
+        raise ValueError(f"the devices' costs cover {cluster.devices[0].costs.num_layers} layers, "
+                         f"{desc.name} has {len(desc.layers)}")
+    if cluster.checkpointing:
+        return mem.checkpointing(), cluster
+    devices = [replace(d, costs=_checkpointed(d.costs),
+                       cpu_costs=_checkpointed(d.cpu_costs) if d.cpu_costs is not None else None)
+               for d in cluster.devices]
+    return mem.checkpointing(), replace(cluster, devices=devices, checkpointing=True)

@@ -100,6 +100,7 @@ class Cluster:
     data_source: str | None = None  # the device that holds the samples (None: every device has them)
     name: str = "cluster"
     recomputing: bool = False  # the devices' backward times include remaking BatchNorm (planner.recompute)
+    checkpointing: bool = False  # the devices' backward times include a stage's forward again (planner.checkpoint)
     # tolerance -> each device's class (planner/classes.py), worked out once per cluster
     class_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -194,7 +195,8 @@ class Cluster:
     def subset(self, names: list[str]) -> "Cluster":
         idx = [self.index(n) for n in names]
         src = self.data_source if self.data_source in names else None
-        return Cluster([self.devices[i] for i in idx], self.bandwidth[np.ix_(idx, idx)], self.latency, src, self.name)
+        return Cluster([self.devices[i] for i in idx], self.bandwidth[np.ix_(idx, idx)], self.latency, src, self.name,
+                       recomputing=self.recomputing, checkpointing=self.checkpointing)
 
     def describe(self) -> dict:
         return {d.name: d.summary() for d in self.devices}
@@ -207,7 +209,7 @@ class Cluster:
     def on_cpus(self) -> "Cluster":
         """The same cluster with every accelerator ignored: each device planned on its CPU."""
         return Cluster([d.on_cpu() for d in self.devices], self.bandwidth.copy(), self.latency, self.data_source,
-                       self.name)
+                       self.name, recomputing=self.recomputing, checkpointing=self.checkpointing)
 
 
 # ---- the JSON description -------------------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from planner.asteroid import AsteroidDP, pipeline_plan, plan_asteroid
 from planner.baselines import plan_dp, plan_local, plan_pp, square_grid
 from planner.bounds import best_step, compute_floor
+from planner.checkpoint import checkpointing
 from planner.hiertrain import plan_hiertrain
 from planner.inputs import NoPlan, PlanInputs
 from planner.memory import recomputable
@@ -84,7 +85,7 @@ PLANNERS = {
 STRATEGIES = (*PLANNERS, "auto")
 
 
-# the planners auto runs again for stages that remake BatchNorm (plan_auto)
+# the planners auto runs again for stages that remake BatchNorm, and for stages that checkpoint (plan_auto)
 REMAKING = ("local", "dp", "pp")
 # the planners that take auto's best step so far and skip what cannot beat it
 BOUNDED = {"dp", "tiles", "asteroid"}
@@ -93,38 +94,61 @@ BOUNDED = {"dp", "tiles", "asteroid"}
 def plan_auto(inputs: PlanInputs) -> Plan:
     """The best plan of every planner and the hybrids, keeping every map the backward reads;
     then the one-stage planners and pp again with BatchNorm remade in the backward
-    (planner.recompute), bounded by the first search's best: their plans need less memory for
+    (planner.recompute), and again with their stages in checkpointed segments
+    (planner.checkpoint), each bounded by the best so far: their plans need less memory for
     more compute, and win where memory held the first search back (a device that can then take
-    a larger share of a micro-batch, or whole ones). A plan that remakes says so in its single and dp stages."""
+    a larger share of a micro-batch, or whole ones). A plan that remakes says so in its single
+    and dp stages, one that checkpoints in all its stages; none does both."""
     plan = _plan_auto(inputs)
-    if not recomputable(inputs.desc) or inputs.cluster.recomputing:
+    if inputs.cluster.recomputing or inputs.cluster.checkpointing:
         return plan
-    mem, cluster = recomputing(inputs.mem, inputs.cluster, inputs.desc)
+    if recomputable(inputs.desc):
+        mem, cluster = recomputing(inputs.mem, inputs.cluster, inputs.desc)
+        try:
+            other = _plan_auto(replace(inputs, mem=mem, cluster=cluster), best_step(plan), remaking=True)
+        except NoPlan:
+            other = None
+        if (other is not None and any(s.mode != "tiles" for s in other.stages)
+                and _fits_then_time(other) < _fits_then_time(plan)):
+            for s in other.stages:
+                if s.mode != "tiles":
+                    s.recompute = True
+            plan = other
+    mem, cluster = checkpointing(inputs.mem, inputs.cluster, inputs.desc)
     try:
-        other = _plan_auto(replace(inputs, mem=mem, cluster=cluster), best_step(plan), remaking=True)
+        other = _plan_auto(replace(inputs, mem=mem, cluster=cluster), best_step(plan), checkpoints=True)
     except NoPlan:
         return plan
-    if not any(s.mode != "tiles" for s in other.stages) or _fits_then_time(other) >= _fits_then_time(plan):
-        return plan
+    return other if other.predicted["fits"] and _fits_then_time(other) < _fits_then_time(plan) else plan
+
+
+def _checkpointed(plan: Plan, desc) -> Plan:
+    """`plan` with every stage checkpointing (Stage.checkpoint); PlanError where it may not
+    (a dp group of more than one device, a tiles stage)."""
+    other = Plan.from_dict(plan.to_dict())
     for s in other.stages:
-        if s.mode != "tiles":
-            s.recompute = True
+        s.checkpoint = True
+    other.validate(desc)
     return other
 
 
-def _plan_auto(inputs: PlanInputs, bound: float | None = None, remaking: bool = False) -> Plan:
+def _plan_auto(inputs: PlanInputs, bound: float | None = None, remaking: bool = False,
+               checkpoints: bool = False) -> Plan:
     """The best plan of every planner and the hybrids. Each planner that builds many
     candidates is given the best step found before it, and does not simulate what its
     devices alone cannot compute in less (planner/bounds.py): such a plan could not win.
     `remaking`: the search for stages that remake, which runs only the planners of whole-model
     stages and plain pipelines (REMAKING): where remaking wins, a device takes a larger share of
     a micro-batch, or whole ones; Asteroid's and the hybrids' searches, the longest, are not run
-    twice (a tiles stage keeps its maps anyway)."""
+    twice (a tiles stage keeps its maps anyway). `checkpoints`: the same planners for stages
+    that checkpoint (inputs' model and devices: planner.checkpoint.checkpointing), their plans
+    marked so; a plan that may not checkpoint (Plan.validate: a dp group of several devices)
+    is left out, the other candidates of its planner with it."""
     candidates = []
     reasons = []
     best = None
     for name, planner in PLANNERS.items():
-        if remaking and name not in REMAKING:
+        if (remaking or checkpoints) and name not in REMAKING:
             continue
         try:
             plan = planner(inputs, bound=best_step(best, bound)) if name in BOUNDED else planner(inputs)
@@ -133,11 +157,17 @@ def _plan_auto(inputs: PlanInputs, bound: float | None = None, remaking: bool = 
             continue
         if plan is None:  # nothing of this planner's could beat the best so far
             continue
+        if checkpoints:
+            try:
+                plan = _checkpointed(plan, inputs.desc)
+            except PlanError as exc:
+                reasons.append(f"{name}: {exc}")
+                continue
         candidates.append(plan)
         if best is None or _fits_then_time(plan) < _fits_then_time(best):
             best = plan
     tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
-    if not remaking:
+    if not (remaking or checkpoints):
         candidates += plan_hybrids(inputs, tiles_plan, best_step(best, bound))
     if not candidates:
         raise NoPlan("no planner found a plan: " + "; ".join(reasons))

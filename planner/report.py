@@ -13,7 +13,8 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def stage_devices(stage) -> str:
-    return _devices(stage) + ("; BatchNorm remade in the backward" if stage.recompute else "")
+    return (_devices(stage) + ("; BatchNorm remade in the backward" if stage.recompute else "")
+            + ("; checkpointed in segments" if stage.checkpoint else ""))
 
 
 def _devices(stage) -> str:

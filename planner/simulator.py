@@ -32,6 +32,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 
 from planner.backups import backup_holders
+from planner.checkpoint import checkpointing
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
@@ -167,8 +168,12 @@ def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster)
 def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, validate: bool = True) -> Timeline:
     if validate:
         plan.validate(desc)
+    if plan.recomputes() and plan.checkpoints():
+        raise PlanError("a plan remakes BatchNorm or checkpoints its segments, not both")
     if plan.recomputes():
         mem, cluster = recomputing(mem, cluster, desc)
+    if plan.checkpoints():
+        mem, cluster = checkpointing(mem, cluster, desc)
     stage = plan.stages[0]
     if len(plan.stages) > 1 or stage.replica_count() == 1:
         blocks = plan.in_blocks()
