@@ -364,11 +364,13 @@ class CheckpointingModel(MemoryModel):
     measured/estimated ratio is about what autograd saves inside layers, which a checkpointed
     segment does not keep; the segment being remade is charged its measured bytes.
 
-    Conservative: while the worst segment is remade, every segment's kept inputs stay charged,
-    though the later segments' are freed by then, and the segment's own inputs are also among
-    its saved bytes (yolov2-16 at 416, slack 1: 138 MiB a sample where those would make it 112;
-    bench/PLANNER_RESULTS.md, 2026-11-29). What reads act_bytes or transient_table directly
-    (planner.asteroid_tables) sees the plain model's: Asteroid's search plans no such stage."""
+    While the worst segment is remade, every segment's kept inputs stay charged, though the
+    later segments' are freed by then, and the segment's own inputs are also among its saved
+    bytes (yolov2-16 at 416, slack 1: 138 MiB a sample where those would make it 112). Against
+    peaks measured in one process (bench/PLANNER_RESULTS.md, 2026-11-29): yolov2-16's on glibc
+    to 0.4%, over jemalloc's by 2%; darknet53's at 1.55x, something not modelled. What reads
+    act_bytes or transient_table directly (planner.asteroid_tables) sees the plain model's:
+    Asteroid's search plans no such stage."""
 
     checkpointed = True
 
