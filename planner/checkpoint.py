@@ -17,7 +17,7 @@ model's that fall inside it, the first starting at the stage's first layer.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
 from planner.cluster import Cluster
 from planner.costs import CostTable
@@ -65,6 +65,81 @@ def kept_bytes(desc: ModelDesc, first: int, last: int) -> int:
     return sum(desc.input_bytes if src < 0 else desc.layers[src].out_bytes for src in kept)
 
 
+@dataclass
+class CheckpointingModel(MemoryModel):
+    """MemoryModel for stages that run in checkpointed segments (planner.checkpoint): a
+    micro-batch keeps, until its backward, only each segment's inputs from outside it
+    (kept_bytes); its backward remakes one segment at a time, keeping everything of it, and
+    back-propagates it. `act_bytes` and the tables built on them stay the plain model's (what a
+    segment keeps while it is remade); activations, transient and buffers are per stage, as
+    kept_bytes is not a sum over layers (a map read by two segments is kept once).
+
+    With measured act_bytes (`measured`), the kept bytes stay the estimate's: they are whole
+    maps crossing a segment's start, whose size the layers' shapes give exactly, where the
+    measured/estimated ratio is about what autograd saves inside layers, which a checkpointed
+    segment does not keep; the segment being remade is charged its measured bytes.
+
+    While the worst segment is remade, every segment's kept inputs stay charged, though the
+    later segments' are freed by then, and the segment's own inputs are also among its saved
+    bytes (yolov2-16 at 416, slack 1: 138 MiB a sample where those would make it 112). Against
+    peaks measured in one process (bench/PLANNER_RESULTS.md, 2026-11-29): yolov2-16's on glibc
+    to 0.4%, over jemalloc's by 2%; darknet53's at 1.55x, something not modelled. What reads
+    act_bytes or transient_table directly (planner.asteroid_tables) sees the plain model's:
+    Asteroid's search plans no such stage."""
+
+    checkpointed = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._per_stage: dict[tuple[int, int], tuple[float, float, float]] = {}
+
+    def _stage_bytes(self, first: int, last: int) -> tuple[float, float, float]:
+        """Per sample, for a stage of layers [first, last): (kept, held, bound). kept: what a
+        micro-batch keeps until its backward (kept_bytes). held: what its backward holds beyond
+        that at its worst segment: the segment's plain saved bytes (remade, all alive when its
+        backward begins) plus its backward's buffers beyond them (the plain transient of the
+        segment's range), the most over the stage's segments. bound: the same with each
+        segment's largest buffers and nothing freed (an upper bound of held, for buffers)."""
+        key = (first, last)
+        if key not in self._per_stage:
+            segments = stage_segments(self.desc, first, last)
+            saved = [float(self._cum_act[b] - self._cum_act[a]) for a, b in segments]
+            held = max(float(self.transient_table[a, b]) + s for (a, b), s in zip(segments, saved))
+            bound = max(float(self.grad_bytes[a:b].max()) + s for (a, b), s in zip(segments, saved))
+            self._per_stage[key] = (float(kept_bytes(self.desc, first, last)), held, bound)
+        return self._per_stage[key]
+
+    def activations(self, first: int, last: int, batch: float) -> float:
+        """What one micro-batch of `batch` samples keeps until its backward: the maps crossing
+        its segments' starts (kept_bytes)."""
+        if last <= first:
+            return 0.0
+        return batch * (self.slack * self.share_factor(batch) * self._stage_bytes(first, last)[0])
+
+    def transient(self, first: int, last: int, batch: float) -> float:
+        """What one micro-batch's backward holds beyond what it kept, at its worst segment: the
+        segment remade whole, and its backward's buffers beyond what it has freed."""
+        if last <= first:
+            return 0.0
+        return batch * (self.slack * self.share_factor(batch) * self._stage_bytes(first, last)[1])
+
+    def buffers(self, first: int, last: int, batch: float) -> float:
+        """An upper bound of transient: a segment remade whole and its largest buffers, nothing freed."""
+        if last <= first:
+            return 0.0
+        return batch * (self.slack * self.share_factor(batch) * self._stage_bytes(first, last)[2])
+
+
+def checkpointing_model(mem: MemoryModel) -> MemoryModel:
+    """`mem` for stages that run in the model's checkpointed segments (Stage.checkpoint):
+    CheckpointingModel (idempotent; a model that remakes BatchNorm cannot also checkpoint)."""
+    if mem.checkpointed:
+        return mem
+    if mem.remade:
+        raise ValueError("a stage remakes BatchNorm or checkpoints its segments, not both")
+    return CheckpointingModel(**{f.name: getattr(mem, f.name) for f in fields(mem)})
+
+
 def _checkpointed(costs: CostTable) -> CostTable:
     """The costs of stages that checkpoint: each layer's backward also runs its forward again."""
     return replace(costs, bwd=costs.bwd + costs.fwd, source=costs.source + " + checkpointing", _cum={})
@@ -80,8 +155,8 @@ def checkpointing(mem: MemoryModel, cluster: Cluster, desc: ModelDesc) -> tuple[
         raise ValueError(f"the devices' costs cover {cluster.devices[0].costs.num_layers} layers, "
                          f"{desc.name} has {len(desc.layers)}")
     if cluster.checkpointing:
-        return mem.checkpointing(), cluster
+        return checkpointing_model(mem), cluster
     devices = [replace(d, costs=_checkpointed(d.costs),
                        cpu_costs=_checkpointed(d.cpu_costs) if d.cpu_costs is not None else None)
                for d in cluster.devices]
-    return mem.checkpointing(), replace(cluster, devices=devices, checkpointing=True)
+    return checkpointing_model(mem), replace(cluster, devices=devices, checkpointing=True)

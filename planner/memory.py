@@ -10,7 +10,7 @@ the layer's shapes in the same way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -198,7 +198,7 @@ class MemoryModel:
     #                     it backs up for another device (planner.simulator)
     remade: frozenset[int] = frozenset()  # layers whose BatchNorm output and activation result the backward
     #                                       remakes (recomputing); act_bytes are then what they keep so
-    checkpointed = False  # (not a field) stages run in checkpointed segments: CheckpointingModel
+    checkpointed = False  # (not a field) stages run in checkpointed segments: planner.checkpoint.CheckpointingModel
 
     def __post_init__(self):
         self.act_bytes = np.asarray(self.act_bytes, dtype=float)
@@ -266,15 +266,6 @@ class MemoryModel:
         saving = np.array(estimate_activation_bytes(self.desc)) - np.array(estimate_activation_bytes(self.desc, remade))
         act = np.maximum(self.act_bytes - saving, 0.0)
         return replace(self, act_bytes=act, remade=remade)
-
-    def checkpointing(self) -> "MemoryModel":
-        """This model for stages that run in the model's checkpointed segments (planner.checkpoint,
-        Stage.checkpoint): CheckpointingModel."""
-        if self.checkpointed:
-            return self
-        if self.remade:
-            raise ValueError("a stage remakes BatchNorm or checkpoints its segments, not both")
-        return CheckpointingModel(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def budget(self, first: int, last: int, memory: float) -> float:
         """What a device with budget `memory` (its memory less the runtime and JOB_BYTES) may
@@ -348,72 +339,6 @@ class MemoryModel:
         free = self.budget(first, last, budget) - self.weights(first, last)
         per_sample = warmup * self.activations(first, last, 1) + self.transient(first, last, 1)
         return max(0, int(largest_share(free, per_sample, self.growth)))
-
-
-@dataclass
-class CheckpointingModel(MemoryModel):
-    """MemoryModel for stages that run in checkpointed segments (planner.checkpoint): a
-    micro-batch keeps, until its backward, only each segment's inputs from outside it
-    (kept_bytes); its backward remakes one segment at a time, keeping everything of it, and
-    back-propagates it. `act_bytes` and the tables built on them stay the plain model's (what a
-    segment keeps while it is remade); activations, transient and buffers are per stage, as
-    kept_bytes is not a sum over layers (a map read by two segments is kept once).
-
-    With measured act_bytes (`measured`), the kept bytes stay the estimate's: they are whole
-    maps crossing a segment's start, whose size the layers' shapes give exactly, where the
-    measured/estimated ratio is about what autograd saves inside layers, which a checkpointed
-    segment does not keep; the segment being remade is charged its measured bytes.
-
-    While the worst segment is remade, every segment's kept inputs stay charged, though the
-    later segments' are freed by then, and the segment's own inputs are also among its saved
-    bytes (yolov2-16 at 416, slack 1: 138 MiB a sample where those would make it 112). Against
-    peaks measured in one process (bench/PLANNER_RESULTS.md, 2026-11-29): yolov2-16's on glibc
-    to 0.4%, over jemalloc's by 2%; darknet53's at 1.55x, something not modelled. What reads
-    act_bytes or transient_table directly (planner.asteroid_tables) sees the plain model's:
-    Asteroid's search plans no such stage."""
-
-    checkpointed = True
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._per_stage: dict[tuple[int, int], tuple[float, float, float]] = {}
-
-    def _stage_bytes(self, first: int, last: int) -> tuple[float, float, float]:
-        """Per sample, for a stage of layers [first, last): (kept, held, bound). kept: what a
-        micro-batch keeps until its backward (kept_bytes). held: what its backward holds beyond
-        that at its worst segment: the segment's plain saved bytes (remade, all alive when its
-        backward begins) plus its backward's buffers beyond them (the plain transient of the
-        segment's range), the most over the stage's segments. bound: the same with each
-        segment's largest buffers and nothing freed (an upper bound of held, for buffers)."""
-        key = (first, last)
-        if key not in self._per_stage:
-            from planner.checkpoint import kept_bytes, stage_segments  # (planner.checkpoint reads this module)
-            segments = stage_segments(self.desc, first, last)
-            saved = [float(self._cum_act[b] - self._cum_act[a]) for a, b in segments]
-            held = max(float(self.transient_table[a, b]) + s for (a, b), s in zip(segments, saved))
-            bound = max(float(self.grad_bytes[a:b].max()) + s for (a, b), s in zip(segments, saved))
-            self._per_stage[key] = (float(kept_bytes(self.desc, first, last)), held, bound)
-        return self._per_stage[key]
-
-    def activations(self, first: int, last: int, batch: float) -> float:
-        """What one micro-batch of `batch` samples keeps until its backward: the maps crossing
-        its segments' starts (kept_bytes)."""
-        if last <= first:
-            return 0.0
-        return batch * (self.slack * self.share_factor(batch) * self._stage_bytes(first, last)[0])
-
-    def transient(self, first: int, last: int, batch: float) -> float:
-        """What one micro-batch's backward holds beyond what it kept, at its worst segment: the
-        segment remade whole, and its backward's buffers beyond what it has freed."""
-        if last <= first:
-            return 0.0
-        return batch * (self.slack * self.share_factor(batch) * self._stage_bytes(first, last)[1])
-
-    def buffers(self, first: int, last: int, batch: float) -> float:
-        """An upper bound of transient: a segment remade whole and its largest buffers, nothing freed."""
-        if last <= first:
-            return 0.0
-        return batch * (self.slack * self.share_factor(batch) * self._stage_bytes(first, last)[2])
 
 
 def largest_share(free, per_sample, growth: float):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from planner.checkpoint import checkpointing, kept_bytes, stage_segments
+from planner.checkpoint import checkpointing, checkpointing_model, kept_bytes, stage_segments
 from planner.inputs import PlanInputs
 from planner.memory import MemoryModel, estimate_activation_bytes
 from planner.plan import Plan, PlanError, Stage
@@ -46,8 +46,8 @@ def test_a_checkpointing_stage_keeps_the_maps_crossing_its_segments_starts(which
     n = len(desc.layers)
     for mem in (MemoryModel.estimated(desc), MemoryModel.for_devices(desc, "sgd"),
                 MemoryModel.for_devices(desc, "sgd", allocator="jemalloc")):
-        ck = mem.checkpointing()
-        assert ck.checkpointed and ck.checkpointing() is ck and not mem.checkpointed
+        ck = checkpointing_model(mem)
+        assert ck.checkpointed and checkpointing_model(ck) is ck and not mem.checkpointed
         for first, last in _ranges(n):
             for batch in (1, 3):
                 assert ck.activations(first, last, batch) == pytest.approx(
@@ -73,7 +73,7 @@ def test_measured_saved_bytes_charge_the_segment_remade_not_the_kept_maps(yolov2
     n = len(yolov2.layers)
     measured = 1.2 * np.array(estimate_activation_bytes(yolov2), dtype=float)
     mem = MemoryModel.for_devices(yolov2, "sgd", act_bytes=measured)
-    ck = mem.checkpointing()
+    ck = checkpointing_model(mem)
     assert ck.measured
     assert ck.activations(0, n, 2) == pytest.approx(2 * mem.slack * kept_bytes(yolov2, 0, n))
     assert ck.transient(0, n, 2) == pytest.approx(max(mem.activations(a, b, 2) + mem.transient(a, b, 2)
@@ -87,16 +87,16 @@ def test_checkpointing_keeps_less_than_remaking_and_keeping_everything(yolov2):
     the whole model, backward included, 286, 234 and 207 MiB."""
     n = len(yolov2.layers)
     for mem in (MemoryModel.estimated(yolov2), MemoryModel.for_devices(yolov2, "sgd")):
-        keep, remake, ck = (m.activations(0, n, 1) for m in (mem, mem.recomputing(), mem.checkpointing()))
+        keep, remake, ck = (m.activations(0, n, 1) for m in (mem, mem.recomputing(), checkpointing_model(mem)))
         assert ck < 0.5 * remake < 0.3 * keep
-    assert [round(m.activations(0, n, 1) / MiB, 1) for m in (mem, mem.recomputing(), mem.checkpointing())] == [
+    assert [round(m.activations(0, n, 1) / MiB, 1) for m in (mem, mem.recomputing(), checkpointing_model(mem))] == [
         187.9, 104.7, 42.6]  # (x1.5)
-    need = [m.activations(0, n, 1) + m.transient(0, n, 1) for m in (mem, mem.recomputing(), mem.checkpointing())]
+    need = [m.activations(0, n, 1) + m.transient(0, n, 1) for m in (mem, mem.recomputing(), checkpointing_model(mem))]
     assert need[2] < need[1] < need[0]
     with pytest.raises(ValueError, match="not both"):
-        mem.checkpointing().recomputing()
+        checkpointing_model(mem).recomputing()
     with pytest.raises(ValueError, match="not both"):
-        mem.recomputing().checkpointing()
+        checkpointing_model(mem.recomputing())
 
 
 def test_the_backward_of_a_checkpointing_stage_runs_its_forward_once_more(yolov2):
@@ -166,7 +166,7 @@ def _scenario(desc):
     def need(m, samples):  # budget for `samples` of the whole model on one device
         return m.stage(0, n, samples, 1) - m.budget(0, n, 0.0)
 
-    tight = (need(mem.checkpointing(), 2) + need(mem.recomputing(), 2)) / 2
+    tight = (need(checkpointing_model(mem), 2) + need(mem.recomputing(), 2)) / 2
     roomy = 1.25 * need(mem, 2)
     return mem, n, tight, roomy
 
