@@ -146,7 +146,7 @@ def _checkpointed(costs: CostTable) -> CostTable:
 
 
 def checkpointing(mem: MemoryModel, cluster: Cluster, desc: ModelDesc) -> tuple[MemoryModel, Cluster]:
-    """The memory model (MemoryModel.checkpointing) and devices of plans whose stages run in
+    """The memory model (checkpointing_model) and devices of plans whose stages run in
     checkpointed segments (idempotent). Like remaking (planner.recompute), it is the whole
     plan's: `auto` checkpoints all of a plan's stages or none."""
     if cluster.recomputing:
