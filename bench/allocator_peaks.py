@@ -1,7 +1,7 @@
 """A training process's resident peak on each allocator setting, micro-batch after micro-batch.
 
     python bench/allocator_peaks.py [--model yolov2-16 --img-size 416 --samples 4 --iterations 6
-        --rounds 3 --settings before,swarm,mmap,jemalloc --jemalloc PATH --recompute off,on,segments]
+        --rounds 3 --settings before,heap,swarm,mapped,mmap,jemalloc --jemalloc PATH --recompute off,on,segments]
 
 One process per setting and round (alternating: round 1 runs every setting, then round 2),
 each training the whole model on one thread, `--iterations` forward-backward passes of
@@ -10,8 +10,14 @@ It prints, per setting, the median over the rounds of the resident peak above th
 settled start after each pass, and the CPU time (user, system) and page faults of the passes:
 
     before    glibc as swarm set it before: one arena, no mmap, freed memory kept
-    swarm     what the `swarm` command runs a training on, on glibc (swarm.host.malloc):
-              the above, and neither fastbins nor the per-thread cache (tcache)
+    heap      the above, and neither fastbins nor the per-thread cache (tcache): what the
+              `swarm` command runs a training on, on glibc, where the kernel has no
+              transparent huge pages (swarm.host.malloc)
+    swarm     what it runs a training on, on glibc, here: where the kernel has transparent
+              huge pages, `heap` with the heap in huge pages ("glibc-thp")
+    mapped    `swarm` as a plan that maps its largest blocks runs (Plan.mapped): blocks of
+              4 MiB or more mapped afresh, unmapped on free (swarm.host.malloc.map_large)
+    mapped:N  the same, with blocks of N MiB or more mapped afresh
     mmap      one arena, and every block of 256 KiB or more its own mapping, unmapped on
               free (each pass faults its pages in again)
     jemalloc  jemalloc as swarm preloads it (where it is installed, or the library --jemalloc
@@ -45,7 +51,12 @@ setting, samples, size, iterations, model = sys.argv[1], [int(x) for x in sys.ar
     int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 recompute, segments = sys.argv[6] == "on", sys.argv[6] == "segments"
 from swarm.host import malloc
-if setting == "mmap":
+if setting.startswith("mapped"):
+    malloc.tune()
+    malloc.map_large(True)
+    if ":" in setting:
+        ctypes.CDLL("libc.so.6").mallopt(malloc.M_MMAP_THRESHOLD, int(setting.split(":")[1]) << 20)
+elif setting == "mmap":
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(malloc.M_ARENA_MAX, 1); libc.mallopt(-3, 256 << 10); libc.mallopt(malloc.M_TRIM_THRESHOLD, 1 << 30)
 elif setting == "before":
@@ -81,8 +92,10 @@ def environment(setting: str, jemalloc: str | None) -> dict[str, str] | None:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES", malloc.PRELOADED)}
     env["PYTHONPATH"] = str(ROOT)
-    if setting == "swarm":
-        env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})  # as `swarm` starts itself again
+    if setting == "heap":
+        env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
+    elif setting == "swarm" or setting.startswith("mapped"):  # as `swarm` starts itself again
+        env.update(GLIBC_TUNABLES=malloc.glibc_tunables(), **{malloc.PRELOADED: "glibc"})
     elif setting == "jemalloc":
         library = jemalloc or malloc.find_jemalloc()
         if library is None:
@@ -98,13 +111,14 @@ def main() -> int:
     parser.add_argument("--samples", default="4", help="samples a pass, or a list taken in turn (4,2,3)")
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--settings", default="before,swarm,mmap,jemalloc")
+    parser.add_argument("--settings", default="before,heap,swarm,mapped,mmap,jemalloc")
     parser.add_argument("--jemalloc", help="the jemalloc library to preload (default: the installed one)")
     parser.add_argument("--recompute", default="off", help="any of off, on, segments (off,on,segments): BatchNorm "
                         "and activation remade in the backward (on), or checkpointed segments")
     args = parser.parse_args()
     settings = [s for s in args.settings.split(",") if s]
-    unknown = set(settings) - {"before", "swarm", "mmap", "jemalloc"}
+    unknown = {s for s in settings if not (s.startswith("mapped:") and s[7:].isdigit())} - {
+        "before", "heap", "swarm", "mapped", "mmap", "jemalloc"}
     if unknown:
         parser.error(f"no setting {', '.join(sorted(unknown))}")
     modes = [m for m in args.recompute.split(",") if m]

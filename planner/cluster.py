@@ -65,6 +65,10 @@ class Device:
     # work each round (a task per swap, the shape check, slicing and adding in), which a bare
     # message does not do (swarm.profiling.reduction measures it with the profile).
     reduce_msg_s: float = 0.0
+    # seconds of this device's time per byte of a block mapped afresh and faulted in (the
+    # kernel zeroes its pages): what a plan that maps its largest blocks costs it (planner.
+    # mapping); 0: the device cannot map (its profile measures it on glibc with huge pages)
+    map_s_per_byte: float = 0.0
     accelerator: Accelerator | None = None  # None: the device computes on its CPU
     # the CPU's own figures when an accelerator is given (None: `costs` and `memory` are the CPU's)
     cpu_costs: CostTable | None = None
@@ -101,6 +105,7 @@ class Cluster:
     name: str = "cluster"
     recomputing: bool = False  # the devices' backward times include remaking BatchNorm (planner.recompute)
     checkpointing: bool = False  # the devices' backward times include a stage's forward again (planner.checkpoint)
+    mapping: bool = False  # the devices' times include faulting their largest blocks in again (planner.mapping)
     # tolerance -> each device's class (planner/classes.py), worked out once per cluster
     class_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -196,7 +201,7 @@ class Cluster:
         idx = [self.index(n) for n in names]
         src = self.data_source if self.data_source in names else None
         return Cluster([self.devices[i] for i in idx], self.bandwidth[np.ix_(idx, idx)], self.latency, src, self.name,
-                       recomputing=self.recomputing, checkpointing=self.checkpointing)
+                       recomputing=self.recomputing, checkpointing=self.checkpointing, mapping=self.mapping)
 
     def describe(self) -> dict:
         return {d.name: d.summary() for d in self.devices}
@@ -209,13 +214,13 @@ class Cluster:
     def on_cpus(self) -> "Cluster":
         """The same cluster with every accelerator ignored: each device planned on its CPU."""
         return Cluster([d.on_cpu() for d in self.devices], self.bandwidth.copy(), self.latency, self.data_source,
-                       self.name, recomputing=self.recomputing, checkpointing=self.checkpointing)
+                       self.name, recomputing=self.recomputing, checkpointing=self.checkpointing, mapping=self.mapping)
 
 
 # ---- the JSON description -------------------------------------------------------------
 
 DEVICE_KEYS = {"name", "memory", "speed", "gflops", "mem_gbps", "profile", "tier", "power_w", "radio", "link_mbps",
-               "cores", "note", "comm_ns_per_byte", "msg_us", "reduce_msg_us", "accelerator", "allocator"}
+               "cores", "note", "comm_ns_per_byte", "msg_us", "reduce_msg_us", "map_ns_per_byte", "accelerator", "allocator"}
 ACCELERATOR_KEYS = {"kind", "speed", "gflops", "mem_gbps", "profile", "copy_gbps", "memory", "shared_memory", "note"}
 CLUSTER_KEYS = {"name", "description", "reference", "data_source", "bandwidth_mbps", "latency_ms", "links", "devices",
                 "note"}
@@ -297,8 +302,10 @@ def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
     comm = _non_negative(spec, "comm_ns_per_byte", "nanoseconds", where)
     msg = _non_negative(spec, "msg_us", "microseconds", where)
     reduce_msg = _non_negative(spec, "reduce_msg_us", "microseconds", where)
+    map_cost = _non_negative(spec, "map_ns_per_byte", "nanoseconds", where)
     device = Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts,
-                    comm_s_per_byte=comm * 1e-9, msg_s=msg * 1e-6, reduce_msg_s=reduce_msg * 1e-6)
+                    comm_s_per_byte=comm * 1e-9, msg_s=msg * 1e-6, reduce_msg_s=reduce_msg * 1e-6,
+                    map_s_per_byte=map_cost * 1e-9)
     if "accelerator" in spec:
         accelerator, acc_costs, acc_memory = _accelerator_from_dict(spec["accelerator"], memory, where, desc, reference,
                                                                     resolve_profile)

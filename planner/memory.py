@@ -67,11 +67,14 @@ GROWTH_FROM = 2
 # alone, begun at 243).
 JEMALLOC_SLACK = 1.25
 JEMALLOC_GROWTH = 0.0
+# glibc as swarm runs it where the kernel has transparent huge pages ("glibc-thp", swarm.host.
+# malloc) keeps its heap as above, in huge pages: the same peaks (bench/RESULTS.md), so the same
+# slack. A plan may have such devices map their largest blocks instead (planner.mapping).
 # Whether the backward's buffers reuse the room the saved tensors of the layers behind them
 # (already back-propagated) have freed. glibc's heap, tuned by swarm.host.malloc to keep
 # what it frees, does not hand that room to maps of other sizes (its peaks above grow
 # with the buffers on top of everything saved); jemalloc's size classes do.
-REUSES_FREED = {"glibc": False, "jemalloc": True}
+REUSES_FREED = {"glibc": False, "jemalloc": True, "glibc-thp": False}
 # A device keeps, besides its working copy, a snapshot of its stages' weights and optimizer
 # state to roll back to, and the state of the stage it backs up for another device
 # (swarm.execution.worker). The measurements above were of yolov2-16, whose whole state is
@@ -80,14 +83,16 @@ REUSES_FREED = {"glibc": False, "jemalloc": True}
 # yolov3 at 416 keeps up to 470 MiB.
 KEPT_IN_RESERVE = 32 * 2**20
 # the slack and growth of each allocator a device's profile may name; any other: glibc's
-ALLOCATORS = {"glibc": (RESIDENT_SLACK, SHARE_GROWTH), "jemalloc": (JEMALLOC_SLACK, JEMALLOC_GROWTH)}
+ALLOCATORS = {"glibc": (RESIDENT_SLACK, SHARE_GROWTH), "jemalloc": (JEMALLOC_SLACK, JEMALLOC_GROWTH),
+              "glibc-thp": (RESIDENT_SLACK, SHARE_GROWTH)}
 
 
 def plan_allocator(allocators) -> str:
-    """The allocator whose slack a plan for devices running on `allocators` assumes: jemalloc's
-    only where every device runs on it (the planner's model is one for all devices)."""
-    allocators = list(allocators)
-    return "jemalloc" if allocators and all(a == "jemalloc" for a in allocators) else "glibc"
+    """The allocator whose slack a plan for devices running on `allocators` assumes (the
+    planner's model is one for all devices): the one that holds the most among them, an
+    unknown one as glibc."""
+    known = {a if a in ALLOCATORS else "glibc" for a in allocators} or {"glibc"}
+    return max(known, key=lambda a: (ALLOCATORS[a][0], not REUSES_FREED[a]))
 
 
 def in_bytes(desc: ModelDesc, index: int) -> int:

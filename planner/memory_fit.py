@@ -14,6 +14,8 @@ is refused; a plan under it may still come close to the limit.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
@@ -51,7 +53,8 @@ def _least_needs(plan: Plan, desc: ModelDesc, optimizer: str, budgets: dict[str,
     model = MemoryModel.estimated(desc, optimizer)
     # speeds do not change what a device keeps, only when: any will do; unknown memory: no limit
     cluster = flops_cluster(desc, {d: (1.0, budget) for d, budget in budgets.items()})
-    timeline = simulate(plan, desc, model, cluster, validate=False)
+    # (the papers' model already lets the backward's buffers reuse freed room, as mapping does)
+    timeline = simulate(replace(plan, mapped=False), desc, model, cluster, validate=False)
     kept = kept_states(plan, model)
     return {d: timeline.peak_memory.get(d, 0.0) + kept.get(d, 0.0) for d in plan.used_devices()}
 

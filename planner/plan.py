@@ -188,6 +188,9 @@ class Plan:
     backups: dict[int, str] = field(default_factory=dict)  # stage index -> device keeping a copy
     predicted: dict | None = None  # {"step_time_s": float, "peak_memory": {device: bytes}, ...}
     planner: str = "manual"
+    # every device serves its largest blocks from mappings of their own, not its heap
+    # (planner.mapping: less memory, more compute; devices on glibc with huge pages)
+    mapped: bool = False
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -260,7 +263,8 @@ class Plan:
     def describe(self) -> str:
         """The plan as `swarm train` prints it: one line for the whole, one for each stage."""
         lines = [f"plan ({self.planner}): {len(self.stages)} stage(s), {len(self.used_devices())} device(s), "
-                 f"batch {self.batch_size} in {self.microbatches} micro-batch(es)"]
+                 f"batch {self.batch_size} in {self.microbatches} micro-batch(es)"
+                 + (", largest blocks mapped afresh" if self.mapped else "")]
         for i, s in enumerate(self.stages):
             how = s.mode
             if s.mode == "tiles":
@@ -299,6 +303,8 @@ class Plan:
             raise PlanError(f"batch size {self.batch_size} with {self.microbatches} micro-batches is impossible")
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
+        if self.mapped and (self.recomputes() or self.checkpoints()):
+            raise PlanError("a plan that maps its largest blocks keeps every map: no recompute or checkpoint")
         n_layers = len(desc.layers) if desc is not None else self.stages[-1].last
         if desc is not None and (desc.img_size != self.img_size):
             raise PlanError(f"the plan is for {self.img_size} images, the model is built for {desc.img_size}")
@@ -453,6 +459,8 @@ class Plan:
                 del s[key]
         if d["predicted"] is None:
             del d["predicted"]
+        if not self.mapped:
+            del d["mapped"]
         return d
 
     def to_json(self) -> str:
@@ -466,7 +474,7 @@ class Plan:
         if version != PLAN_VERSION:
             raise PlanError(f"plan version {version} is not supported (this swarm reads version {PLAN_VERSION})")
         known_plan = {"model", "img_size", "batch_size", "microbatches", "stages", "devices", "backups",
-                      "predicted", "planner", "version"}
+                      "predicted", "planner", "mapped", "version"}
         extra = set(d) - known_plan
         if extra:
             raise PlanError(f"unknown plan field(s): {', '.join(sorted(extra))}")
@@ -488,11 +496,14 @@ class Plan:
                 stages.append(Stage(**s))
             except (TypeError, ValueError) as exc:
                 raise PlanError(f"stage {i}: {exc}") from None
+        if d.get("mapped", False) not in (False, True):
+            raise PlanError(f"mapped is true or false, not {d['mapped']!r}")
         try:
             return cls(model=str(d["model"]), img_size=ImageSize.of(d["img_size"]), batch_size=int(d["batch_size"]),
                        microbatches=int(d["microbatches"]), stages=stages, devices=dict(d.get("devices") or {}),
                        backups={int(k): v for k, v in (d.get("backups") or {}).items()},
-                       predicted=d.get("predicted"), planner=str(d.get("planner", "manual")), version=version)
+                       predicted=d.get("predicted"), planner=str(d.get("planner", "manual")),
+                       mapped=bool(d.get("mapped", False)), version=version)
         except (TypeError, ValueError) as exc:
             raise PlanError(f"malformed plan: {exc}") from None
 

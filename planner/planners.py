@@ -19,6 +19,7 @@ from planner.asteroid import AsteroidDP, pipeline_plan, plan_asteroid
 from planner.baselines import plan_dp, plan_local, plan_pp, square_grid
 from planner.bounds import best_step, compute_floor
 from planner.checkpoint import checkpointing
+from planner.mapping import can_map, mapping
 from planner.hiertrain import plan_hiertrain
 from planner.inputs import NoPlan, PlanInputs
 from planner.memory import recomputable
@@ -94,13 +95,15 @@ BOUNDED = {"dp", "tiles", "asteroid"}
 def plan_auto(inputs: PlanInputs) -> Plan:
     """The best plan of every planner and the hybrids, keeping every map the backward reads;
     then the one-stage planners and pp again with BatchNorm remade in the backward
-    (planner.recompute), and again with their stages in checkpointed segments
-    (planner.checkpoint), each bounded by the best so far: their plans need less memory for
-    more compute, and win where memory held the first search back (a device that can then take
-    a larger share of a micro-batch, or whole ones). A plan that remakes says so in its single
-    and dp stages, one that checkpoints in all its stages; none does both."""
+    (planner.recompute), again with their stages in checkpointed segments
+    (planner.checkpoint), and where every device can, again with the devices mapping their
+    largest blocks afresh (planner.mapping), each bounded by the best so far: their plans need
+    less memory for more compute, and win where memory held the first search back (a device
+    that can then take a larger share of a micro-batch, or whole ones). A plan that remakes
+    says so in its single and dp stages, one that checkpoints in all its stages, one that maps
+    in Plan.mapped; none does two of them."""
     plan = _plan_auto(inputs)
-    if inputs.cluster.recomputing or inputs.cluster.checkpointing:
+    if inputs.cluster.recomputing or inputs.cluster.checkpointing or inputs.cluster.mapping:
         return plan
     if recomputable(inputs.desc):
         mem, cluster = recomputing(inputs.mem, inputs.cluster, inputs.desc)
@@ -118,8 +121,19 @@ def plan_auto(inputs: PlanInputs) -> Plan:
     try:
         other = _plan_auto(replace(inputs, mem=mem, cluster=cluster), best_step(plan), checkpoints=True)
     except NoPlan:
-        return plan
-    return other if other.predicted["fits"] and _fits_then_time(other) < _fits_then_time(plan) else plan
+        other = None
+    if other is not None and other.predicted["fits"] and _fits_then_time(other) < _fits_then_time(plan):
+        plan = other
+    if can_map(inputs.cluster) and not inputs.cluster.mapping:
+        mem, cluster = mapping(inputs.mem, inputs.cluster, inputs.desc)
+        try:
+            other = _plan_auto(replace(inputs, mem=mem, cluster=cluster), best_step(plan), remaking=True)
+        except NoPlan:
+            return plan
+        if other.predicted["fits"] and _fits_then_time(other) < _fits_then_time(plan):
+            other.mapped = True
+            plan = other
+    return plan
 
 
 def _checkpointed(plan: Plan, desc) -> Plan:

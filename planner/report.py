@@ -59,7 +59,8 @@ def plan_table(plan: Plan, timeline: Timeline) -> str:
     warm = plan.warmups()
     head = (f"{plan.model} at {plan.img_size}: batch {plan.batch_size} in {plan.microbatches} "
             f"micro-batch{'es' if plan.microbatches > 1 else ''} of {mb}; planner {plan.planner}"
-            + (f" (chose {plan.predicted['chosen']})" if plan.predicted and plan.predicted.get("chosen") else ""))
+            + (f" (chose {plan.predicted['chosen']})" if plan.predicted and plan.predicted.get("chosen") else "")
+            + ("; every device maps its largest blocks afresh" if plan.mapped else ""))
     rows = []
     for i, s in enumerate(plan.stages):
         layers = _layers(s)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.backups import backup_holders
 from planner.checkpoint import checkpointing
+from planner.mapping import mapping
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
@@ -174,6 +175,11 @@ def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, va
         mem, cluster = recomputing(mem, cluster, desc)
     if plan.checkpoints():
         mem, cluster = checkpointing(mem, cluster, desc)
+    if plan.mapped:
+        try:
+            mem, cluster = mapping(mem, cluster, desc)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
     stage = plan.stages[0]
     if len(plan.stages) > 1 or stage.replica_count() == 1:
         blocks = plan.in_blocks()

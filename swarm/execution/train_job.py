@@ -167,6 +167,9 @@ async def run_train_job(ctx) -> dict:
     store = store_for(ctx.job_id)
     log.info("job %s epoch %d: %.0f MiB resident, %.0f MiB of it snapshots and backups", ctx.job_id, ctx.epoch,
              resident_bytes() / 2**20, store.nbytes() / 2**20)
+    if malloc.map_large(plan.mapped):  # (planner.mapping: the plan was made for devices that can)
+        log.info("job %s epoch %d: blocks of %d MiB or more mapped afresh", ctx.job_id, ctx.epoch,
+                 malloc.MAPPED_FROM >> 20)
     worker = DeviceWorker(endpoint, job, store)
     try:
         async with trio.open_nursery() as nursery:
@@ -176,6 +179,7 @@ async def run_train_job(ctx) -> dict:
             await worker.run()
             nursery.cancel_scope.cancel()
     finally:
+        malloc.map_large(False)
         await links.aclose()
         endpoint.mailbox.close(Closed("the run ended"))
         trio.lowlevel.spawn_system_task(release_memory_soon)  # once this run's traceback lets go of it

@@ -24,10 +24,12 @@ from pathlib import Path
 from planner.image_size import ImageSize
 from planner.profile import DeviceProfile, ProfileError
 from swarm.errors import SwarmError
+from swarm.host import malloc
 from swarm.host.resources import usable_cores
 from swarm.profiling.accelerator import accelerator_identity, usable_accelerator
 from swarm.profiling.cache import cache_path, default_state_dir, device_facts, read_profile, write_profile
 from swarm.profiling.measure import DEFAULT_BATCH_SIZES, DEFAULT_REPEATS, default_classes, profile_model
+from swarm.profiling.mapping import map_cost
 from swarm.profiling.reduction import reduce_msg_cpu
 
 # what other modules and tools import from here, from the modules that hold it
@@ -77,6 +79,7 @@ def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None =
 
 PROFILE_JOB = "profile"
 REDUCE_MSG = "reduce_msg_cpu_s"  # in a profile's device facts: swarm.profiling.reduction
+MAP_COST = "map_cpu_s_per_byte"  # in a profile's device facts, on glibc with huge pages: swarm.profiling.mapping
 
 
 async def run_profile_job(ctx) -> dict:
@@ -97,6 +100,9 @@ async def run_profile_job(ctx) -> dict:
     profile, cached, path = await ctx.run_in_thread(call, stop=stop)
     if REDUCE_MSG not in profile.device:  # a fresh profile, or one cached before it was measured
         profile.device[REDUCE_MSG] = await ctx.run_in_thread(reduce_msg_cpu)
+        write_profile(profile, path)
+    if MAP_COST not in profile.device and profile.device.get("allocator") == "glibc-thp" and malloc.can_map():
+        profile.device[MAP_COST] = await ctx.run_in_thread(map_cost)
         write_profile(profile, path)
     return {"profile": profile.to_dict(), "cached": cached}
 

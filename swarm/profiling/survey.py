@@ -94,6 +94,15 @@ def reduce_msg_time(facts: dict) -> float:
     return float(facts.get("reduce_msg_cpu_s") or 0.0) / share
 
 
+def map_time(facts: dict) -> float:
+    """A device's time per byte of a block mapped afresh (planner.mapping): what its profile
+    measured at full speed (swarm.host.malloc.map_cost), spread over its CPU quota where that
+    is below a core; 0 where it cannot map."""
+    quota = facts.get("cpu_quota")
+    share = min(1.0, float(quota)) if quota else 1.0
+    return float(facts.get("map_cpu_s_per_byte") or 0.0) / share
+
+
 def plan_memory(device: dict) -> int:
     """The memory a plan may count on of a device as the roster saw it (Member's fields): what it
     can spare, where it said (swarm/host/resources.py; at least 1 byte, as 0 reads as not known),
@@ -133,7 +142,7 @@ def cluster_from_live(live: dict, desc):
         device = Device(name, with_runtime(profile.costs, profile.device), budget, facts=facts,
                         comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
                         msg_s=_end_cost(d["node_id"], live["links"], "msg_s"),
-                        reduce_msg_s=reduce_msg_time(profile.device))
+                        reduce_msg_s=reduce_msg_time(profile.device), map_s_per_byte=map_time(profile.device))
         entry = profile.device.get("accelerator")
         if entry:
             try:
