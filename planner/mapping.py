@@ -4,9 +4,9 @@ On glibc with transparent huge pages (swarm.host.malloc, the allocator "glibc-th
 can serve every block of MAPPED_FROM bytes or more from a mapping of its own, unmapped when
 freed, instead of from its heap. The heap keeps freed blocks for reuse, but the backward's
 buffers, of other sizes than the maps freed before them, mostly do not fit in those holes, and
-the heap grows: a 4-sample share of yolov2-16 at 416 held 869 MiB above its start in the heap
-and 524 mapped (jemalloc: 612). Mapped blocks come back zeroed by the kernel each time, which
-costs CPU time: 0.33 s more on a 2.5 s pass there (bench/RESULTS.md).
+the heap grows: a 4-sample share of yolov2-16 at 416 held 877 MiB above its start in the heap
+and 525 mapped (jemalloc: 611). Mapped blocks come back zeroed by the kernel each time, which
+costs CPU time: about 9% more a pass there (bench/RESULTS.md).
 
 So mapping is a trade, as remaking BatchNorm and checkpointing are: less memory for more
 compute. `auto` weighs it where every device of the cluster can map: the memory model of a

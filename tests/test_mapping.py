@@ -163,6 +163,10 @@ def test_a_profiles_mapping_cost_is_spread_over_the_devices_quota():
     assert map_time({"allocator": "glibc"}) == 0.0
 
 
+def test_the_planner_maps_what_the_runtime_maps():
+    assert MAPPED_FROM == malloc.MAPPED_FROM  # (planner/ does not import swarm/: two constants, one value)
+
+
 def test_a_process_that_cannot_map_measures_nothing():
     """This test process was not started by `swarm` with huge pages asked for."""
     assert not malloc.can_map() and map_cost() == 0.0 and malloc.map_large(True) is False

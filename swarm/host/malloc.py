@@ -41,15 +41,15 @@ Where the kernel gives transparent huge pages to memory that asks for them (`ena
 `always` or `madvise`, as on Debian's kernels), glibc is asked for them too (the tunable
 glibc.malloc.hugetlb=1; the allocator is then "glibc-thp"), and its heap grows in huge pages:
 a fault per 2 MiB instead of per 4 KiB, fewer TLB misses. yolov2-16 at 416 on 4-sample
-passes: 7% less CPU than the same heap in small pages and 4% less than jemalloc, at the same
+passes: 2-7% less CPU than the same heap in small pages, within 3% of jemalloc's, at the same
 peak as the heap (bench/allocator_peaks.py; bench/RESULTS.md).
 
 There a plan may also have every block of MAPPED_FROM or more served from a mapping of its
 own, unmapped on free (`map_large`, Plan.mapped). Those are the largest maps of a micro-batch
 (at 416 the first layers' outputs, 11 MB a sample): they no longer leave holes in the heap
-that the next maps of other sizes cannot use. The same passes held 524 MiB above the start,
-flat, against 866 in the heap and 604 on jemalloc; but each pass faults its mapped blocks in
-again, zeroed by the kernel, about a sixth more CPU. So the planner weighs it
+that the next maps of other sizes cannot use. The same passes held 525 MiB above the start,
+flat, against 877 in the heap and 611 on jemalloc; but each pass faults its mapped blocks in
+again, zeroed by the kernel: about 9% more CPU. So the planner weighs it
 (planner.mapping), at the cost per byte each device's profile measures
 (swarm.profiling.mapping).
 """
