@@ -27,18 +27,24 @@ from planner.model_desc import ModelDesc
 
 def segment_starts(desc: ModelDesc) -> tuple[int, ...]:
     """The first layer of each of the model's segments, 0 first."""
+    return desc.memo("segment_starts", lambda: _segment_starts(desc))
+
+
+def _segment_starts(desc: ModelDesc) -> tuple[int, ...]:
     saved = estimate_activation_bytes(desc)
     total = sum(saved)
+    held_before = [0.0]  # saved bytes of the layers before each index
+    for bytes_ in saved:
+        held_before.append(held_before[-1] + bytes_)
     best = None
     for count in range(1, len(desc.layers) + 1):
-        starts, held = [0], 0.0
+        starts = [0]
         for i, bytes_ in enumerate(saved):
-            if i > starts[-1] and held + bytes_ / 2 > len(starts) * total / count:
+            if i > starts[-1] and held_before[i] + bytes_ / 2 > len(starts) * total / count:
                 starts.append(i)
-            held += bytes_
         bounds = starts + [len(saved)]
         peak = (sum(desc.boundary_bytes(b) for b in starts)
-                + max(sum(saved[a:b]) for a, b in zip(bounds, bounds[1:])))
+                + max(held_before[b] - held_before[a] for a, b in zip(bounds, bounds[1:])))
         if best is None or peak < best[0]:
             best = (peak, tuple(starts))
     return best[1]

@@ -6,8 +6,9 @@ samples. Algorithm 1: for each of the six mappings of three devices onto (o, s, 
 0 <= m_s <= m_l <= N (for deep models, m_s and m_l among Asteroid's candidate cuts),
 solve the relaxed LP of P1 (eqs. 5-19, the max terms as epigraph
 variables) for b_o, b_s, b_l, round as the paper does (the largest fractional parts go up
-until the sum is B), evaluate T_total (eq. 12) and keep the best. The LPs of one mapping
-are independent, so they are solved as one block-diagonal LP by scipy's HiGHS.
+until the sum is B), evaluate T_total (eq. 12) and keep the best. Each LP has two free
+variables, so its optimum is found among the vertices of its pieces, for every pair at once
+(solve_mapping_arrays; the tests check it against scipy's HiGHS on the same LPs).
 
 Its timing model is HierTrain's: linear in the number of samples (per-sample layer times
 taken at the micro-batch size), with no pipelining. As a Plan, the result is
@@ -208,6 +209,51 @@ def solve_mapping(model: HierTrainModel, pairs: list[tuple[int, int]]) -> list[t
 
 
 def solve_mapping_arrays(model: HierTrainModel, ms: np.ndarray, ml: np.ndarray) -> tuple[np.ndarray, dict]:
+    """The relaxed LP of P1 for each pair (ms[i], ml[i]): rows (b_o, b_s, b_l), and the
+    coefficients.
+
+    Each pair's LP minimises t1f + t1b + t2f + t2b, the epigraphs of four maxima of linear
+    functions of b, over the triangle b_o + b_s + b_l = B, b >= 0 (b_s = 0 without task S,
+    b_l = 0 without L): a convex piecewise-linear function of two variables. Its minimum is
+    at a vertex of the arrangement of the lines where a maximum changes its piece (two of
+    its terms equal) and the triangle's edges: each vertex is where two of those planes
+    through the origin meet the triangle, their normals' cross product scaled to sum B. All
+    pairs' vertices are weighed at once (tests/test_planner_optimality.py checks the optimum
+    against scipy's HiGHS on the same LP, solve_mapping_lp)."""
+    c = model.coefficient_arrays(ms, ml)
+    n = len(ms)
+    f1, b1, f2, b2 = (np.broadcast_to(np.asarray(c[k], dtype=float), (len(c[k]), n)) for k in ("f1", "b1", "f2", "b2"))
+    zero, one = np.zeros(n), np.ones(n)
+    normals = []  # (n, 3) each: where two terms of one maximum are equal, then the triangle's edges
+    for t in (f1, b1):
+        normals += [np.stack([t[0], -t[1], zero], 1), np.stack([t[0], zero, -t[2]], 1), np.stack([zero, t[1], -t[2]], 1)]
+    for t in (f2, b2):
+        normals.append(np.stack([t[0], t[0], -t[1]], 1))
+    normals += [np.stack([one, zero, zero], 1), np.stack([zero, one, zero], 1), np.stack([zero, zero, one], 1)]
+    first, second = np.triu_indices(len(normals), 1)
+    stacked = np.stack(normals, 1)  # (n, lines, 3)
+    points = np.cross(stacked[:, first], stacked[:, second])  # (n, candidates, 3)
+    sums = points.sum(axis=2)
+    scale = np.abs(points).sum(axis=2)
+    usable = np.abs(sums) > 1e-12 * np.maximum(scale, 1e-300)
+    points = points * np.where(usable, model.B / np.where(usable, sums, 1.0), 0.0)[..., None]
+    tol = 1e-9 * model.B
+    usable &= (points >= -tol).all(axis=2)
+    usable &= c["has_s"][:, None] | (points[..., 1] <= tol)
+    usable &= c["has_l"][:, None] | (points[..., 2] <= tol)
+    points = np.clip(points, 0.0, None)
+    bo, bs, bl = points[..., 0], points[..., 1], points[..., 2]
+    value = (np.maximum(np.maximum(f1[0][:, None] * bo, f1[1][:, None] * bs), f1[2][:, None] * bl)
+             + np.maximum(np.maximum(b1[0][:, None] * bo, b1[1][:, None] * bs), b1[2][:, None] * bl)
+             + np.maximum(f2[0][:, None] * (bo + bs), f2[1][:, None] * bl)
+             + np.maximum(b2[0][:, None] * (bo + bs), b2[1][:, None] * bl))
+    best = np.argmin(np.where(usable, value, np.inf), axis=1)  # (b_o = B alone is always a vertex)
+    return points[np.arange(n), best], c
+
+
+def solve_mapping_lp(model: HierTrainModel, ms: np.ndarray, ml: np.ndarray) -> np.ndarray:
+    """The same LPs as solve_mapping_arrays, as one block-diagonal LP for scipy's HiGHS
+    (block variables b_o, b_s, b_l, t1f, t1b, t2f, t2b): rows (b_o, b_s, b_l)."""
     n, nv = len(ms), 7
     c = model.coefficient_arrays(ms, ml)
     base = nv * np.arange(n)
@@ -238,7 +284,7 @@ def solve_mapping_arrays(model: HierTrainModel, ms: np.ndarray, ml: np.ndarray) 
                   bounds=np.column_stack([np.zeros(nv * n), upper.ravel()]), method="highs-ds")
     if res.status != 0:
         raise NoPlan(f"HierTrain's LP failed: {res.message}")
-    return res.x.reshape(n, nv)[:, :3], c
+    return res.x.reshape(n, nv)[:, :3]
 
 
 def hiertrain_search(inputs: PlanInputs, workers: list[str]) -> Schedule:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from planner.image_size import ImageSize
 
 BYTES_PER_FLOAT = 4  # activations, gradients and weights travel and live as float32
+HEAD_READ = 1 << 62  # ModelDesc._last_read of a head: the loss reads it after every layer
 
 
 @dataclass(frozen=True)
@@ -111,19 +112,51 @@ class ModelDesc:
         produced before it (or the image, -1) and read at or after it. The loss reads its
         heads after the last layer, so a head computed early travels to the end with the
         maps (`live_after(len(self))` is `outputs`)."""
-        live = {i for i in self.outputs if i < boundary}
-        for layer in self.layers[boundary:]:
-            for src in layer.inputs:
-                if src < boundary:
-                    live.add(src)
-        return tuple(sorted(live))
+        last_read = self._last_read()
+        return tuple(src for src in range(-1, min(boundary, len(self.layers))) if last_read[src + 1] >= boundary)
 
     def boundary_bytes(self, boundary: int) -> int:
         """Bytes per sample that cross a cut before layer `boundary`."""
-        total = 0
-        for src in self.live_after(boundary):
-            total += self.input_bytes if src < 0 else self.layers[src].out_bytes
-        return total
+        table = self.memo("boundary_bytes", self._boundary_table)  # the planners ask for each cut many times
+        return table[boundary] if 0 <= boundary <= len(self.layers) else sum(
+            self.input_bytes if src < 0 else self.layers[src].out_bytes for src in self.live_after(boundary))
+
+    def _boundary_table(self) -> list[int]:
+        """boundary_bytes of every cut 0..len, each map counted at the cuts it crosses."""
+        last_read, size = self._last_read(), len(self.layers)
+        diff = [0] * (size + 2)
+        for src in range(-1, size):
+            if last_read[src + 1] > src:  # live at the cuts src+1 .. its last reader
+                size_of = self.input_bytes if src < 0 else self.layers[src].out_bytes
+                diff[src + 1] += size_of
+                diff[min(last_read[src + 1], size) + 1] -= size_of
+        table, total = [], 0
+        for b in range(size + 1):
+            total += diff[b]
+            table.append(total)
+        return table
+
+    def _last_read(self) -> list[int]:
+        """For the image and each layer (index + 1): the last layer that reads its output,
+        HEAD_READ for a head (the loss reads it after every layer), or -2 if nothing does."""
+        def make() -> list[int]:
+            last_read = [-2] * (len(self.layers) + 1)
+            for j, layer in enumerate(self.layers):
+                for src in layer.inputs:
+                    last_read[src + 1] = max(last_read[src + 1], j)
+            for i in self.outputs:
+                last_read[i + 1] = HEAD_READ
+            return last_read
+        return self.memo("last_read", make)
+
+    def memo(self, key: str, make):
+        """make(), computed once per description and kept with it: a description never
+        changes (frozen), and what is derived from its layers alone may be kept (not a field:
+        equality, copies and JSON see only the layers)."""
+        cache = self.__dict__.setdefault("_memo", {})
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
 
     def to_dict(self) -> dict:
         return {

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import signal
 import sys
+import threading
 
 from swarm import __version__
 from swarm.errors import SwarmError
@@ -60,7 +63,26 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The `swarm` command itself: on jemalloc where it is installed (swarm.host.malloc), then main."""
     malloc.preload()
-    sys.exit(main())
+    leave(main())
+
+
+def leave(code: int) -> None:
+    """Exit with `code` without the interpreter's module-by-module teardown, which with torch
+    loaded takes about half a second of every command (bench/RESULTS.md, "The suite's time").
+    What a normal exit does that matters is done first: the atexit functions (logging's
+    flush, multiprocessing's joins) and the standard streams' flush; every file swarm writes
+    is closed where it is written. A command that left a thread running exits the normal
+    way, which waits for it."""
+    if "torch" not in sys.modules or any(t is not threading.main_thread() and not t.daemon
+                                         for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe, a closed stream
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

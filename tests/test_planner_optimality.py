@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from itertools import permutations
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from planner.asteroid import AsteroidDP, pipeline_estimate
 from planner.asteroid_tables import AsteroidTables
 from planner.baselines import balanced_split
 from planner.costs import CostTable
-from planner.hiertrain import HierTrainModel, round_samples, solve_mapping
+from planner.hiertrain import HierTrainModel, round_samples, solve_mapping, solve_mapping_lp
 from planner.inputs import PlanInputs
 from planner.jointdnn import constrained_path, shortest_path, two_party_costs
 from planner.memory import MemoryModel
@@ -189,16 +190,21 @@ def hier():
     return inputs, HierTrainModel(inputs, {"o": "edge", "s": "dev", "l": "cloud"})
 
 
-def test_block_diagonal_lp_equals_separate_lps(hier):
+def test_vertex_search_equals_highs_on_the_same_lps(hier):
+    """solve_mapping's optimum of each pair's LP is HiGHS's (scipy's maintained LP solver) on
+    the same LP, for every pair of cuts of every mapping of the three devices."""
     inputs, model = hier
     L = inputs.num_layers
     pairs = [(ms, ml) for ms in range(L + 1) for ml in range(ms, L + 1)]
-    together = solve_mapping(model, pairs)
-    for (ms, ml), x in list(zip(pairs, together))[::5]:
-        alone = solve_mapping(model, [(ms, ml)])[0]
-        c = model.coefficients(ms, ml)
-        lp = model.total(ms, ml, *x, c)
-        assert lp == pytest.approx(model.total(ms, ml, *alone, c), rel=1e-7, abs=1e-12)
+    ms, ml = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+    for perm in permutations(["edge", "dev", "cloud"]):
+        other = HierTrainModel(inputs, dict(zip("osl", perm)))
+        mine, highs = solve_mapping(other, pairs), solve_mapping_lp(other, ms, ml)
+        for (a, b), x, y in zip(pairs, mine, highs):
+            c = other.coefficients(a, b)
+            assert sum(x) == pytest.approx(other.B) and min(x) >= 0
+            assert (c["has_s"] or x[1] == 0) and (c["has_l"] or x[2] == 0)
+            assert other.total(a, b, *x, c) == pytest.approx(other.total(a, b, *y, c), rel=1e-9, abs=1e-12), (a, b)
 
 
 def test_relaxed_lp_bounds_every_integer_split(hier):

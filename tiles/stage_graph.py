@@ -224,7 +224,14 @@ def stage_refusal(desc: NetworkSpec, first: int, last: int) -> str | None:
 
 
 def tileable_ends(desc: NetworkSpec) -> list[int]:
-    """Every end e for which layers [0, e) can be one tiles stage, in order."""
+    """Every end e for which layers [0, e) can be one tiles stage, in order (kept with a
+    description that keeps what it derives: planner.model_desc.ModelDesc.memo)."""
+    if hasattr(desc, "memo"):
+        return list(desc.memo("tileable_ends", lambda: _tileable_ends(desc)))
+    return _tileable_ends(desc)
+
+
+def _tileable_ends(desc: NetworkSpec) -> list[int]:
     layers = desc.layers
 
     def shape_of(i: int):
