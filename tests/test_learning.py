@@ -10,7 +10,7 @@ from swarm.local.trainer import LocalTrainer, TrainConfig, train
 @pytest.mark.slow
 def test_yolov2_16_learns_the_synthetic_shapes():
     cfg = TrainConfig(model="yolov2-16", img_size=64, steps=300, batch_size=16, seed=1, augment=False, lr_drops=[])
-    summary = train(cfg, threads=2, log=lambda s: None)
+    summary = train(cfg, threads=1, log=lambda s: None)  # (the suite's other process has the other core)
     untrained = LocalTrainer(TrainConfig(model="yolov2-16", img_size=64, seed=1, classes=5))
     from swarm.data import open_datasets
 
@@ -18,4 +18,4 @@ def test_yolov2_16_learns_the_synthetic_shapes():
     before = evaluate(untrained.net, untrained.desc, heldout).value
     assert summary["last_loss"] < summary["first_loss"] / 3
     assert before < 0.02
-    assert summary["eval"].value > 0.2  # measured 0.34 with seed 1
+    assert summary["eval"].value > 0.2  # measured 0.30 with seed 1 on one thread (0.34 on two)
