@@ -148,7 +148,7 @@ def checkpointing_model(mem: MemoryModel) -> MemoryModel:
 
 def _checkpointed(costs: CostTable) -> CostTable:
     """The costs of stages that checkpoint: each layer's backward also runs its forward again."""
-    return replace(costs, bwd=costs.bwd + costs.fwd, source=costs.source + " + checkpointing", _cum={})
+    return replace(costs, bwd=costs.bwd + costs.fwd, source=costs.source + " + checkpointing")
 
 
 def checkpointing(mem: MemoryModel, cluster: Cluster, desc: ModelDesc) -> tuple[MemoryModel, Cluster]:

@@ -38,7 +38,8 @@ class CostTable:
     # the tiles executor's time over autograd's for the same layers and samples (its own
     # kernels and bookkeeping, no halos): a tile's share of a layer's time is scaled by it
     tiles_overhead: float = 1.0
-    _cum: dict = field(default_factory=dict, repr=False, compare=False)
+    # what is derived from the times (prefix sums, interpolation weights): a copy (replace) starts afresh
+    _cum: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.batch_sizes = tuple(int(b) for b in self.batch_sizes)
@@ -97,8 +98,24 @@ class CostTable:
         return k - 1, k, 1.0 - w1, w1
 
     def _at(self, values: np.ndarray, batch: float) -> float:
-        k0, k1, w0, w1 = self.weights(batch)
+        k0, k1, w0, w1 = self._weights_at(batch)
         return max(0.0, float(w0 * values[..., k0] + w1 * values[..., k1]))
+
+    def _weights_at(self, batch: float) -> tuple[int, int, float, float]:
+        """weights(batch), kept: the planners ask for a few sizes hundreds of thousands of times."""
+        known = self._cum.setdefault("weights", {})
+        got = known.get(batch)
+        if got is None:
+            got = self.weights(batch)
+            if len(known) < 4096:
+                known[batch] = got
+        return got
+
+    def _range_at(self, kind: str, first: int, last: int, batch: float) -> float:
+        """_at of layers [first, last)'s summed times, from the prefix sums: the same arithmetic."""
+        c = self.cumulative(kind)
+        k0, k1, w0, w1 = self._weights_at(batch)
+        return max(0.0, float(w0 * (c[last, k0] - c[first, k0]) + w1 * (c[last, k1] - c[first, k1])))
 
     def cumulative(self, kind: str) -> np.ndarray:
         """Prefix sums over layers, shape (layers + 1, len(batch_sizes)): range [i, j) is c[j] - c[i]."""
@@ -110,12 +127,10 @@ class CostTable:
         return self._cum[kind]
 
     def fwd_range(self, first: int, last: int, batch: float) -> float:
-        c = self.cumulative("fwd")
-        return self._at(c[last] - c[first], batch)
+        return self._range_at("fwd", first, last, batch)
 
     def bwd_range(self, first: int, last: int, batch: float) -> float:
-        c = self.cumulative("bwd")
-        return self._at(c[last] - c[first], batch)
+        return self._range_at("bwd", first, last, batch)
 
     def update_range(self, first: int, last: int) -> float:
         return float(self.update[first:last].sum())

@@ -67,7 +67,7 @@ def fresh_bytes(desc: ModelDesc, batch_sizes) -> tuple[np.ndarray, np.ndarray]:
 def _mapped_costs(costs: CostTable, fresh: tuple[np.ndarray, np.ndarray], s_per_byte: float) -> CostTable:
     fwd, bwd = fresh
     return replace(costs, fwd=costs.fwd + fwd * s_per_byte, bwd=costs.bwd + bwd * s_per_byte,
-                   source=costs.source + " + mapped blocks", _cum={})
+                   source=costs.source + " + mapped blocks")
 
 
 def mapping(mem: MemoryModel, cluster: Cluster, desc: ModelDesc) -> tuple[MemoryModel, Cluster]:

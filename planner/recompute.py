@@ -41,7 +41,7 @@ def remake_share(desc: ModelDesc) -> np.ndarray:
 
 
 def _remaking(costs: CostTable, share: np.ndarray) -> CostTable:
-    return replace(costs, bwd=costs.bwd + costs.fwd * share[:, None], source=costs.source + " + remaking", _cum={})
+    return replace(costs, bwd=costs.bwd + costs.fwd * share[:, None], source=costs.source + " + remaking")
 
 
 def recomputing(mem: MemoryModel, cluster: Cluster, desc: ModelDesc) -> tuple[MemoryModel, Cluster]:
