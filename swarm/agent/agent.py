@@ -915,7 +915,9 @@ class Agent:
                 async with trio.open_nursery() as closing:
                     for link in job.links:
                         closing.start_soon(link.aclose, "job released")
-            malloc.release()  # the job's activations stayed in the heap for reuse until now
+                # The job's activations stayed in the heap for reuse until now. In a thread: a
+                # large heap's trim can take seconds, and this loop answers the coordinator.
+                await trio.to_thread.run_sync(malloc.release)
 
     async def _after(self, run_ended: trio.Event | None) -> None:
         """Before a run allocates anything: wait for the job's previous run (an older epoch,
