@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from swarm.net import ConnectionLost, Credentials, connect_peer, serve_peers
 from swarm.net.peer import BULK_BYTES
@@ -140,4 +141,36 @@ async def test_a_tensor_trickling_in_wakes_the_reader_once_not_at_every_piece():
             assert sum(reads) >= len(payload) - LOWAT_MIN // 4 and len(reads) <= 2, reads
             with trio.fail_after(2):
                 assert (await server.receive()).body == 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_small_send_cancelled_as_it_starts_leaves_the_connection_whole():
+    """A job's heartbeats share the coordinator's connection with the agent's replies. Releasing
+    the job cancels its heartbeat task, which may be inside a send, holding the send lock with
+    its frame not yet written: the connection must stay usable, and the peer must see whole
+    messages only. (A frame cut off by the cancel closed the connection, and the reply to the
+    release, queued behind it, was lost.)"""
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            client, server = await connected_pair(nursery)
+            for i in range(50):  # the cancel lands at each point of a send in turn
+                scope = trio.CancelScope()
+
+                async def beat(scope=scope, i=i):
+                    with scope:
+                        await client.send(JobData("j", 0, "beat", i))
+
+                nursery.start_soon(beat)
+                for _ in range(i % 5):
+                    await trio.lowlevel.checkpoint()
+                scope.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                assert not client.closed, i
+                await client.send(JobData("j", 0, "after", i))
+                while True:
+                    got = await server.receive()
+                    if got.channel == "after":
+                        assert got.body == i
+                        break
+                    assert got.channel == "beat"
             nursery.cancel_scope.cancel()

@@ -136,6 +136,10 @@ class PeerConnection:
         async with self._send_lock:
             if self.closed:
                 raise ConnectionLost(f"connection to {self.address} is closed")
+            # Taking the lock yields once: a cancel that came then lands here, before the
+            # frame is begun, not at its first write, which would cut it off and close a
+            # connection other tasks share (a job's heartbeats, released with the job).
+            await trio.lowlevel.checkpoint_if_cancelled()
             self.protocol.send(message)
             await self._flush()
             self.last_sent = trio.current_time()
