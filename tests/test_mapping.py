@@ -26,7 +26,7 @@ from swarm.profiling.survey import map_time
 from swarm.zoo import describe_model
 
 MiB = 2**20
-MAP_S_PER_BYTE = 0.2e-9  # what this machine's profile measures, about (bench/RESULTS.md)
+MAP_S_PER_BYTE = 0.2e-9  # about what a real 4-sample pass pays here; a profile measures 0.1e-9 (bench/RESULTS.md)
 
 
 @pytest.fixture(scope="module")
