@@ -87,7 +87,7 @@ def test_largest_share_is_the_most_samples_whose_stage_fits():
                 budget = mib * 2**20
                 b = model.max_batch(first, last, warmup, budget)
                 room = model.budget(first, last, budget)
-                fits = [k for k in range(0, 64) if model.stage(first, last, k, warmup) <= room]
+                fits = [k for k in range(0, 256) if model.stage(first, last, k, warmup) <= room]
                 assert b == (max(fits) if model.weights(first, last) <= room else 0), (first, last, warmup, mib)
 
 
@@ -103,9 +103,10 @@ def test_a_share_is_held_in_proportion_to_its_samples_and_the_whole_model_keeps_
     assert growing.stage(0, n, 4, 1) - growing.weights(0, n) == pytest.approx(4 * per * 1.3)
     assert model.budget(0, n, 1e9) == 1e9 + JOB_BYTES and model.budget(0, n - 1, 1e9) == 1e9
     # a 1 GiB device (426 MiB once its runtime and the job's reserve are off) holds 2
-    # samples of the whole model, as measured on the mixed testbed, and a 2 GiB one 5 (in
-    # one process 5 samples peaked 977-1077 MiB above the start: about 1.4 GiB with the runtime)
-    assert model.max_batch(0, n, 1, 426 * 2**20) == 2 and model.max_batch(0, n, 1, 1450 * 2**20) == 5
+    # samples of the whole model, as measured on the mixed testbed, and a 2 GiB one 7 (in
+    # one process 7 samples peaked 1404-1427 MiB above the start, 2026-11-30: about 1.7 GiB
+    # with the runtime)
+    assert model.max_batch(0, n, 1, 426 * 2**20) == 2 and model.max_batch(0, n, 1, 1450 * 2**20) == 7
     assert MemoryModel.estimated(desc).share_factor(8) == 1.0  # the papers' equation has no slack
 
 
@@ -180,7 +181,7 @@ def share_peak(b: int, size: int, env_extra: dict, how: str = "heap") -> dict:
 
 
 # how far above a share's peak the model of each allocator may be (see the test below)
-MARGIN = {"glibc": 2.2, "glibc-thp": 2.2, "glibc-thp+mapped": 1.25, "jemalloc": 1.8}
+MARGIN = {"glibc": 1.6, "glibc-thp": 1.6, "glibc-thp+mapped": 1.25, "jemalloc": 1.8}
 
 
 @pytest.mark.parametrize("allocator", ["glibc", "glibc-thp", "glibc-thp+mapped", "jemalloc"])
@@ -218,10 +219,11 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
         peaks = [m["peak"] / 2**20 for m in runs]
         predicted = model.stage(0, n, b, 1) - model.weights(0, n) + STAGE_SCRATCH_BYTES
         assert runs[-1]["peak"] <= predicted, f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
-        # and the margin is a margin, not a different model: on glibc's heap, whose peaks fell
-        # by a fifth to a third once its small-chunk caches were off (swarm.host.malloc), the
-        # slack (1.5) is not fitted again and runs up to 1.9x a 2-sample share (209-219 MiB
-        # against 402 once in CI), and as much in huge pages; jemalloc's within 1.8x; a mapped
+        # and the margin is a margin, not a different model: glibc's slack (1.15, fitted again
+        # once its small-chunk caches were off: planner/memory.py) is within 1.6x a 2-sample
+        # share, where the fixed stage scratch is a large part (213-249 MiB against 324), and
+        # within 1.25x at 4 samples (479-520 against 583), in its heap or in huge pages;
+        # jemalloc's within 1.8x; a mapped
         # heap's, fitted (planner.mapping.MAPPED_SLACK), within 25% (at 320 px the stage
         # scratch, a fixed 64 MiB, is a larger part: at 416, 4 samples 520-526 MiB against 578,
         # 2 samples 275-281 against 321)

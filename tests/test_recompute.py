@@ -122,13 +122,13 @@ def test_a_plan_names_its_remaking_and_a_tiles_stage_may_not():
 
 
 def test_auto_remakes_where_memory_held_its_plan_back_and_not_where_it_did_not():
-    """Four equal devices, yolov2-16 at 416, batch 32 in 8: with 900 MiB a device cannot take a
+    """Four equal devices, yolov2-16 at 416, batch 32 in 8: with 650 MiB a device cannot take a
     whole micro-batch keeping every map, so the best plan splits each among all four (a dp
     group, BatchNorm sums exchanged every layer); remaking, each takes whole micro-batches.
     With 2 GiB it can without remaking, and remaking would only cost time."""
     desc = describe_model("yolov2-16", 416)
     mem = MemoryModel.for_devices(desc, "sgd")
-    tight = flops_cluster(desc, {f"d{i}": (50, "900 MiB") for i in range(4)})
+    tight = flops_cluster(desc, {f"d{i}": (50, "650 MiB") for i in range(4)})
     inputs = PlanInputs(desc, mem, tight, 32, 8)
     keeping, plan = _plan_auto(inputs), plan_auto(inputs)
     assert keeping.stages[0].mode == "dp" and not keeping.recomputes()
