@@ -40,7 +40,7 @@ from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
 from planner.recompute import recomputing
 from planner.schedule import stage_schedule
-from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, gradient_buckets, microbatch_sizes,
+from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, allreduce_cpu, gradient_buckets, microbatch_sizes,
                                 ring_allreduce_time, split_stage_work)
 from planner.tiles_work import tiles_stage_work
 from planner.units import format_bytes
@@ -186,14 +186,16 @@ def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, va
         return _Run(blocks, desc, mem, cluster, stage_works(blocks, desc, mem, cluster)).run()
     # replicas: each runs its share on its own devices, all at once, and the gradient ring
     # over every replica's devices ends the step; the slowest replica is the step
-    ring = ring_allreduce_time(float(mem.param_bytes[stage.first:stage.last].sum()),
-                               list(dict.fromkeys(stage.tile_devices if stage.mode == "tiles" else stage.devices)),
-                               cluster, gradient_buckets(mem, stage.first, stage.last))
+    summed = float(mem.param_bytes[stage.first:stage.last].sum())
+    everyone = list(dict.fromkeys(stage.tile_devices if stage.mode == "tiles" else stage.devices))
+    buckets = gradient_buckets(mem, stage.first, stage.last)
+    ring = ring_allreduce_time(summed, everyone, cluster, buckets)
+    own = allreduce_cpu(summed, everyone, cluster, buckets)
     timelines = []
     for r in range(stage.replica_count()):
         alone = plan.replica_plan(r).in_blocks()
         works = stage_works(alone, desc, mem, cluster)
-        works[0] = replace(works[0], allreduce=ring)
+        works[0] = replace(works[0], allreduce=ring, reduce_cpu={d: own[d] for d in works[0].devices if d in own})
         timelines.append(_Run(alone, desc, mem, cluster, works).run())
     slowest = max(timelines, key=lambda t: t.step_time)
     return replace(slowest, batch_size=plan.batch_size,
@@ -463,8 +465,9 @@ class _Run:
         first and holds few weights, so what a step's sums and updates can hide behind is
         the next step's first forward on each device. The step is then the latest of: the
         commit; each update's end less the first forward it must be in for; and each
-        device's CPU (its computations, and whatever its transfers took that idle time did
-        not cover). A device with a tiles stage ends every step settled, and so does this."""
+        device's CPU (its computations, its share of the gradient sums' work, and whatever its
+        transfers took that idle time did not cover). A device with a tiles stage ends every
+        step settled, and so does this."""
         if any(w.stage.mode == "tiles" for w in self.works):
             return settled
         computed = [e for e in self.events if e.kind in ("F", "B")]
@@ -478,6 +481,9 @@ class _Run:
                 cpu[e.device] += e.end - e.start
             if e.kind == "F" and first_forward.get((e.stage, e.device), float("inf")) > e.end:
                 first_forward[(e.stage, e.device)] = e.end
+        for w in self.works:  # the sums' own time on each device comes out of the same CPU
+            for d, seconds in w.reduce_cpu.items():
+                cpu[d] += seconds
         step = max(commit, *cpu.values())
         for p, w in enumerate(self.works):
             summed = self.last_b_end[p] + w.allreduce

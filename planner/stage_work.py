@@ -77,6 +77,21 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
     return allreduce_rounds(g) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
 
 
+def allreduce_cpu(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1) -> dict[str, float]:
+    """Each member's own time on a sum of `nbytes` in `buckets` sums: the 2(g-1)/g of the
+    bytes it sends and as many it receives, at its comm_s_per_byte, and its messages out and
+    in (allreduce_messages, per bucket), at its msg_s + reduce_msg_s. ring_allreduce_time
+    takes the slowest member's for the sum's wall time; this is what the sum takes from each
+    member's CPU, where its computation also runs (under a CPU quota, the same quota)."""
+    g = len(group)
+    if g < 2 or nbytes <= 0:
+        return {}
+    moved = 2 * 2 * (g - 1) / g * nbytes
+    messages = max(1, buckets) * allreduce_messages(g) * 2
+    return {d: moved * cluster.device(d).comm_s_per_byte
+            + messages * (cluster.device(d).msg_s + cluster.device(d).reduce_msg_s) for d in group}
+
+
 DIRECT_GATHER_MAX = 4  # groups up to this size all-gather in one round, each member to every other
 
 
@@ -155,6 +170,7 @@ class StageWork:
     weights: dict[str, float]  # parameters, gradients, optimizer state
     allreduce: float  # seconds, once per mini-batch
     update: dict[str, float]  # optimizer step, once per mini-batch
+    reduce_cpu: dict[str, float] = field(default_factory=dict)  # each device's own time on the sum (allreduce_cpu)
     sync_fwd: float = 0.0  # seconds of the fwd/bwd times spent in group syncs (for pictures)
     sync_bwd: float = 0.0
     detail: dict = field(default_factory=dict)  # mode-specific facts (tiles: grid, halo bytes)
@@ -210,11 +226,11 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
         _overlap(fwd, bwd, act, trans, sync, warmup)
     weights = {d: mem.weights(first, last) for d in group}
     reduce_bytes = float(mem.param_bytes[first:last].sum())
-    allreduce = (ring_allreduce_time(reduce_bytes, group, cluster, gradient_buckets(mem, first, last))
-                 if len(group) > 1 else 0.0)
+    buckets = gradient_buckets(mem, first, last)
+    allreduce = ring_allreduce_time(reduce_bytes, group, cluster, buckets) if len(group) > 1 else 0.0
     update = {d: cluster.device(d).costs.update_range(first, last) for d in group}
     return StageWork(p, stage, gang, shares, fwd, bwd, act, trans, weights, allreduce, update,
-                     sync if gang else 0.0, sync if gang else 0.0)
+                     allreduce_cpu(reduce_bytes, group, cluster, buckets), sync if gang else 0.0, sync if gang else 0.0)
 
 
 # What a paired op's compute costs beside the other, against alone: two micro-batches' working

@@ -178,4 +178,4 @@ def _tiles_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, c
               "halo_bytes_per_sample": [t.halo_bytes for t in cost.tiles],
               "redundant_flops_per_sample": cost.redundant_flops}
     return StageWork(p, stage, True, shares, fwd, bwd, act, trans, weights, allreduce, update,
-                     halo_f + bn / 2, halo_b + bn / 2, detail)
+                     sync_fwd=halo_f + bn / 2, sync_bwd=halo_b + bn / 2, detail=detail)

@@ -381,6 +381,34 @@ def test_replica_groups_finish_as_soon_as_any_choice_of_runs(lenet):
         assert got is not None and makespan(got) == pytest.approx(best), (runs, micro, got)
 
 
+def test_a_sums_own_work_comes_out_of_each_devices_cpu(lenet):
+    """The bytes a member sends and receives in a sum and its messages take its own time
+    (comm_s_per_byte, msg_s), beside the sum's wall time over the link: on a device busy the
+    whole step that time is added to the step; one with idle time to fit it in pays nothing
+    more. Two replicas of one micro-batch each, the link fast: the sum's wall time is nothing."""
+    from planner.stage_work import allreduce_cpu, allreduce_messages, gradient_buckets
+
+    desc, mem = lenet
+    cl = cluster_of({d: uniform_table(7, 0.01, 0.02) for d in "ab"})
+    plan = plan_of([Stage(0, 7, "single", ["a", "b"], replicas=2)], batch=2, micro=2,
+                   devices=("a", "b"))
+    bare = simulate(plan, desc, mem, cl)
+    nbytes, per_byte, per_message = float(mem.param_bytes.sum()), 2e-7, 3e-3
+    for d in "ab":
+        cl.device(d).comm_s_per_byte, cl.device(d).msg_s = per_byte, per_message
+    own = 2 * 2 * (2 - 1) / 2 * nbytes * per_byte + gradient_buckets(mem, 0, 7) * allreduce_messages(2) * 2 * per_message
+    assert allreduce_cpu(nbytes, ["a", "b"], cl, gradient_buckets(mem, 0, 7)) == pytest.approx({"a": own, "b": own})
+    charged = simulate(plan, desc, mem, cl)
+    assert charged.step_time == pytest.approx(bare.step_time + own)
+    # b twice as fast: half its step idle, which its share of the sum fits in; a's is the step
+    cl = cluster_of({"a": uniform_table(7, 0.01, 0.02), "b": uniform_table(7, 0.005, 0.01)})
+    for d in "ab":
+        cl.device(d).comm_s_per_byte, cl.device(d).msg_s = per_byte, per_message
+    uneven = simulate(plan, desc, mem, cl)
+    assert uneven.step_time == pytest.approx(bare.step_time + own)
+    assert uneven.busy["b"] + own < uneven.step_time  # b's share of the sum fitted in its idle time
+
+
 def test_the_cost_of_a_sum_counts_its_rounds_and_messages(lenet):
     """swarm sums over up to 8 members straight to each chunk's owner and back (2 rounds,
     2(g-1) messages), over larger groups of 2^k by halving and doubling (2k of each) and
