@@ -180,9 +180,10 @@ def memory_stat() -> dict[str, dict[str, int]]:
 
 
 def resident_memory() -> dict[str, int]:
-    """Each device's anonymous memory now, in bytes (cgroup v2 memory.stat anon, v1 rss +
-    rss_huge): what its processes hold, without the page cache the kernel reclaims first."""
-    return {d: f["anon"] if "anon" in f else f.get("rss", 0) + f.get("rss_huge", 0) for d, f in memory_stat().items()}
+    """Each device's anonymous memory now, in bytes (cgroup v2 memory.stat anon, v1 rss, which
+    counts the transparent huge pages that rss_huge shows again): what its processes hold,
+    without the page cache the kernel reclaims first."""
+    return {d: f["anon"] if "anon" in f else f.get("rss", 0) for d, f in memory_stat().items()}
 
 
 def swarm_train(bench, run: str, args: argparse.Namespace, metrics: Path) -> dict:
