@@ -23,7 +23,7 @@ import time
 
 LANES = 5  # sums under way at once on a device: a model's gradient buckets (yolov2-16 has 5)
 ROUNDS = 60  # sums each lane runs, one after another
-REPEATS = 3
+REPEATS = 7
 # one measurement at a time in a process: threads measuring at once take the interpreter from
 # each other, and a thread's CPU clock then counts the hand-overs (two agents in one process,
 # as tests run them)
@@ -104,8 +104,11 @@ def sum_message_cpu(rounds: int = ROUNDS, nbytes: int = 16) -> float:
 
 
 def reduce_msg_cpu(repeats: int = REPEATS) -> float:
-    """The sum's own CPU per message handled beyond a bare message, at full speed: medians of
-    `repeats` runs of each, one of each left out first (it warms the interpreter's caches)."""
+    """The sum's own CPU per message handled beyond a bare message, at full speed: the median
+    of `repeats` differences, each a sum's run right after a bare run, one of each left out
+    first (it warms the interpreter's caches). Taken in pairs, whatever slows the machine for
+    a while slows both sides of a difference: medians of each side taken apart, on a loaded
+    host, read the sums as cheaper than bare messages (a profile in CI read 0)."""
     with _MEASURING:
         return _reduce_msg_cpu(repeats)
 
@@ -117,8 +120,10 @@ def _reduce_msg_cpu(repeats: int) -> float:
     torch.set_num_threads(1)  # four-float adds: what one core does, whatever the intra-op pool
     try:
         bare_message_cpu(ROUNDS // 10), sum_message_cpu(ROUNDS // 10)
-        bare = statistics.median(bare_message_cpu() for _ in range(repeats))
-        summed = statistics.median(sum_message_cpu() for _ in range(repeats))
+        differences = []
+        for _ in range(repeats):
+            bare = bare_message_cpu()
+            differences.append(sum_message_cpu() - bare)
     finally:
         torch.set_num_threads(threads)
-    return max(0.0, summed - bare)
+    return max(0.0, statistics.median(differences))
