@@ -226,11 +226,14 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
         _overlap(fwd, bwd, act, trans, sync, warmup)
     weights = {d: mem.weights(first, last) for d in group}
     reduce_bytes = float(mem.param_bytes[first:last].sum())
-    buckets = gradient_buckets(mem, first, last)
-    allreduce = ring_allreduce_time(reduce_bytes, group, cluster, buckets) if len(group) > 1 else 0.0
+    allreduce, own = 0.0, {}
+    if len(group) > 1:  # (the buckets are worth finding only for a group: planners ask this often)
+        buckets = gradient_buckets(mem, first, last)
+        allreduce = ring_allreduce_time(reduce_bytes, group, cluster, buckets)
+        own = allreduce_cpu(reduce_bytes, group, cluster, buckets)
     update = {d: cluster.device(d).costs.update_range(first, last) for d in group}
     return StageWork(p, stage, gang, shares, fwd, bwd, act, trans, weights, allreduce, update,
-                     allreduce_cpu(reduce_bytes, group, cluster, buckets), sync if gang else 0.0, sync if gang else 0.0)
+                     own, sync if gang else 0.0, sync if gang else 0.0)
 
 
 # What a paired op's compute costs beside the other, against alone: two micro-batches' working
