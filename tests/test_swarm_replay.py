@@ -30,9 +30,26 @@ def local_weights(tmp_path_factory):
     return LocalRun(tmp_path_factory.mktemp("local") / "local.pt", *FLAGS)
 
 
-@pytest.fixture
-def bed():
+@pytest.fixture(scope="module")
+def testbed_up():
     yield from namespace_testbed(4)
+
+
+@pytest.fixture
+def bed(testbed_up):
+    """The module's testbed with every device as it came up: after each test, a device it
+    killed is started again (`swarm testbed restart`, as a device that reboots) and a link it
+    cut is healed, so that the next test starts from four running devices without paying for
+    a new testbed (its agents' first job loads torch: about 9 CPU-s for four)."""
+    from swarm.testbed import testbed
+
+    yield testbed_up
+    for row in testbed.status_rows(testbed.load()):
+        if row["link"] != "up":
+            assert run_swarm("testbed", "heal", row["device"]).returncode == 0
+        if row["agent"] != "running":
+            r = run_swarm("testbed", "restart", row["device"], timeout=120)
+            assert r.returncode == 0, r.stderr
 
 
 def train_with_faults(tmp_path, strategy: list[str], faults: list[tuple[int, str, str]]):

@@ -137,6 +137,28 @@ class TestNamespaceTestbed:
         agents = {d["device"]: d["agent"] for d in status["devices"]}
         assert agents == {"dev0": "running", "dev1": "dead", "dev2": "running", "dev3": "running"}
 
+    def test_a_killed_agent_restarts_in_its_cgroups_and_is_found_again(self, bed):
+        """`swarm testbed restart`: a device whose agent died comes back as after a reboot, with
+        its address, limits and cgroups; one whose agent runs is refused in one line."""
+        status = json.loads(run_swarm("testbed", "status", "--json").stdout)
+        if {d["device"]: d["agent"] for d in status["devices"]}["dev1"] == "running":  # (when run alone)
+            assert run_swarm("testbed", "kill", "dev1").returncode == 0
+        old = testbed.load().device("dev1").pid
+        r = run_swarm("testbed", "restart", "dev1", timeout=120)
+        assert r.returncode == 0, r.stderr
+        pid = testbed.load().device("dev1").pid
+        assert pid != old and f"restarted the agent of dev1 (pid {pid})" in r.stdout
+        inside = run_swarm("testbed", "exec", "--in-cgroup", "dev1", "--", "cat", "/proc/self/cgroup", timeout=30)
+        assert inside.stdout == Path(f"/proc/{pid}/cgroup").read_text()
+        found = run_swarm("testbed", "exec", "dev0", "--", "swarm", "status", "--json", "--expect", "4", "--wait",
+                          "10", timeout=60)
+        assert found.returncode == 0, found.stderr
+        devices = {d["name"]: d for d in json.loads(found.stdout)}
+        assert devices["dev1"]["health"] == "alive" and devices["dev1"]["memory"] == 512 * 2**20
+        again = run_swarm("testbed", "restart", "dev1")
+        assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
+        assert f"the agent of dev1 (pid {pid}) is running" in again.stderr
+
 
 def wait_event(proc, name, kind, timeout=10.0) -> dict:
     deadline = time.monotonic() + timeout

@@ -57,7 +57,8 @@ def add_parser(sub) -> None:
     commands.add_parser("down", help="stop and remove everything the testbed made (safe to repeat)")
     for action, text in (("kill", "SIGKILL a device's agent"),
                          ("cut", "take a device's link down (loopback: freeze its agent)"),
-                         ("heal", "bring a device's link back up (loopback: resume its agent)")):
+                         ("heal", "bring a device's link back up (loopback: resume its agent)"),
+                         ("restart", "start a killed device's agent again, as after a reboot")):
         commands.add_parser(action, help=text).add_argument("device", help="e.g. dev1")
     ex = commands.add_parser("exec", help="run a command as one of the devices (in its namespace)",
                              description="Run CMD inside the device's network namespace, with SWARM_TOKEN and "
@@ -100,10 +101,11 @@ def run(args) -> int:
         removed = testbed.down()
         print(f"testbed down: removed {len(removed)} things" if removed else "testbed down: nothing to remove")
         return 0
-    if action in ("kill", "cut", "heal"):
+    if action in ("kill", "cut", "heal", "restart"):
         device = getattr(testbed, action)(args.device)
         print({"kill": f"killed the agent of {device.name} (pid {device.pid})",
-               "cut": f"cut {device.name} off", "heal": f"healed {device.name}"}[action])
+               "cut": f"cut {device.name} off", "heal": f"healed {device.name}",
+               "restart": f"restarted the agent of {device.name} (pid {device.pid})"}[action])
         return 0
     if action == "exec":
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from swarm.errors import SwarmError
@@ -248,17 +248,22 @@ def _agent_command(device: str, directory: Path, interface: str, port: int, peer
 
 
 def _launch(record: TestbedRecord, device: DeviceRecord, cmd: list[str], host) -> None:
-    with open(device.log, "ab") as log:
-        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env=_environment({}))
-    device.pid = process.pid
+    device.pid = _start(device, cmd)
     record.devices.append(device)
     _save(record)
     if host is not None:
         dirs = cgroups.create_limits(host, device.name, device.cpu, device.memory)
         device.cgroups = [str(d) for d in dirs]
         _save(record)
-        cgroups.add_process(dirs, process.pid)
+        cgroups.add_process(dirs, device.pid)
+
+
+def _start(device: DeviceRecord, cmd: list[str]) -> int:
+    """Start a device's agent, its output appended to the device's log; its pid."""
+    with open(device.log, "ab") as log:
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env=_environment({}))
+    return process.pid
 
 
 def _up_loopback(record: TestbedRecord, count: int, host, cpus: list, memories: list) -> None:
@@ -296,13 +301,16 @@ def _up_namespaces(record: TestbedRecord, count: int, host, cpus: list, memories
         _launch(record, device, cmd, host)
 
 
-def _wait_ready(record: TestbedRecord) -> None:
-    """Until every agent logs that it listens (and advertises); SwarmError with its log if one dies."""
+def _wait_ready(record: TestbedRecord, since: dict[str, int] | None = None) -> None:
+    """Until every agent logs that it listens (and advertises), in its log past `since` (a
+    device's offset, for an agent started again); SwarmError with its log if one dies."""
     deadline = time.monotonic() + READY_TIMEOUT
     waiting = list(record.devices)
+    since = since or {}
     while waiting:
         for device in list(waiting):
-            log = Path(device.log).read_text(errors="replace") if Path(device.log).exists() else ""
+            log = Path(device.log).read_bytes()[since.get(device.name, 0):].decode(errors="replace") \
+                if Path(device.log).exists() else ""
             if READY_LINE in log:
                 waiting.remove(device)
             elif not _alive(device.pid):
@@ -383,6 +391,30 @@ def kill(name: str) -> DeviceRecord:
     if not _alive(device.pid):
         raise SwarmError(f"the agent of {name} (pid {device.pid}) is not running")
     os.kill(device.pid, signal.SIGKILL)
+    return device
+
+
+def restart(name: str) -> DeviceRecord:
+    """Start the agent of a device whose agent was killed (or exited) again, as the device
+    would after a reboot: the same name, address, state directory, limits and link. Returns
+    once it listens."""
+    record = require()
+    device = record.device(name)
+    if _alive(device.pid) and _is_agent(device.pid):
+        raise SwarmError(f"the agent of {name} (pid {device.pid}) is running (`swarm testbed kill {name}` first)")
+    directory = state_dir()
+    if record.kind == "netns":
+        cmd = netns.in_namespace(device.namespace) + _agent_command(name, directory, DEVICE_INTERFACE, device.port,
+                                                                     None)
+    else:
+        cmd = _agent_command(name, directory, "lo", device.port, record.peers())
+    offset = Path(device.log).stat().st_size if Path(device.log).exists() else 0
+    device.pid = _start(device, cmd)
+    _save(record)
+    if device.cgroups:
+        cgroups.add_process([Path(d) for d in device.cgroups], device.pid)
+    alone = replace(record, devices=[device])
+    _wait_ready(alone, {name: offset})
     return device
 
 
