@@ -33,8 +33,12 @@ os.environ["SWARM_CONFIG"] = os.devnull  # never the machine's own /etc/swarm/sw
 # it waits, as libgomp's does by default, takes the core from the test beside it: two
 # two-thread trainings side by side each took 11x as long as one alone, and 1.7x with a
 # short spin (set before torch is imported; the subprocesses a test starts inherit it).
+# And each process computes on one thread (swarm.host.resources.compute_threads honours
+# OMP_NUM_THREADS, as torch does): with both cores busy, a local run of yolov2-16 at 128 beside a
+# busy process took 15.7-17.4 CPU-s on two threads with that short spin, 13.7-14.2 on one.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The suite runs on two processes (pytest -n 2, the README's command). The modules below

@@ -247,3 +247,26 @@ def test_a_run_drops_its_learning_rate_near_its_end_unless_told_not_to(tmp_path)
     args = build_parser().parse_args(["train", "--lr-drops", "80,90"])
     assert args.lr_drops == [80, 90] and run_flags(args) == ["--lr-drops", "80,90"]
     assert run_flags(build_parser().parse_args(["train", "--lr-drops", "none"])) == ["--lr-drops", "none"]
+
+
+def test_omp_num_threads_caps_the_compute_threads(monkeypatch):
+    """A user's OMP_NUM_THREADS (how a shared machine keeps a program's threads down; torch's
+    own default honours it) caps the threads swarm computes on when not told, and no more: the
+    cores a device reports stay its usable cores."""
+    import torch
+
+    from swarm.host.resources import compute_threads, usable_cores
+    from swarm.local.trainer import set_threads
+
+    cores = usable_cores()
+    for value, expected in (("1", 1), ("64", cores), ("0", cores), ("two", cores), ("", cores)):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        assert compute_threads() == expected, value
+        assert usable_cores() == cores
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert set_threads(None) == 1 and torch.get_num_threads() == 1
+        assert set_threads(2) == 2  # --threads has the last word
+    finally:
+        torch.set_num_threads(before)

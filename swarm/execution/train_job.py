@@ -23,7 +23,7 @@ from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replay import DeviceStore
 from swarm.execution.worker import DeviceWorker, JobSpec
 from swarm.host import malloc
-from swarm.host.resources import usable_cores
+from swarm.host.resources import compute_threads
 from swarm.local.trainer import TrainConfig
 
 CHANNEL = "x"
@@ -162,7 +162,7 @@ async def run_train_job(ctx) -> dict:
 
     endpoint = WireEndpoint(me, node_of, send_to)
     job = JobSpec(plan, cfg, spec.get("cfg_text"), timeout_s=float(spec.get("timeout_s", 120.0)),
-                  threads=usable_cores(), epoch=int(spec.get("epoch", 0)), start_step=int(spec.get("start_step", 0)),
+                  threads=compute_threads(), epoch=int(spec.get("epoch", 0)), start_step=int(spec.get("start_step", 0)),
                   moves=[Move.from_dict(m) for m in spec.get("moves", [])])
     store = store_for(ctx.job_id)
     log.info("job %s epoch %d: %.0f MiB resident, %.0f MiB of it snapshots and backups", ctx.job_id, ctx.epoch,

@@ -21,7 +21,7 @@ from planner.image_size import ImageSize
 from swarm.data import (class_targets, microbatch_bounds, open_datasets, sample_keys, training_batch,
                         steps_per_epoch)
 from swarm.errors import SwarmError
-from swarm.host.resources import usable_cores
+from swarm.host.resources import compute_threads
 from swarm.data.augment import Augment, Augmenter
 from swarm.local.checkpoint import load_initial_weights, save_checkpoint
 from swarm.local.compute_device import compute_device
@@ -261,7 +261,7 @@ def resolve_steps(cfg: TrainConfig, n_train: int) -> int:
 
 
 def set_threads(threads: int | None) -> int:
-    n = threads or usable_cores()
+    n = threads or compute_threads()
     if n < 1:
         raise SwarmError(f"--threads must be at least 1, got {n}")
     torch.set_num_threads(n)

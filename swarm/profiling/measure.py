@@ -16,7 +16,7 @@ from planner.costs import CostTable
 from planner.image_size import ImageSize
 from planner.profile import DeviceProfile
 from swarm.errors import SwarmError
-from swarm.host.resources import cpu_quota, usable_cores
+from swarm.host.resources import compute_threads, cpu_quota
 from swarm.profiling.accelerator import AcceleratorMemory, accelerator_identity, copy_gbps
 from swarm.profiling.cache import device_facts
 from swarm.profiling.clocks import CLOCKS, Budget, QuotaClock, QuotaCPUClock, Stopwatch, median_time
@@ -74,7 +74,7 @@ def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = N
     if repeats < 1:
         raise SwarmError(f"--repeats must be at least 1, got {repeats}")
     budget = Budget(repeats, stop)
-    threads = threads or usable_cores()
+    threads = threads or compute_threads()
     if clock not in CLOCKS:
         raise SwarmError(f"unknown clock '{clock}'; use {' or '.join(CLOCKS)}")
     if clock == "cpu" and threads != 1:

@@ -25,7 +25,7 @@ from planner.image_size import ImageSize
 from planner.profile import DeviceProfile, ProfileError
 from swarm.errors import SwarmError
 from swarm.host import malloc
-from swarm.host.resources import usable_cores
+from swarm.host.resources import compute_threads
 from swarm.profiling.accelerator import accelerator_identity, usable_accelerator
 from swarm.profiling.cache import cache_path, default_state_dir, device_facts, read_profile, write_profile
 from swarm.profiling.measure import DEFAULT_BATCH_SIZES, DEFAULT_REPEATS, default_classes, profile_model
@@ -59,7 +59,7 @@ def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None =
         if classes is None:
             classes = default_classes(model, img_size)
     desc = describe_model(model, img_size, None, cfg_text)
-    threads = threads or usable_cores()
+    threads = threads or compute_threads()
     device = compute_device(accelerator)
     facts = device_facts(threads, accelerator_identity(device))
     path = cache_path(Path(state_dir or default_state_dir()), facts["fingerprint"], desc.name, desc.img_size,
