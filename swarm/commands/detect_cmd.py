@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: the "
                    "size the checkpoint was trained at)")
     p.add_argument("--json", action="store_true", help="print every prediction as JSON on standard output")
-    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores, "
+                   "fewer where OMP_NUM_THREADS says)")
     p.set_defaults(run=run)
 
 

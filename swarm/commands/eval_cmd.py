@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", help="a YOLO-format folder (default: the data the checkpoint was trained on)")
     p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: the "
                    "size the checkpoint was trained at)")
-    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores, "
+                   "fewer where OMP_NUM_THREADS says)")
     p.set_defaults(run=run)
 
 

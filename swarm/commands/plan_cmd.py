@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
                    help="file holding the cluster token (default: $SWARM_TOKEN, else STATE_DIR/token)")
     p.add_argument("--state-dir", metavar="DIR", help="where profiles are cached (default: $SWARM_STATE_DIR, "
                    "/var/lib/swarm as root, else ~/.local/share/swarm)")
-    p.add_argument("--threads", type=positive_int, help="threads when profiling this machine (default: all usable cores)")
+    p.add_argument("--threads", type=positive_int, help="threads when profiling this machine (default: all usable cores, "
+                   "fewer where OMP_NUM_THREADS says)")
     p.set_defaults(run=run)
 
 

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-sizes", type=batch_sizes, default=None, metavar="1,2,4,8",
                    help="batch sizes to time (default: 1,2,4,8)")
     p.add_argument("--repeats", type=positive_int, default=None, help="timings per measurement, median kept (default: 5)")
-    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores, "
+                   "fewer where OMP_NUM_THREADS says)")
     p.add_argument("--accelerator", choices=("cpu", "cuda"), help="where to run the layers: cpu, or cuda (timed by "
                    "CUDA events, with the host<->GPU copy rate and the GPU's memory; default: cuda when torch sees "
                    "a GPU, else cpu)")

@@ -89,7 +89,8 @@ def add_parser(sub) -> None:
     p.add_argument("--accelerator", choices=("cpu", "cuda"), help="where this machine computes with --strategy "
                    "local (or tiles --in-process): cuda (an NVIDIA GPU or a Jetson's) or cpu (default: cuda when "
                    "torch sees one)")
-    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores)")
+    p.add_argument("--threads", type=positive_int, help="compute threads (default: all usable cores, "
+                   "fewer where OMP_NUM_THREADS says)")
     p.add_argument("--save", metavar="PATH", help="checkpoint path (default: swarm-MODEL.pt, or the --resume path)")
     p.add_argument("--save-every", type=non_negative_int, default=0, metavar="N",
                    help="also save every N steps (default: at the end and when interrupted; across devices also "
