@@ -85,8 +85,8 @@ def compute_threads() -> int:
     the environment sets OMP_NUM_THREADS, the usual way to keep a program's threads down on a
     shared machine (torch's own default honours it; swarm would otherwise override it). Two
     processes computing on two threads each on two busy cores wait on each other's threads: a
-    local run of yolov2-16 at 128 beside one busy process took 30-32 CPU-s on two threads and
-    12-15 on one (bench/RESULTS.md, 2026-11-30 "the suite's CPU")."""
+    local run of yolov2-16 at 128 beside one busy process took 31-32 CPU-s on two threads and
+    12-16 on one (libgomp's default spin) (bench/RESULTS.md, 2026-11-30 "the suite's CPU")."""
     cores = usable_cores()
     try:
         asked = int(os.environ.get("OMP_NUM_THREADS", ""))
