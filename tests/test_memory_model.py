@@ -181,7 +181,7 @@ def share_peak(b: int, size: int, env_extra: dict, how: str = "heap") -> dict:
 
 
 # how far above a share's peak the model of each allocator may be (see the test below)
-MARGIN = {"glibc": 1.6, "glibc-thp": 1.6, "glibc-thp+mapped": 1.25, "jemalloc": 1.8}
+MARGIN = {"glibc": 1.6, "glibc-thp": 1.6, "glibc-thp+mapped": 1.3, "jemalloc": 1.8}
 
 
 @pytest.mark.parametrize("allocator", ["glibc", "glibc-thp", "glibc-thp+mapped", "jemalloc"])
@@ -224,7 +224,9 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
         # share, where the fixed stage scratch is a large part (213-249 MiB against 324), and
         # within 1.25x at 4 samples (479-520 against 583), in its heap or in huge pages;
         # jemalloc's within 1.8x; a mapped
-        # heap's, fitted (planner.mapping.MAPPED_SLACK), within 25% (at 320 px the stage
+        # heap's, fitted (planner.mapping.MAPPED_SLACK), within 30% (at 320 px the stage
         # scratch, a fixed 64 MiB, is a larger part: at 416, 4 samples 520-526 MiB against 578,
-        # 2 samples 275-281 against 321)
+        # 2 samples 275-281 against 321; at 320, 2 samples 172-203 MiB against 216 over seven
+        # runs, the least beside the suite's other processes: the kernel's VmHWM reads the same,
+        # so the sampled peak misses nothing; what varies is the run's own resident peak)
         assert predicted <= MARGIN[allocator] * runs[-1]["peak"], f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
