@@ -108,6 +108,17 @@ def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
     return rounds * cluster.latency + 2 * messages * cluster.msg_cpu(group) + (g - 1) * nbytes * per_byte
 
 
+def allgather_cpu(nbytes: float, group: list[str], cluster: Cluster) -> float:
+    """What of allgather_time is each member's own CPU: its messages' handling and, where its
+    CPU is slower than the link, moving the bytes. Other work beside the gather hides the rest
+    (the latencies, a link's time), not this: under a CPU quota it takes from the same share."""
+    g = len(group)
+    if g < 2:
+        return 0.0
+    messages = g - 1 if g <= DIRECT_GATHER_MAX else (g - 1).bit_length()
+    return 2 * messages * cluster.msg_cpu(group) + (g - 1) * nbytes * 2 * cluster.comm_cpu(group)
+
+
 BUCKET_BYTES = 1 << 20
 
 
@@ -139,6 +150,14 @@ def bn_sync_time(desc: ModelDesc, first: int, last: int, group: list[str], clust
     if len(group) < 2:
         return 0.0
     return sum(allgather_time(8 + 16 * layer.out_shape[0], group, cluster)
+               for layer in desc.layers[first:last] if layer.batch_normalize)
+
+
+def bn_sync_cpu(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:
+    """What of bn_sync_time is each member's own CPU (allgather_cpu)."""
+    if len(group) < 2:
+        return 0.0
+    return sum(allgather_cpu(8 + 16 * layer.out_shape[0], group, cluster)
                for layer in desc.layers[first:last] if layer.batch_normalize)
 
 
@@ -223,7 +242,7 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
         act.append({s.device: mem.activations(first, last, s.samples) for s in sh})
         trans.append({s.device: mem.transient(first, last, s.samples) for s in sh})
     if gang and stage.overlap:
-        _overlap(fwd, bwd, act, trans, sync, warmup)
+        _overlap(fwd, bwd, act, trans, sync, warmup, bn_sync_cpu(desc, first, last, group, cluster))
     weights = {d: mem.weights(first, last) for d in group}
     reduce_bytes = float(mem.param_bytes[first:last].sum())
     allreduce, own = 0.0, {}
@@ -246,19 +265,23 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
 OVERLAP_CPU = 1.16
 
 
-def _overlap(fwd: list[dict], bwd: list[dict], act: list[dict], trans: list[dict], sync: float, warmup: int) -> None:
+def _overlap(fwd: list[dict], bwd: list[dict], act: list[dict], trans: list[dict], sync: float, warmup: int,
+             sync_cpu: float = 0.0) -> None:
     """A gang that runs each backward beside the next forward (Stage.overlap), in place: in
     each pair, what one waits for its group's sums the other computes, so each keeps only the
-    part of its sync the other's compute does not cover, at OVERLAP_CPU times the compute;
-    and the backward's transient memory holds the forward's activations as they build up."""
+    part of its sync the other's work does not cover, at OVERLAP_CPU times the compute; the
+    sync's own CPU (`sync_cpu`: its messages' handling) is work, which nothing beside it
+    hides; and the backward's transient memory holds the forward's activations as they build up."""
+    wait = max(0.0, sync - sync_cpu)
     for unit in overlap_units(stage_schedule(len(fwd), warmup)):
         if len(unit) < 2:
             continue
         (_, j), (_, i) = unit  # B j beside F i
         for d in bwd[j]:
-            back, fore = (bwd[j][d] - sync) * OVERLAP_CPU, (fwd[i][d] - sync) * OVERLAP_CPU
-            bwd[j][d] = back + max(0.0, sync - fore)
-            fwd[i][d] = fore + max(0.0, sync - back)
+            back = (bwd[j][d] - sync) * OVERLAP_CPU + sync_cpu
+            fore = (fwd[i][d] - sync) * OVERLAP_CPU + sync_cpu
+            bwd[j][d] = back + max(0.0, wait - fore)
+            fwd[i][d] = fore + max(0.0, wait - back)
             trans[j][d] = trans[j].get(d, 0.0) + act[i].get(d, 0.0)
 
 

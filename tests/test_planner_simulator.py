@@ -455,6 +455,29 @@ def test_a_gang_that_overlaps_hides_its_syncs_behind_the_other_op_and_holds_one_
     assert over.peak_memory["a"] == pytest.approx(plain.peak_memory["a"] + mem.activations(0, n, 1))
 
 
+def test_an_overlapped_gang_still_spends_its_syncs_cpu():
+    """The same gang where each sync is only the members' own CPU (every message's handling,
+    as on a device whose quota the messages spend, no latency): nothing beside it hides that,
+    so each op of a pair costs its compute at OVERLAP_CPU plus its syncs in full, and
+    overlapping is slower than not."""
+    from planner.stage_work import OVERLAP_CPU
+
+    desc = describe_model("yolov2-16", 64, 5)
+    mem = MemoryModel.estimated(desc)
+    n = len(desc.layers)
+    fwd, bwd, msg = n * 0.01, n * 0.02, 0.005
+    cl = Cluster([Device(d, uniform_table(n, 0.01, 0.02), 2**40, msg_s=msg) for d in ("a", "b")],
+                 np.full((2, 2), FAST), 0.0)
+    stage = Stage(0, n, "dp", ["a", "b"], allocation={"a": 1, "b": 1})
+    plain = simulate(Plan("yolov2-16", 64, 8, 4, [stage], devices={"a": {}, "b": {}}), desc, mem, cl)
+    over = simulate(Plan("yolov2-16", 64, 8, 4, [replace(stage, overlap=True)], devices={"a": {}, "b": {}}),
+                    desc, mem, cl)
+    sync = sum(1 for layer in desc.layers if layer.batch_normalize) * 2 * msg  # a message out and one in a BN layer
+    pair_plain, pair_over = fwd + bwd + 2 * sync, OVERLAP_CPU * (fwd + bwd) + 2 * sync
+    assert over.step_time == pytest.approx(plain.step_time - 3 * (pair_plain - pair_over))
+    assert over.step_time > plain.step_time
+
+
 def test_planners_overlap_a_gang_only_where_it_hides_more_than_it_costs_and_fits():
     from planner.inputs import PlanInputs
 
