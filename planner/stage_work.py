@@ -103,9 +103,14 @@ def allgather_time(nbytes: float, group: list[str], cluster: Cluster) -> float:
     g = len(group)
     if g < 2:
         return 0.0
-    rounds, messages = (1, g - 1) if g <= DIRECT_GATHER_MAX else ((g - 1).bit_length(), (g - 1).bit_length())
+    rounds = 1 if g <= DIRECT_GATHER_MAX else (g - 1).bit_length()
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
-    return rounds * cluster.latency + 2 * messages * cluster.msg_cpu(group) + (g - 1) * nbytes * per_byte
+    return rounds * cluster.latency + 2 * _gather_messages(g) * cluster.msg_cpu(group) + (g - 1) * nbytes * per_byte
+
+
+def _gather_messages(g: int) -> int:
+    """Messages out (and as many in) per member of an all-gather over g members."""
+    return g - 1 if g <= DIRECT_GATHER_MAX else (g - 1).bit_length()
 
 
 def allgather_cpu(nbytes: float, group: list[str], cluster: Cluster) -> float:
@@ -115,8 +120,7 @@ def allgather_cpu(nbytes: float, group: list[str], cluster: Cluster) -> float:
     g = len(group)
     if g < 2:
         return 0.0
-    messages = g - 1 if g <= DIRECT_GATHER_MAX else (g - 1).bit_length()
-    return 2 * messages * cluster.msg_cpu(group) + (g - 1) * nbytes * 2 * cluster.comm_cpu(group)
+    return 2 * _gather_messages(g) * cluster.msg_cpu(group) + (g - 1) * nbytes * 2 * cluster.comm_cpu(group)
 
 
 BUCKET_BYTES = 1 << 20

@@ -46,8 +46,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # testbed (one per machine), agents advertising on loopback's mDNS, and checks of how long
 # something took or how much memory it reached. Meanwhile the other processes run the rest,
 # at a lower priority (_prioritise). On two cores, two processes left one core idle while the
-# machine-wide tests waited (on heartbeats, elections, timeouts): the suite took 1119 s, with
-# three 958 s, every core busy but for 14 core-seconds.
+# machine-wide tests waited (on heartbeats, elections, timeouts): about 160 core-seconds of
+# a run idle, against 14 with three (1119 s and 958 s, in runs an hour apart).
 MACHINE_WIDE = {
     "test_agent", "test_agent_bounds", "test_auth", "test_chaos_run", "test_clean_stop", "test_cuda",
     "test_deploy_notify", "test_detached", "test_discovery", "test_failover", "test_flapping", "test_memory_model",

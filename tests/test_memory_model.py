@@ -226,7 +226,7 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
         # jemalloc's within 1.8x; a mapped
         # heap's, fitted (planner.mapping.MAPPED_SLACK), within 30% (at 320 px the stage
         # scratch, a fixed 64 MiB, is a larger part: at 416, 4 samples 520-526 MiB against 578,
-        # 2 samples 275-281 against 321; at 320, 2 samples 172-203 MiB against 216 over seven
+        # 2 samples 275-281 against 321; at 320, 2 samples 172-203 MiB against 216 over nine
         # runs, the least beside the suite's other processes: the kernel's VmHWM reads the same,
         # so the sampled peak misses nothing; what varies is the run's own resident peak)
         assert predicted <= MARGIN[allocator] * runs[-1]["peak"], f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
