@@ -12,8 +12,8 @@ which costs more per byte than the worker thread that moves big ones), divided b
 quota where that is below one core (that CPU then comes out of the quota the computation
 also runs on); and {"msg_s"}, what a
 message costs beyond the latency the round trips measure. {"msg_cpu_s"}, the CPU time per
-message handled (sent or received) in a burst of round trips of a small array asked for
-from a worker thread, as training's BatchNorm exchanges are, is in that latency
+message handled (sent or received) in round trips of a small array asked for from a worker
+thread that computes between them, as training's BatchNorm exchanges are, is in that latency
 once, at full speed; under a quota of q cores it takes msg_cpu_s / q, so msg_s is
 msg_cpu_s * (1/q - 1), and 0 without a quota.
 
@@ -35,7 +35,16 @@ from swarm.agent.jobs import JobContext
 
 KIND = "bandwidth"
 DEFAULT_PROBE_BYTES = 4 * 1024 * 1024
-MESSAGE_BURST = 40  # round trips per peer, timed together for the CPU a message costs
+MESSAGE_BURST = 24  # round trips per peer, timed together for the CPU a message costs
+# ... with this much of the worker thread's CPU spent between them, in memory of this size: in
+# training a compute thread computes a layer between two exchanges and the event loop sleeps
+# meanwhile, so each message pays waking it and caches the computation took. On the testbed
+# (bench/bn_exchange.py: 4 devices of 0.2 core, a group BatchNorm exchange of 3 messages out
+# and 3 in) an exchange cost 2.2 ms of CPU back to back, 2.6-2.9 with 1 ms of work between
+# and 3.3-3.5 with 5 ms; the event loop of a gang member training resnet18 (one sample a
+# member) spent about 4.6 ms an exchange.
+MESSAGE_GAP_S, MESSAGE_GAP_BYTES = 0.004, 4 << 20
+MESSAGE_GAPPED_PEERS = 2  # peers each device measures it with (the first it probes)
 ECHO_BURST, ECHO_BYTES = 8, 256 * 1024  # echoed messages of an activation's size, for the CPU per byte
 
 
@@ -74,7 +83,8 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
                     moved[0] += payload.nbytes
                     await _ack(ctx, peer, seq)
                     timings.append(trio.current_time() - start)
-            per_message.append(await _message_burst(ctx, peer))
+            if len(per_message) < MESSAGE_GAPPED_PEERS:
+                per_message.append(await _message_burst(ctx, peer))
             echo0 = time.process_time()
             for _ in range(ECHO_BURST):  # each: ECHO_BYTES out and back, in two messages
                 seq += 1
@@ -92,11 +102,19 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
 async def _message_burst(ctx: JobContext, peer: str) -> float:
     """CPU seconds per message handled, along the path training takes: a worker thread (as a
     compute thread does for a BatchNorm exchange) has the event loop send a small array and
-    waits for the peer's answer. Each round trip is one message out and one in,
-    MESSAGE_BURST of them timed together. (No torch here: a transport job must not stall the
-    event loop importing it.)"""
+    waits for the peer's answer, then works MESSAGE_GAP_S of its own CPU time through
+    MESSAGE_GAP_BYTES before the next. Each round trip is one message out and one in,
+    MESSAGE_BURST of them timed together, less the work between. (No torch here: a transport
+    job must not stall the event loop importing it.)"""
     token = trio.lowlevel.current_trio_token()
     stats = np.zeros((2, 256))  # a BatchNorm layer's sums
+    memory = np.ones(MESSAGE_GAP_BYTES // 8)
+
+    def work() -> float:
+        start = time.thread_time()
+        while time.thread_time() - start < MESSAGE_GAP_S:
+            np.multiply(memory, 1.0, out=memory)
+        return time.thread_time() - start
 
     async def exchange(k: int) -> None:
         await ctx.send(peer, ctx.data("probe-x", {"k": ["echo", k], "p": {"arrays": [stats]}}))
@@ -107,10 +125,11 @@ async def _message_burst(ctx: JobContext, peer: str) -> float:
 
     def burst() -> float:
         trio.from_thread.run(exchange, -1, trio_token=token)  # warm
-        cpu0 = time.process_time()
+        cpu0, worked = time.process_time(), 0.0
         for k in range(MESSAGE_BURST):
+            worked += work()
             trio.from_thread.run(exchange, k, trio_token=token)
-        return (time.process_time() - cpu0) / (2 * MESSAGE_BURST)
+        return max(0.0, time.process_time() - cpu0 - worked) / (2 * MESSAGE_BURST)
 
     return await trio.to_thread.run_sync(burst)
 
