@@ -12,8 +12,8 @@ passes over 4 MiB) or of sleep, then the group's exchange of a count and two flo
 collectives.allgather over sealed connections, as DeviceWorker.bn_exchange), --exchanges
 times. It prints, per segment length, the median over the devices of each one's median and
 mean wall time of an exchange (from the compute thread asking to its answer), the process CPU
-an exchange costs beyond the segment's, and the wall time of a segment and its exchange; and
-each device's CPU per exchange by thread (the event loop is the process's first thread).
+an exchange costs beyond the segment's, of which the event loop's and the other threads'
+(the compute thread's asking and waking), and the wall time of a segment and its exchange.
 The profile's message cost (swarm.profiling.bandwidth: msg_cpu_s) is measured the same way,
 with passes over memory between round trips.
 
@@ -26,13 +26,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from heartbeat_cpu import cpu_between, thread_cpu  # noqa: E402 - bench/ is not a package
+from testbed_group import group_endpoint, run_on_devices  # noqa: E402
 PORT = 4763
 TOKEN = "bn-exchange-bench-token-0123456789"
 
@@ -44,20 +45,14 @@ def child(me: int, addresses: list[str], gap: str, segment_s: float, exchanges: 
 
     from swarm.execution import channels as keys
     from swarm.execution.collectives import allgather
-    from swarm.execution.channels import send_priority
-    from swarm.execution.links import RunLinks
     from swarm.execution.threads import call_in_loop
-    from swarm.execution.train_job import WireEndpoint
-    from swarm.net import Credentials, connect_peer, serve_peers
-    from swarm.wire import JobData
 
     torch.set_num_threads(1)
-    n = len(addresses)
-    names = [f"dev{k}" for k in range(n)]
-    creds = Credentials(f"bn-node-{me}", TOKEN)
     conv = torch.nn.Conv2d(64, 64, 3, padding=1)
     x = torch.randn(1, 64, 28, 28)
     memory = np.ones((4 << 20) // 8)
+    sums = [torch.tensor([1.0], dtype=torch.float64), torch.randn(channels, dtype=torch.float64),
+            torch.rand(channels, dtype=torch.float64)]
 
     def compute(seconds: float) -> None:
         """`seconds` of this thread's CPU: 3x3 convolutions of one 28x28 map (conv), passes
@@ -74,118 +69,45 @@ def child(me: int, addresses: list[str], gap: str, segment_s: float, exchanges: 
                     np.multiply(memory, 1.0, out=memory)
 
     async def main() -> None:
-        devices = {names[k]: {"node_id": f"bn-node-{k}", "address": f"{addresses[k]}:{PORT}"} for k in range(n)}
+        async with group_endpoint(me, addresses, PORT, TOKEN, "bn") as (ep, names):
+            token = trio.lowlevel.current_trio_token()
 
-        async def connect(address: str):
-            host, port = address.rsplit(":", 1)
-            deadline = time.monotonic() + 30
-            while True:  # the other device may not listen yet
-                try:
-                    return await connect_peer(host, int(port), creds)
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    await trio.sleep(0.1)
+            def run(first: int, count: int) -> list[float]:
+                # A thread torch did not start takes OpenMP's default thread count, whatever the
+                # main thread set: alone, forward-only convolutions then run on two threads here
+                # and the second spins between them (2.3x the compute thread's CPU in the process).
+                torch.set_num_threads(1)
+                waits = []
+                for i in range(first, first + count):
+                    compute(segment_s)
+                    t0 = time.perf_counter()
+                    got = call_in_loop(allgather, ep, names, keys.bn(0, 0, i, "1", "fwd"), sums, 60.0, token=token)
+                    waits.append(time.perf_counter() - t0)
+                    assert len(got) == len(names)
+                return waits
 
-        async def report(name: str, why: str) -> None:
-            raise RuntimeError(f"link to {name} broke: {why}")
-
-        links = RunLinks(devices, connect, report)
-        by_node = {d["node_id"]: name for name, d in devices.items()}
-
-        async def send_to(node_id: str, body: dict) -> None:
-            await links.send(by_node[node_id], JobData("bn", 0, "x", body), False, send_priority(tuple(body["k"])))
-
-        ep = WireEndpoint(names[me], {name: d["node_id"] for name, d in devices.items()}, send_to)
-
-        async def handler(incoming) -> None:
-            async for message in incoming:
-                ep.deliver(message.body)
-
-        token = trio.lowlevel.current_trio_token()
-        sums = [torch.tensor([1.0], dtype=torch.float64), torch.randn(channels, dtype=torch.float64),
-                torch.rand(channels, dtype=torch.float64)]
-
-        def run(first: int, count: int) -> list[float]:
-            # A thread torch did not start takes OpenMP's default thread count, whatever the
-            # main thread set: alone, forward-only convolutions then run on two threads here and
-            # the second spins between them (2.3x the compute thread's CPU in the process).
-            torch.set_num_threads(1)
-            waits = []
-            for i in range(first, first + count):
-                compute(segment_s)
-                t0 = time.perf_counter()
-                got = call_in_loop(allgather, ep, names, keys.bn(0, 0, i, "1", "fwd"), sums, 60.0, token=token)
-                waits.append(time.perf_counter() - t0)
-                assert len(got) == n
-            return waits
-
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_peers, handler, creds, [addresses[me]], PORT)
             await trio.to_thread.run_sync(run, 0, 10)  # connections made and warm
-            c0, t0, threads0 = time.process_time(), time.monotonic(), thread_cpu()
+            c0, t0, threads0 = time.process_time(), time.monotonic(), thread_cpu([os.getpid()])
             waits = await trio.to_thread.run_sync(run, 10, exchanges)
-            cpu, wall, threads1 = time.process_time() - c0, time.monotonic() - t0, thread_cpu()
-            if gap != "sleep":
-                cpu -= segment_s * exchanges
-            by_thread = sorted(((threads1[k] - threads0.get(k, 0.0), k) for k in threads1), reverse=True)
-            await trio.sleep(1.0)  # let the others finish before our connections close
-            await links.aclose()
-            print(json.dumps({"median_s": statistics.median(waits), "mean_s": statistics.fmean(waits),
-                              "cpu_s": cpu / exchanges, "wall_s": wall / exchanges,
-                              "threads_s": [(round(t / exchanges, 5), k) for t, k in by_thread[:4]]}), flush=True)
-            nursery.cancel_scope.cancel()
+            cpu, wall, threads1 = time.process_time() - c0, time.monotonic() - t0, thread_cpu([os.getpid()])
+        loop = os.getpid()  # the event loop runs in the main thread, whose id is the process's
+        others = cpu_between([{t: c for t, c in threads0[0].items() if t != loop}],
+                             [{t: c for t, c in threads1[0].items() if t != loop}])[0]
+        if gap != "sleep":  # the segments' CPU is not the exchanges'
+            cpu -= segment_s * exchanges
+            others -= segment_s * exchanges
+        print(json.dumps({"median_s": statistics.median(waits), "mean_s": statistics.fmean(waits),
+                          "cpu_s": cpu / exchanges, "wall_s": wall / exchanges,
+                          "loop_cpu_s": (threads1[0][loop] - threads0[0][loop]) / exchanges,
+                          "others_cpu_s": others / exchanges}), flush=True)
 
     trio.run(main)
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of each thread of this process so far, by thread id."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-        out[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def swarm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
 def measure(args, segment_s: float) -> dict:
-    from swarm.testbed import cgroups, testbed
-
-    try:
-        record = testbed.require()
-        own = False
-    except Exception:
-        record, own = None, True
-    if own:
-        swarm("testbed", "up", "--devices", str(args.devices), "--cpu", args.cpu, "--mem", "1G",
-              "--bandwidth", args.bandwidth)
-        record = testbed.require()
-    try:
-        devices = record.devices[:args.devices]
-        addresses = [d.address for d in devices]
-        children = []
-        for k, device in enumerate(devices):
-            cmd = ["ip", "netns", "exec", device.namespace, sys.executable, __file__, "--child", str(k),
-                   ",".join(addresses), args.gap, repr(segment_s), str(args.exchanges), str(args.channels)]
-            c = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-            cgroups.add_process([Path(p) for p in device.cgroups], c.pid)  # the device's CPU share
-            children.append(c)
-        results = [json.loads(c.communicate(timeout=900)[0]) for c in children]
-    finally:
-        if own:
-            swarm("testbed", "down")
-    print("  CPU per exchange by thread, each device:", [r["threads_s"] for r in results])
-    return {k: statistics.median(r[k] for r in results) for k in results[0] if k != "threads_s"}
+    results = run_on_devices(__file__, args.devices, args.cpu, args.bandwidth,
+                             [args.gap, repr(segment_s), str(args.exchanges), str(args.channels)])
+    return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
 def main() -> None:
@@ -209,12 +131,13 @@ def main() -> None:
         sys.exit("the namespace testbed needs root")
     print(f"group BatchNorm exchanges over {args.devices} testbed devices ({args.cpu} core, {args.bandwidth} each), "
           f"{args.channels} channels, {args.exchanges} exchanges, {args.gap} between")
-    print(f"{'segment CPU ms':>14} {'median ms':>10} {'mean ms':>8} {'CPU ms':>7} {'wall ms':>8}")
+    print(f"{'segment ms':>10} {'median ms':>10} {'mean ms':>8} {'CPU ms':>7} {'loop ms':>8} {'others ms':>9} "
+          f"{'wall ms':>8}")
     for _ in range(args.rounds):
         for ms in (float(x) for x in args.segments_ms.split(",")):
             r = measure(args, ms / 1000)
-            print(f"{ms:14g} {r['median_s'] * 1e3:10.1f} {r['mean_s'] * 1e3:8.1f} {r['cpu_s'] * 1e3:7.2f} "
-                  f"{r['wall_s'] * 1e3:8.1f}", flush=True)
+            print(f"{ms:10g} {r['median_s'] * 1e3:10.1f} {r['mean_s'] * 1e3:8.1f} {r['cpu_s'] * 1e3:7.2f} "
+                  f"{r['loop_cpu_s'] * 1e3:8.2f} {r['others_cpu_s'] * 1e3:9.2f} {r['wall_s'] * 1e3:8.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from testbed_group import group_endpoint, run_on_devices  # noqa: E402 - bench/ is not a package
+
 PORT = 4762
 TOKEN = "ring-bench-token-0123456789abcdef"
 # yolov2-16's gradient buckets in bytes (planner.stage_work.buckets_of), in backward order
@@ -41,50 +42,14 @@ def ring_child(me: int, addresses: list[str], repeats: int, algorithm: str) -> N
     import trio
 
     from swarm.execution import collectives
-    from swarm.execution.channels import send_priority
-    from swarm.execution.links import RunLinks
-    from swarm.execution.train_job import WireEndpoint
-    from swarm.net import Credentials, connect_peer, serve_peers
-    from swarm.wire import JobData
 
     torch.set_num_threads(1)
     allreduce_sum = {"": collectives.allreduce_sum, "direct": collectives._direct, "hd": collectives._halving_doubling,
                      "ring": collectives._ring}[algorithm]
     n = len(addresses)
-    names = [f"dev{k}" for k in range(n)]
-    creds = Credentials(f"ring-node-{me}", TOKEN)
 
     async def main() -> None:
-        devices = {names[k]: {"node_id": f"ring-node-{k}", "address": f"{addresses[k]}:{PORT}"} for k in range(n)}
-
-        async def connect(address: str):
-            host, port = address.rsplit(":", 1)
-            deadline = time.monotonic() + 30
-            while True:  # the other device may not listen yet
-                try:
-                    return await connect_peer(host, int(port), creds)
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    await trio.sleep(0.1)
-
-        async def report(name: str, why: str) -> None:
-            raise RuntimeError(f"link to {name} broke: {why}")
-
-        links = RunLinks(devices, connect, report)
-        by_node = {d["node_id"]: name for name, d in devices.items()}
-
-        async def send_to(node_id: str, body: dict) -> None:
-            await links.send(by_node[node_id], JobData("ring", 0, "x", body), False, send_priority(tuple(body["k"])))
-
-        ep = WireEndpoint(names[me], {name: d["node_id"] for name, d in devices.items()}, send_to)
-
-        async def handler(incoming) -> None:
-            async for message in incoming:
-                ep.deliver(message.body)
-
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_peers, handler, creds, [addresses[me]], PORT)
+        async with group_endpoint(me, addresses, PORT, TOKEN, "ring") as (ep, names):
             cpu, wall = [], []
             for r in range(repeats + 1):
                 grads = [torch.full((size // 4,), float(me + 1)) for size in BUCKETS]
@@ -97,11 +62,7 @@ def ring_child(me: int, addresses: list[str], repeats: int, algorithm: str) -> N
                     wall.append(time.monotonic() - t0)
                 want = n * (n + 1) / 2
                 assert all(bool((g == want).all()) for g in grads), "wrong sum"
-            await trio.sleep(1.0)  # let the others finish before our connections close
-            await links.aclose()
-            print(json.dumps({"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
-                              "cpus": cpu}), flush=True)
-            nursery.cancel_scope.cancel()
+        print(json.dumps({"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall), "cpus": cpu}), flush=True)
 
     if os.environ.get("RING_PROFILE") == str(me):  # CPU time by function, for one device
         import cProfile
@@ -112,36 +73,8 @@ def ring_child(me: int, addresses: list[str], repeats: int, algorithm: str) -> N
         trio.run(main)
 
 
-def swarm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "swarm", *args], capture_output=True, text=True, check=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
 def measure(n: int, args, algorithm: str = "") -> dict:
-    from swarm.testbed import cgroups, testbed
-
-    try:
-        record = testbed.require()
-        own = False
-    except Exception:
-        record, own = None, True
-    if own:
-        swarm("testbed", "up", "--devices", str(n), "--cpu", args.cpu, "--mem", "1G", "--bandwidth", args.bandwidth)
-        record = testbed.require()
-    try:
-        devices = record.devices[:n]
-        addresses = [d.address for d in devices]
-        children = []
-        for k, device in enumerate(devices):
-            cmd = ["ip", "netns", "exec", device.namespace, sys.executable, __file__, "--child", str(k),
-                   ",".join(addresses), str(args.repeats)]
-            child = subprocess.Popen(cmd + [algorithm], stdout=subprocess.PIPE, text=True)
-            cgroups.add_process([Path(c) for c in device.cgroups], child.pid)  # the device's CPU share
-            children.append(child)
-        results = [json.loads(child.communicate(timeout=900)[0]) for child in children]
-    finally:
-        if own:
-            swarm("testbed", "down")
+    results = run_on_devices(__file__, n, args.cpu, args.bandwidth, [str(args.repeats), algorithm])
     return {"devices": n, "cpu_s": statistics.median(r["cpu_s"] for r in results),
             "cpu_s_range": [min(r["cpu_s"] for r in results), max(r["cpu_s"] for r in results)],
             "wall_s": statistics.median(r["wall_s"] for r in results)}
