@@ -40,9 +40,10 @@ MESSAGE_BURST = 24  # round trips per peer, timed together for the CPU a message
 # training a compute thread computes a layer between two exchanges and the event loop sleeps
 # meanwhile, so each message pays waking it and caches the computation took. On the testbed
 # (bench/bn_exchange.py: 4 devices of 0.2 core, a group BatchNorm exchange of 3 messages out
-# and 3 in) an exchange cost 2.2 ms of CPU back to back, 2.6-2.9 with 1 ms of work between
-# and 3.3-3.5 with 5 ms; the event loop of a gang member training resnet18 (one sample a
-# member) spent about 4.6 ms an exchange.
+# and 3 in) an exchange cost 1.8-2.4 ms of CPU back to back, 2.6-2.9 with 1 ms of passes over
+# memory between, 2.9-3.5 with 5 ms and 3.1-4.5 with 5 ms of convolutions (bench/RESULTS.md,
+# 2026-11-30 13:45); a gang member training resnet18 (one sample a member) spent about 4.6 ms
+# of CPU beyond its compute an exchange.
 MESSAGE_GAP_S, MESSAGE_GAP_BYTES = 0.004, 4 << 20
 MESSAGE_GAPPED_PEERS = 2  # peers each device measures it with (the first it probes)
 ECHO_BURST, ECHO_BYTES = 8, 256 * 1024  # echoed messages of an activation's size, for the CPU per byte
