@@ -161,3 +161,32 @@ def test_a_run_that_switches_to_a_re_costed_plan_ends_with_the_local_weights(bac
             assert float((trainer.net.state_dict()[k] - v).norm() / v.norm().clamp(min=1e-30)) < 1e-10, k
         else:
             assert torch.equal(trainer.net.state_dict()[k], v), k
+
+
+def test_a_steps_time_counts_what_the_coordinator_did_since_the_last_commit():
+    """Re-costing runs between two commits while the devices already compute the next step;
+    that step's time, and so its samples a second, must count it (it ran from the commit
+    before it), or the step after every re-cost reads faster than the run went."""
+    import time
+
+    trainer = LocalTrainer(TrainConfig(**vars(_cfg())))
+    data, _ = open_datasets(None, 64, 3)
+    plan = simple_plan("dp", trainer.desc, ["d0", "d1"], 8, 4)
+    pause = 1.0
+
+    def slow_recost(plan, measured, alive):
+        time.sleep(pause)  # a planner that takes a while, then keeps the plan
+        return None
+
+    reports, at = [], []
+
+    def on_step(report):
+        reports.append(report)
+        at.append(time.monotonic())
+
+    train_plan_in_process(plan, trainer, data, 4, strategy="dp", timeout_s=60, recost=slow_recost, on_step=on_step,
+                          devices=["d0", "d1"])
+    assert [r.step for r in reports] == [1, 2, 3, 4]
+    assert reports[2].seconds >= pause  # re-costed after step 2: step 3 ran from step 2's commit
+    for k in (1, 2, 3):  # each step's time is the time between its commit and the last one
+        assert reports[k].seconds == pytest.approx(at[k] - at[k - 1], abs=0.05)

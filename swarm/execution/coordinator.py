@@ -325,9 +325,13 @@ class TrainingCoordinator:
         step = self.committed
         fed = -1  # the step whose samples are out
         next_batch = await trio.to_thread.run_sync(self.load_batch, step) if step < total_steps else None
+        # A step's time runs from the commit of the one before it: what the coordinator does
+        # between commits (re-costing, a checkpoint, a switch of plans) is the run's time too,
+        # while the devices work on the step whose samples they already hold.
+        since = None
         while step < total_steps:
             self.backups.step_begins(step)
-            t0 = time.monotonic()
+            t0 = time.monotonic() if since is None else since
             if fed != step:
                 await self.feed(step, next_batch)
                 fed = step
@@ -360,8 +364,9 @@ class TrainingCoordinator:
                 if r.resumed_at is None:
                     r.resumed_at = trio.current_time()
             await self.backups.take_acks(self.ep, self.plan, self.replicate)
+            since = time.monotonic()
             if on_step is not None:
-                on_step(StepReport(self.committed, loss, time.monotonic() - t0, busy, times, self.epoch,
+                on_step(StepReport(self.committed, loss, since - t0, busy, times, self.epoch,
                                    self.committed <= self.replay_until, backup))
             if self.committed < self.replay_until:
                 await self._reached("replay")  # a replayed step committed, and more are to be replayed
