@@ -189,4 +189,4 @@ def test_a_steps_time_counts_what_the_coordinator_did_since_the_last_commit():
     assert [r.step for r in reports] == [1, 2, 3, 4]
     assert reports[2].seconds >= pause  # re-costed after step 2: step 3 ran from step 2's commit
     for k in (1, 2, 3):  # each step's time is the time between its commit and the last one
-        assert reports[k].seconds == pytest.approx(at[k] - at[k - 1], abs=0.05)
+        assert reports[k].seconds == pytest.approx(at[k] - at[k - 1], abs=0.25)
