@@ -2,6 +2,8 @@
 to such a plan mid-training ending with the weights of local training."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -167,8 +169,6 @@ def test_a_steps_time_counts_what_the_coordinator_did_since_the_last_commit():
     """Re-costing runs between two commits while the devices already compute the next step;
     that step's time, and so its samples a second, must count it (it ran from the commit
     before it), or the step after every re-cost reads faster than the run went."""
-    import time
-
     trainer = LocalTrainer(TrainConfig(**vars(_cfg())))
     data, _ = open_datasets(None, 64, 3)
     plan = simple_plan("dp", trainer.desc, ["d0", "d1"], 8, 4)
