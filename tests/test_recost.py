@@ -12,7 +12,8 @@ from planner.inputs import PlanInputs
 from planner.memory import MemoryModel
 from planner.planners import make_plan
 from planner.plan import Plan
-from planner.recost import RECOST_GAIN, RATIO_BOUNDS, corrected, own_compute, recost, speed_ratios
+from planner.recost import (MEASURED_SHARE, RECOST_GAIN, RATIO_BOUNDS, SWITCH_STEPS, Recost, corrected, own_compute,
+                            recost, speed_ratios)
 from planner.synthetic import flops_cluster
 from swarm.data import open_datasets, training_batch
 from swarm.execution.inprocess import train_plan_in_process
@@ -88,6 +89,25 @@ def test_ratios_are_bounded_and_an_unmeasured_device_takes_their_median():
     assert lo < 1 < hi
 
 
+def test_a_device_with_next_to_no_compute_takes_the_others_ratio():
+    """A last stage of a pooling layer and a softmax computes a few milliseconds a step, mostly
+    each operation's fixed cost: its ratio says nothing of its device's speed."""
+    predicted = {"a": 3.0, "b": 3.0, "head": 0.5 * MEASURED_SHARE * 3.0}
+    ratios = speed_ratios(predicted, {"a": 3.3, "b": 3.6, "head": 0.25 * predicted["head"]})
+    assert set(ratios) == {"a", "b"}
+    inputs = _inputs({"a": 4, "b": 4, "head": 4})
+    fixed = corrected(inputs.cluster, ratios)
+    t = inputs.cluster.device("head").costs.fwd_range(0, 5, 1)
+    assert fixed.device("head").costs.fwd_range(0, 5, 1) == pytest.approx(1.15 * t)  # the median of 1.1 and 1.2
+
+
+def test_a_switch_is_taken_only_where_it_pays_for_itself_over_the_steps_left():
+    better = Recost({"a": 1.0}, 10.0, object(), 8.0)  # saves 2 s a step
+    needed = SWITCH_STEPS * 8.0 / 2.0  # steps after the switch to save SWITCH_STEPS of the new plan's
+    assert not better.pays(int(needed)) and better.pays(int(needed) + 1)
+    assert not Recost({"a": 1.0}, 10.0, None, 8.0).pays(1000)  # nothing to switch to
+
+
 def test_a_device_slower_than_its_profile_gets_less_of_the_work():
     inputs = _inputs({"a": 4, "b": 4, "c": 4, "d": 4})
     plan = make_plan("auto", inputs)
@@ -126,14 +146,14 @@ def _cfg() -> TrainConfig:
 class _Switch:
     """A recost that answers `plan` once, and records what it was asked."""
 
-    def __init__(self, plan: Plan):
-        self.plan, self.asked = plan, []
+    def __init__(self, plan: Plan, current_s: float = 2.0):
+        self.plan, self.asked, self.current_s = plan, [], current_s
 
     def __call__(self, plan, measured, alive):
         from planner.recost import Recost
 
         self.asked.append((plan, dict(measured), list(alive)))
-        return Recost({d: 1.0 for d in measured}, 1.0, self.plan, 0.5)
+        return Recost({d: 1.0 for d in measured}, self.current_s, self.plan, 0.5)
 
 
 @pytest.mark.parametrize("backup_interval", [1, 0], ids=["backups-every-step", "backups-by-time"])
@@ -163,6 +183,20 @@ def test_a_run_that_switches_to_a_re_costed_plan_ends_with_the_local_weights(bac
             assert float((trainer.net.state_dict()[k] - v).norm() / v.norm().clamp(min=1e-30)) < 1e-10, k
         else:
             assert torch.equal(trainer.net.state_dict()[k], v), k
+
+
+def test_a_re_costed_plan_that_would_not_pay_for_the_switch_is_not_taken():
+    cfg = _cfg()
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, 64, 3)
+    first = simple_plan("dp", trainer.desc, ["d0", "d1"], 8, 4)
+    switch = _Switch(simple_plan("pp", trainer.desc, ["d1", "d0"], 8, 4), current_s=0.6)  # 0.1 s a step saved
+    lines = []
+    coordinator = train_plan_in_process(first, trainer, data, 4, strategy="dp", timeout_s=60, recost=switch,
+                                        devices=["d0", "d1"], backup_interval=1, log=lines.append)
+    assert len(switch.asked) == 1 and coordinator.recoveries == []
+    assert coordinator.plan.used_devices() == ["d0", "d1"] and trainer.step_count == 4
+    assert any("would not pay for the switch" in line for line in lines), lines
 
 
 def test_a_steps_time_counts_what_the_coordinator_did_since_the_last_commit():

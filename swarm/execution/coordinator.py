@@ -386,7 +386,7 @@ class TrainingCoordinator:
                 fed = -1  # a new plan: the samples sent ahead went to the last one's devices
             elif self.joined and backup and await self.take_in_joined():
                 fed = -1
-            elif self.better is not None and backup and await self.switch_to_better():
+            elif self.better is not None and backup and await self.switch_to_better(total_steps - self.committed):
                 fed = -1
         if step >= total_steps or self.stopped_early:
             for device in self.plan.used_devices():
@@ -504,9 +504,14 @@ class TrainingCoordinator:
         if result.plan is not None and set(result.plan.used_devices()) <= set(alive):
             self.better = result
 
-    async def switch_to_better(self) -> bool:
-        """At a backup step, once it is complete, move to the re-costed plan; whether it did."""
+    async def switch_to_better(self, steps_left: int) -> bool:
+        """At a backup step, once it is complete, move to the re-costed plan where it pays for
+        itself over the `steps_left` steps after it (planner.recost.Recost.pays); whether it did."""
         better, self.better = self.better, None
+        if not better.pays(steps_left):
+            self.log(f"the re-costed plan is not taken: {better.current_s - better.new_s:.1f} s a step over the "
+                     f"{steps_left} step(s) left would not pay for the switch")
+            return False
         if not await self._backup_complete():
             return False
         plan = better.plan
