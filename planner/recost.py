@@ -27,8 +27,9 @@ RECOST_GAIN = 0.10  # switch for a plan predicted at least this much faster (of 
 RATIO_BOUNDS = (0.25, 4.0)  # a measure further off than this is a stall, not a speed
 # A device whose own compute is under this share of the busiest device's is not measured by it:
 # its few milliseconds (a classifier's last pooling and softmax, say) are mostly each
-# operation's fixed cost, and one read 0.49x on the testbed where its device ran at its profile
-# (bench/RESULTS.md, 2026-11-30 20:11 UTC). It takes the median of the others' ratios.
+# operation's fixed cost: one read 0.49x on the testbed, and the plan that then gave its device
+# six layers ran far slower than predicted (bench/RESULTS.md, 2026-11-30 20:11 UTC). It takes
+# the median of the others' ratios.
 MEASURED_SHARE = 0.1
 # A switch is paid for with the new plan's first step, which moves layers, refills the pipeline
 # and allocates afresh: on the testbed it took 3.6x the step predicted for it (15.9 s against

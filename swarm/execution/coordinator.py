@@ -509,8 +509,9 @@ class TrainingCoordinator:
         itself over the `steps_left` steps after it (planner.recost.Recost.pays); whether it did."""
         better, self.better = self.better, None
         if not better.pays(steps_left):
-            self.log(f"the re-costed plan is not taken: {better.current_s - better.new_s:.1f} s a step over the "
-                     f"{steps_left} step(s) left would not pay for the switch")
+            saved = better.current_s - (better.new_s if better.new_s is not None else better.current_s)
+            self.log(f"the re-costed plan is not taken: {saved:.1f} s a step over the {steps_left} step(s) left "
+                     f"would not pay for the switch")
             return False
         if not await self._backup_complete():
             return False
