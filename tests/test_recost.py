@@ -199,6 +199,32 @@ def test_a_re_costed_plan_that_would_not_pay_for_the_switch_is_not_taken():
     assert any("would not pay for the switch" in line for line in lines), lines
 
 
+def test_a_devices_step_says_how_much_of_its_compute_was_in_the_kernel():
+    """Where the kernel charges a softirq to the thread it interrupts, the network's work is
+    in the compute thread's CPU time; its system time (compute_sys_s) shows how much."""
+    import os
+    import sys
+
+    from swarm.execution.worker import _thread_sys_s
+
+    if sys.platform.startswith("linux"):
+        before = _thread_sys_s()
+        with open(os.devnull, "wb") as sink:
+            for _ in range(200_000):
+                sink.write(b"x")
+                sink.flush()  # a system call each
+        assert _thread_sys_s() > before
+    trainer = LocalTrainer(TrainConfig(**vars(_cfg())))
+    data, _ = open_datasets(None, 64, 3)
+    reports = []
+    train_plan_in_process(simple_plan("dp", trainer.desc, ["d0", "d1"], 8, 4), trainer, data, 2, strategy="dp",
+                          timeout_s=60, on_step=reports.append, devices=["d0", "d1"])
+    for report in reports:
+        for device in ("d0", "d1"):
+            times = report.times[device]
+            assert 0.0 <= times["compute_sys_s"] <= times["compute_cpu_s"] + 0.01, times
+
+
 def test_a_steps_time_counts_what_the_coordinator_did_since_the_last_commit():
     """Re-costing runs between two commits while the devices already compute the next step;
     that step's time, and so its samples a second, must count it (it ran from the commit

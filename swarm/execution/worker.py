@@ -59,6 +59,12 @@ class JobSpec:
         return {"epoch": self.epoch, "start_step": self.start_step, "moves": [m.to_dict() for m in self.moves]}
 
 
+def _thread_sys_s() -> float:
+    """The calling thread's CPU seconds in the kernel (0 where the system cannot say)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_stime if who is not None else 0.0
+
+
 def quota_share(compute_on) -> float | None:
     """The cores a compute thread on this host gets under a cgroup CPU quota below one core,
     as the planner plans it: the quota less the runtime's (swarm.profiling.survey.with_runtime).
@@ -87,6 +93,9 @@ class DeviceWorker:
         self.compute_lock = ComputeLock()
         self.busy_s = 0.0
         self.compute_cpu_s = 0.0  # CPU time of the compute itself (busy_s is wall time, quota stalls included)
+        # ... of which in the kernel: on a kernel that charges softirqs to the thread they
+        # interrupt, the network's work lands here (bench/RESULTS.md, 2026-11-30 20:50 UTC)
+        self.compute_sys_s = 0.0
         self.exchange_s = 0.0  # of busy_s, the wall time the compute waited for its group's BatchNorm sums
         self.gate_s = 0.0  # of busy_s, the wall time a forward waited for the step before's updates
         self.tail: Tail | None = None  # the step before's sums, updates and merges, while they are under way
@@ -107,12 +116,13 @@ class DeviceWorker:
     async def compute(self, fn, *args):
         def run():
             with self.compute_lock:
-                t0, c0 = time.perf_counter(), time.thread_time()
+                t0, c0, k0 = time.perf_counter(), time.thread_time(), _thread_sys_s()
                 try:
                     return fn(*args)
                 finally:
                     self.busy_s += time.perf_counter() - t0
                     self.compute_cpu_s += time.thread_time() - c0
+                    self.compute_sys_s += _thread_sys_s() - k0
         return await trio.to_thread.run_sync(run)
 
     def own_s(self) -> float:
@@ -236,7 +246,7 @@ class DeviceWorker:
         return workers
 
     async def run_step(self, step: int) -> bool:
-        self.busy_s = self.compute_cpu_s = self.exchange_s = self.gate_s = 0.0
+        self.busy_s = self.compute_cpu_s = self.compute_sys_s = self.exchange_s = self.gate_s = 0.0
         cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if self.tail is None:  # settled: the running statistics are the step's start (a tail leaves them at zero)
             for copy in self.copies.values():
@@ -252,7 +262,8 @@ class DeviceWorker:
                 stages.start_soon(self.run_stage, step, p, losses)
         tail = self.begin_tail(step)
         times = {"schedule_s": tail.start - t0, "gate_s": self.gate_s,
-                 "compute_cpu_s": self.compute_cpu_s, "exchange_s": self.exchange_s, "own_s": self.own_s(),
+                 "compute_cpu_s": self.compute_cpu_s, "compute_sys_s": self.compute_sys_s,
+                 "exchange_s": self.exchange_s, "own_s": self.own_s(),
                  "cpu_s": time.process_time() - cpu0,
                  "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0,
                  **({"tail_s": before.seconds, "reducing_s": before.reducing_s} if before and before.done.is_set() else {}),
