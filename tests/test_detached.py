@@ -202,6 +202,40 @@ async def test_requests_over_the_wire(tmp_path):
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.trio
+async def test_a_log_chunk_says_the_state_from_before_it_was_read(tmp_path):
+    """`swarm logs -f` stops once a chunk reaches the log's end and says the run is no longer
+    running. A run that ends while the agent reads its log writes its last lines after that
+    chunk was taken, so the chunk must carry the state from before the read, or the reader
+    stops short of them ("trained ... for N steps" went missing under load)."""
+    network = resolve_network("lo")
+    config = AgentConfig(name="a0", node_id="node0", token=TOKEN, network=network, port=0, advertise=False,
+                         state_dir=tmp_path, check_run_flags=check_detached_flags)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            agent = await nursery.start(Agent(config).run)
+            agent.detached.command_for = stand_in
+            async with open_roster(Credentials("client", TOKEN), network, peers=[("127.0.0.1", agent.port)],
+                                   discover=False) as cluster:
+                await cluster.wait_for(1, timeout=10)
+                (run,) = (await cluster.ask("node0", DetachSubmit(0, ["--steps", "1000"]))).jobs
+                read = agent.detached.read
+
+                def read_as_the_run_ends(job_id, what, offset):
+                    chunk = read(job_id, what, offset)
+                    agent.detached.get(job_id).state = "done"  # it ends (and writes on) just after
+                    return chunk
+
+                agent.detached.read = read_as_the_run_ends
+                chunk = await cluster.ask("node0", DetachRead(0, run["id"], "log", 0))
+                assert chunk.state == "running", chunk  # so the reader asks again, and gets the rest
+                agent.detached.read = read
+                again = await cluster.ask("node0", DetachRead(0, run["id"], "log", 0))
+                assert again.state == "done"
+                agent.detached.get(run["id"]).process.kill()
+            nursery.cancel_scope.cancel()
+
+
 def test_malformed_requests_are_refused_by_the_wire():
     good = to_wire(DetachRead(1, "abc123", "log", 0))
     assert from_wire(good) == DetachRead(1, "abc123", "log", 0)

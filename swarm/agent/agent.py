@@ -712,9 +712,12 @@ class Agent:
             if runs is None:
                 raise SwarmError(f"{self.config.name} has no state directory to run detached jobs in")
             if isinstance(msg, DetachRead):
+                # the state before the read: a run that has ended had written all its log by
+                # then, so a reader told it ended has its last lines too (read after, the state
+                # of a run that ended meanwhile came with a chunk that stops short of them)
+                state = runs.get(msg.job_id).state
                 version, total, data = await trio.to_thread.run_sync(runs.read, msg.job_id, msg.what, msg.offset)
-                peer.reply(DetachChunk(msg.seq, "", version, msg.offset, total, data,
-                                       runs.get(msg.job_id).state))
+                peer.reply(DetachChunk(msg.seq, "", version, msg.offset, total, data, state))
                 return
             if isinstance(msg, DetachSubmit):
                 run = runs.submit(msg.args)
