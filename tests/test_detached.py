@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -174,8 +175,9 @@ async def test_a_run_stops_even_when_the_agent_was_started_with_sigint_ignored(t
     assert runs.describe(run.job_id)[0]["state"] == "stopped"
 
 
-@pytest.mark.trio
-async def test_requests_over_the_wire(tmp_path):
+@asynccontextmanager
+async def agent_and_client(tmp_path):
+    """An agent on loopback whose detached runs are stand-ins, and a client's roster of it."""
     network = resolve_network("lo")
     config = AgentConfig(name="a0", node_id="node0", token=TOKEN, network=network, port=0, advertise=False,
                          state_dir=tmp_path, check_run_flags=check_detached_flags)
@@ -186,20 +188,26 @@ async def test_requests_over_the_wire(tmp_path):
             async with open_roster(Credentials("client", TOKEN), network, peers=[("127.0.0.1", agent.port)],
                                    discover=False) as cluster:
                 await cluster.wait_for(1, timeout=10)
-                refused = await cluster.ask("node0", DetachSubmit(0, ["--save", "x"]))
-                assert "--save cannot be given" in refused.error and refused.jobs == []
-                (run,) = (await cluster.ask("node0", DetachSubmit(0, ["--steps", "1000"]))).jobs
-                assert (run["state"], run["node"]) == ("running", "a0")
-                listed = await cluster.ask("node0", DetachList(0))
-                assert [r["id"] for r in listed.jobs] == [run["id"]]
-                unknown = await cluster.ask("node0", DetachRead(0, "nosuch", "log", 0))
-                assert unknown.error == "no run nosuch here"
-                (stopping,) = (await cluster.ask("node0", DetachStop(0, run["id"]))).jobs
-                assert stopping["state"] in ("running (stopping)", "stopped")
-                while (ended := (await cluster.ask("node0", DetachList(0))).jobs[0])["state"].startswith("running"):
-                    await trio.sleep(0.05)
-                assert ended["state"] == "stopped", ended
+                yield agent, cluster
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
+async def test_requests_over_the_wire(tmp_path):
+    async with agent_and_client(tmp_path) as (agent, cluster):
+        refused = await cluster.ask("node0", DetachSubmit(0, ["--save", "x"]))
+        assert "--save cannot be given" in refused.error and refused.jobs == []
+        (run,) = (await cluster.ask("node0", DetachSubmit(0, ["--steps", "1000"]))).jobs
+        assert (run["state"], run["node"]) == ("running", "a0")
+        listed = await cluster.ask("node0", DetachList(0))
+        assert [r["id"] for r in listed.jobs] == [run["id"]]
+        unknown = await cluster.ask("node0", DetachRead(0, "nosuch", "log", 0))
+        assert unknown.error == "no run nosuch here"
+        (stopping,) = (await cluster.ask("node0", DetachStop(0, run["id"]))).jobs
+        assert stopping["state"] in ("running (stopping)", "stopped")
+        while (ended := (await cluster.ask("node0", DetachList(0))).jobs[0])["state"].startswith("running"):
+            await trio.sleep(0.05)
+        assert ended["state"] == "stopped", ended
 
 
 @pytest.mark.trio
@@ -208,32 +216,22 @@ async def test_a_log_chunk_says_the_state_from_before_it_was_read(tmp_path):
     running. A run that ends while the agent reads its log writes its last lines after that
     chunk was taken, so the chunk must carry the state from before the read, or the reader
     stops short of them ("trained ... for N steps" went missing under load)."""
-    network = resolve_network("lo")
-    config = AgentConfig(name="a0", node_id="node0", token=TOKEN, network=network, port=0, advertise=False,
-                         state_dir=tmp_path, check_run_flags=check_detached_flags)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            agent = await nursery.start(Agent(config).run)
-            agent.detached.command_for = stand_in
-            async with open_roster(Credentials("client", TOKEN), network, peers=[("127.0.0.1", agent.port)],
-                                   discover=False) as cluster:
-                await cluster.wait_for(1, timeout=10)
-                (run,) = (await cluster.ask("node0", DetachSubmit(0, ["--steps", "1000"]))).jobs
-                read = agent.detached.read
+    async with agent_and_client(tmp_path) as (agent, cluster):
+        (run,) = (await cluster.ask("node0", DetachSubmit(0, ["--steps", "1000"]))).jobs
+        read = agent.detached.read
 
-                def read_as_the_run_ends(job_id, what, offset):
-                    chunk = read(job_id, what, offset)
-                    agent.detached.get(job_id).state = "done"  # it ends (and writes on) just after
-                    return chunk
+        def read_as_the_run_ends(job_id, what, offset):
+            chunk = read(job_id, what, offset)
+            agent.detached.get(job_id).state = "done"  # it ends (and writes on) just after
+            return chunk
 
-                agent.detached.read = read_as_the_run_ends
-                chunk = await cluster.ask("node0", DetachRead(0, run["id"], "log", 0))
-                assert chunk.state == "running", chunk  # so the reader asks again, and gets the rest
-                agent.detached.read = read
-                again = await cluster.ask("node0", DetachRead(0, run["id"], "log", 0))
-                assert again.state == "done"
-                agent.detached.get(run["id"]).process.kill()
-            nursery.cancel_scope.cancel()
+        agent.detached.read = read_as_the_run_ends
+        chunk = await cluster.ask("node0", DetachRead(0, run["id"], "log", 0))
+        assert chunk.state == "running", chunk  # so the reader asks again, and gets the rest
+        agent.detached.read = read
+        again = await cluster.ask("node0", DetachRead(0, run["id"], "log", 0))
+        assert again.state == "done"
+        agent.detached.get(run["id"]).process.kill()
 
 
 def test_malformed_requests_are_refused_by_the_wire():
