@@ -57,14 +57,18 @@ class Stage:
             kernels, the gradient sum overlapped with the whole backward; each micro-batch
             keeps its own BatchNorm statistics, so the result does not change. Costs the
             activation memory of the block. Divides the micro-batches; default 1.
-    replicas: (in a one-stage plan) copies of the stage that run different micro-batches at
-            once. single: `devices` lists one device per replica. tiles: tile_devices lists
-            replica 0's tiles, then replica 1's, and so on (no device in two replicas). dp:
-            `devices` lists replica 0's group, then replica 1's (see groups). Replica r runs the r-th run of microbatches / replicas consecutive
-            micro-batches (a tiles replica `together` of them at a time); halos and BatchNorm
-            sums stay inside a replica. The weight gradients are summed over all the devices
-            and the BatchNorm running statistics are brought to what the micro-batches give in
-            order, so the result does not change. Default 1.
+    replicas: copies of the stage that run different micro-batches at once (a tiles stage
+            only in a one-stage plan). single: `devices` lists one device per replica. tiles:
+            tile_devices lists replica 0's tiles, then replica 1's, and so on (no device in two
+            replicas). dp: `devices` lists replica 0's group, then replica 1's (see groups).
+            Replica r runs the r-th run of microbatches / replicas consecutive micro-batches (a
+            tiles replica `together` of them at a time); halos and BatchNorm sums stay inside a
+            replica, and in a pipeline a micro-batch goes from the replica of one stage that
+            runs it to the replica of the next that runs it. The weight gradients are summed
+            over all the devices and the BatchNorm running statistics are brought to what the
+            micro-batches give in order, so the result does not change. A replicated pipeline
+            stage sums its gradients where a BatchNorm group would exchange sums at every
+            layer of every micro-batch. Default 1.
     shares: (replicas of a single or dp stage) how many micro-batches each replica runs,
             replica 0 the first shares[0] of them and so on: faster devices take more, so that
             uneven devices finish together. Default: equal shares (replicas divides the
@@ -200,12 +204,12 @@ class Plan:
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
-    def replica_of(self, m: int) -> int:
-        """The replica of a one-stage replicated plan that runs micro-batch m (0 otherwise)."""
-        if len(self.stages) != 1 or not self.stages[0].replicas:
+    def replica_of(self, m: int, p: int = 0) -> int:
+        """The replica of stage p that runs micro-batch m (0 where the stage has one)."""
+        if not self.stages[p].replicas:
             return 0
         end = 0
-        for r, share in enumerate(self.stages[0].replica_shares(self.microbatches)):
+        for r, share in enumerate(self.stages[p].replica_shares(self.microbatches)):
             end += share
             if m < end:
                 return r
@@ -350,8 +354,8 @@ class Plan:
             if s.checkpoint and s.recompute:
                 raise PlanError(f"{where}: checkpoint and recompute are one or the other")
             if s.replicas not in (None, 1):
-                if len(self.stages) > 1:
-                    raise PlanError(f"{where}: replicas={s.replicas} only in a plan with this one stage")
+                if len(self.stages) > 1 and s.mode == "tiles":
+                    raise PlanError(f"{where}: replicas={s.replicas} of a tiles stage only in a plan with this one stage")
                 if s.shares is not None:
                     if s.mode == "tiles":
                         raise PlanError(f"{where}: only replicas of a single or dp stage take shares")

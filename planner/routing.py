@@ -99,8 +99,8 @@ def parts_on(plan: Plan, device: str) -> list[Part]:
 
 
 def runs(plan: Plan, part: Part, m: int) -> bool:
-    """Whether `part` works on micro-batch m (in a replicated tiles stage, only its replica's)."""
-    return plan.stages[part.stage].replica_of_part(part.index) == plan.replica_of(m)
+    """Whether `part` works on micro-batch m (in a replicated stage, only its replica's)."""
+    return plan.stages[part.stage].replica_of_part(part.index) == plan.replica_of(m, part.stage)
 
 
 class Layout:

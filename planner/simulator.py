@@ -242,14 +242,15 @@ class _Run:
     def build(self) -> None:
         warm = self.plan.warmups()
         for p, w in enumerate(self.works):
-            order = stage_schedule(self.M, warm[p])
-            for d in w.devices:
-                q = deque(self.op_key(k, p, m, d) for k, m in order)
+            for d in w.devices:  # its micro-batches (a replica's only its own) in the stage's order
+                mine = [m for m in range(self.M) if w.gang or any(sh.device == d for sh in w.shares[m])]
+                q = deque(self.op_key(k, p, mine[j], d) for k, j in stage_schedule(len(mine), warm[p])) \
+                    if mine else deque()
                 q.append(("U", p, None, d))
                 self.queues[d].append((p, q))
                 self.busy[d] = False
                 self.waiting[d] = None
-            self.b_left[p] = self.M * (1 if w.gang else len(w.devices))
+            self.b_left[p] = self.M if w.gang else sum(len(sh) for sh in w.shares)
         self.reduced_left = len(self.works)
         for p, w in enumerate(self.works):
             for m in range(self.M):

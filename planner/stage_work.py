@@ -216,12 +216,18 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
             raise PlanError(f"stage {p}: a dp stage needs micro-batches of one size, got {sizes}")
     group = list(stage.devices)
     bn_layers = [i for i in range(first, last) if desc.layers[i].batch_normalize]
-    gang = alloc is not None and len(group) > 1 and bool(bn_layers)
-    sync = bn_sync_time(desc, first, last, group, cluster) if len(group) > 1 else 0.0
+    # a replicated stage: each micro-batch runs on its replica alone, whole on each (a pipeline
+    # of such stages is costed where every replica is one device)
+    runs_on = [stage.replica_devices(r) for r, share in enumerate(stage.replica_shares(len(sizes)))
+               for _ in range(share)]
+    if stage.replica_count() > 1 and max(len(g) for g in runs_on) > 1:
+        raise PlanError(f"stage {p}: replicas of dp groups of several devices are costed only in a one-stage plan")
+    gang = alloc is not None and len(group) > 1 and bool(bn_layers) and stage.replica_count() == 1
+    sync = bn_sync_time(desc, first, last, group, cluster) if gang else 0.0
     shares, fwd, bwd, act, trans = [], [], [], [], []
-    for size in sizes:
-        if alloc is None:
-            sh = [Share(group[0], 0, size)]
+    for m, size in enumerate(sizes):
+        if alloc is None or stage.replica_count() > 1:
+            sh = [Share(runs_on[m][0], 0, size)]
         else:
             sh, lo = [], 0
             for d in group:

@@ -51,6 +51,12 @@ def _stages(kind: str, n: int, cuts: list[int]) -> list[Stage]:
                 Stage(cuts[1], n, "single", ["d3"])]
     if kind == "replicas":  # two devices each taking whole micro-batches
         return [Stage(0, n, "single", ["d0", "d1"], replicas=2)]
+    if kind == "replicated-pp":  # a pipeline whose stages are replicas taking whole micro-batches:
+        # two of the front (unequal shares), one device, a dp replica group of two beside one device
+        return [Stage(0, cuts[0], "single", ["d0", "d1"], replicas=2, shares=[3, 1]),
+                Stage(cuts[0], cuts[1], "single", ["d2"]),
+                Stage(cuts[1], n, "dp", ["d3", "d4", "d1"], allocation={"d3": 1, "d4": 1, "d1": 2}, replicas=2,
+                      groups=[2, 1], shares=[1, 3])]
     raise AssertionError(kind)
 
 
@@ -58,20 +64,21 @@ def _stages(kind: str, n: int, cuts: list[int]) -> list[Stage]:
 def local_weights():
     cache = {}
 
-    def weights(name: str):
-        if name not in cache:
-            cache[name] = _local(_cfg(_model(name), 2, img_size=SIZE))
-        return cache[name]
+    def weights(name: str, microbatches: int = 2):
+        if (name, microbatches) not in cache:
+            cache[name, microbatches] = _local(_cfg(_model(name), microbatches, img_size=SIZE))
+        return cache[name, microbatches]
     return weights
 
 
-@pytest.mark.parametrize("kind", ["pp4", "dp", "hybrid", "replicas"])
+@pytest.mark.parametrize("kind", ["pp4", "dp", "hybrid", "replicas", "replicated-pp"])
 @pytest.mark.parametrize("name", sorted(NETWORKS))
 def test_a_graph_network_trains_to_the_local_weights_in_every_plan(local_weights, name, kind):
     n, cuts = NETWORKS[name]
-    cfg = _cfg(_model(name), 2, img_size=SIZE)
-    trainer = _planned(cfg, Plan(cfg.model, SIZE, 8, 2, _stages(kind, n, cuts)))
-    worst, key = _worst(trainer.net.state_dict(), local_weights(name))
+    microbatches = 4 if kind == "replicated-pp" else 2
+    cfg = _cfg(_model(name), microbatches, img_size=SIZE)
+    trainer = _planned(cfg, Plan(cfg.model, SIZE, 8, microbatches, _stages(kind, n, cuts)))
+    worst, key = _worst(trainer.net.state_dict(), local_weights(name, microbatches))
     assert worst < 1e-9, (key, worst)
 
 

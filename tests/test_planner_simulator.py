@@ -524,3 +524,27 @@ def test_dp_weighs_even_groups_beside_the_fastest_runs(lenet):
     for stage in stages:
         alone = inputs.finish(inputs.plan([stage], "dp"))
         assert chosen.predicted["step_time_s"] <= alone.predicted["step_time_s"] + 1e-9
+
+
+def test_a_replicated_pipeline_stage_runs_each_replicas_own_micro_batches(lenet):
+    """A pipeline whose first stage is two replicas taking two whole micro-batches each: every
+    replica runs only its own, in the stage's schedule, each micro-batch goes on to the one
+    device of the stage after it, and the front's backward of the last micro-batch is one
+    replica's alone (the pipeline drains through a whole micro-batch on one device)."""
+    desc, mem = lenet
+    table = uniform_table(7, 0.01, 0.02)
+    cl = cluster_of({"a": table, "b": table, "c": table})
+    stages = [Stage(0, 4, "single", ["a", "b"], replicas=2), Stage(4, 7, "single", ["c"])]
+    t = simulate(plan_of(stages, batch=4, micro=4), desc, mem, cl)
+    mine = {d: [(e.kind, e.micro) for e in t.events if e.device == d and e.kind in "FB"] for d in "abc"}
+    assert mine["a"] == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # K_0 = 3 covers both forwards
+    assert mine["b"] == [("F", 2), ("F", 3), ("B", 2), ("B", 3)]
+    assert mine["c"] == [op for k in range(4) for op in (("F", k), ("B", k))]
+    f0, b0, f1, b1 = 4 * 0.01, 4 * 0.02, 3 * 0.01, 3 * 0.02  # one sample a micro-batch: 4 layers, then 3
+    # c starts once a's F0 is done and then never waits (a and b feed it in time); b's B3
+    # starts once c's B3 is done, and ends the step
+    assert t.step_time == pytest.approx(f0 + 4 * (f1 + b1) + b0, rel=1e-6)
+    gangs = plan_of([Stage(0, 4, "dp", ["a", "b", "c"], allocation={"a": 1, "b": 1, "c": 2}, replicas=2,
+                           groups=[2, 1]), Stage(4, 7, "single", ["c"])], batch=8, micro=4)
+    with pytest.raises(PlanError, match="replicas of dp groups of several devices are costed only in a one-stage plan"):
+        simulate(gangs, desc, mem, cl)

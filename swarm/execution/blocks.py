@@ -7,7 +7,7 @@ import trio
 
 from planner.model_desc import ModelDesc
 from planner.plan import Plan
-from planner.routing import Block, Layout, Part
+from planner.routing import Block, Layout, Part, runs
 from swarm.execution import channels
 from swarm.local.compute_device import HOST, to_host
 
@@ -99,7 +99,8 @@ class BlockPost:
         if p == 0:
             return {-1: (await self._get(channels.feed(step, part.index, m)))["arrays"][0]}
         holding = self.layout.inputs(p, mb)[part.index].block
-        incoming = [t for t in self.layout.forward_transfers(p - 1, mb) if t.dst == part]
+        incoming = [t for t in self.layout.forward_transfers(p - 1, mb)
+                    if t.dst == part and runs(self.plan, t.src, m)]
         inputs = {}
         for tensor in self.desc.live_after(self.plan.stages[p].first):
             pieces = []
@@ -113,7 +114,7 @@ class BlockPost:
         p = part.stage
         out_block = self.layout.outputs(p, mb)[part.index].block
         for t in self.layout.forward_transfers(p, mb):
-            if t.src != part:
+            if t.src != part or not runs(self.plan, t.dst, m):
                 continue
             for tensor, value in outputs.items():
                 piece = cut(value, out_block, t.block)
@@ -124,7 +125,8 @@ class BlockPost:
         """dL/d(output) on the part's output block, summed over the pieces that come back."""
         p = part.stage
         out_block = self.layout.outputs(p, mb)[part.index].block
-        incoming = [t for t in self.layout.backward_transfers(p, mb) if t.dst == part]
+        incoming = [t for t in self.layout.backward_transfers(p, mb)
+                    if t.dst == part and runs(self.plan, t.src, m)]
         grads = {}
         for tensor in self.desc.live_after(self.plan.stages[p].last):
             pieces = []
@@ -139,7 +141,7 @@ class BlockPost:
         p = part.stage
         block = self.layout.input_grads(p, mb)[part.index].block
         for t in self.layout.backward_transfers(p - 1, mb):
-            if t.src != part:
+            if t.src != part or not runs(self.plan, t.dst, m):
                 continue
             for tensor in self.desc.live_after(self.plan.stages[p].first):
                 g = in_grads.get(tensor)
