@@ -26,6 +26,7 @@ from planner.memory import recomputable
 from planner.jointdnn import plan_jointdnn
 from planner.plan import Plan, PlanError, Stage
 from planner.recompute import recomputing
+from planner.replicated import plan_replicated
 from planner.tiles_planner import plan_tiles, tiles_end
 
 HYBRID_CANDIDATES = 2  # Asteroid pipelines tried after each tiles front
@@ -183,6 +184,14 @@ def _plan_auto(inputs: PlanInputs, bound: float | None = None, remaking: bool = 
     tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
     if not (remaking or checkpoints):
         candidates += plan_hybrids(inputs, tiles_plan, best_step(best, bound))
+    if not (remaking or checkpoints):
+        try:
+            replicated = plan_replicated(inputs, best_step(best, bound))
+        except NoPlan as exc:
+            reasons.append(f"replicated pipelines: {exc}")
+        else:
+            if replicated is not None:
+                candidates.append(replicated)
     if not candidates:
         raise NoPlan("no planner found a plan: " + "; ".join(reasons))
     best = min(candidates, key=_fits_then_time)

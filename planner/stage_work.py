@@ -148,20 +148,33 @@ def gradient_buckets(mem: MemoryModel, first: int, last: int) -> int:
     return len(buckets_of({i: int(mem.param_bytes[i]) for i in range(first, last) if mem.param_bytes[i] > 0}))
 
 
+# What a BatchNorm exchange costs each member beyond its messages, in messages' time (msg_s):
+# the compute thread hands the exchange to the event loop and sleeps until the answer wakes
+# it, the gather runs as tasks of its own, and under a CPU quota that work spreads over the
+# quota like the messages'. On the testbed (8 x 0.2 core, resnet18 at 224, pairs of devices
+# splitting its first layers' micro-batches, 2026-11-30 22:49 UTC) an exchange took 16.2-17.2 ms
+# (exchange_s over a step's 80 and 96 exchanges) where its messages give 4.1 (latency 0.33 ms,
+# msg_s 1.75-1.90 ms): 12-13 ms more, about seven messages' time, and as much in groups of four
+# (16-28 ms against 11.7, 2026-11-28 22:13 UTC); the hand-over's CPU, counted per message by the
+# bandwidth job's round trips, is that much smaller there.
+EXCHANGE_MESSAGES = 7
+
+
 def bn_sync_time(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:
     """Per micro-batch and direction: the BatchNorm statistics a split stage gathers at every
-    BN layer (a count and two float64 values per channel from each member)."""
+    BN layer (a count and two float64 values per channel from each member), and each
+    exchange's hand-over (EXCHANGE_MESSAGES)."""
     if len(group) < 2:
         return 0.0
-    return sum(allgather_time(8 + 16 * layer.out_shape[0], group, cluster)
+    return sum(allgather_time(8 + 16 * layer.out_shape[0], group, cluster) + EXCHANGE_MESSAGES * cluster.msg_cpu(group)
                for layer in desc.layers[first:last] if layer.batch_normalize)
 
 
 def bn_sync_cpu(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:
-    """What of bn_sync_time is each member's own CPU (allgather_cpu)."""
+    """What of bn_sync_time is each member's own CPU (allgather_cpu and the hand-over)."""
     if len(group) < 2:
         return 0.0
-    return sum(allgather_cpu(8 + 16 * layer.out_shape[0], group, cluster)
+    return sum(allgather_cpu(8 + 16 * layer.out_shape[0], group, cluster) + EXCHANGE_MESSAGES * cluster.msg_cpu(group)
                for layer in desc.layers[first:last] if layer.batch_normalize)
 
 

@@ -119,6 +119,19 @@ def test_a_pipeline_loses_a_device_and_replays_to_the_local_weights(local_weight
     assert worst < 1e-9, (key, worst)
 
 
+def test_a_replicated_pipeline_loses_a_replica_and_replays_to_the_local_weights():
+    """resnet18 with its front as two replicas taking whole micro-batches ahead of two single
+    stages; one replica's device is lost after step 1: the survivors re-plan, replay, and end
+    where local training does."""
+    n, cuts = NETWORKS["resnet18"]
+    cfg = _cfg(_model("resnet18"), 4, img_size=SIZE)
+    stages = [Stage(0, cuts[1], "single", ["d0", "d1"], replicas=2), Stage(cuts[1], cuts[2], "single", ["d2"]),
+              Stage(cuts[2], n, "single", ["d3"])]
+    trainer = _planned(cfg, Plan(cfg.model, SIZE, 8, 4, stages), steps=3, events=[(1, "kill", "d1", 0.0)])
+    worst, key = _worst(trainer.net.state_dict(), _local(cfg, steps=3))
+    assert worst < 1e-9, (key, worst)
+
+
 def test_a_cuts_bytes_as_the_planner_counts_them_are_the_bytes_the_run_sends(monkeypatch):
     """Every activation and gradient block sent between stages is counted; per micro-batch and
     cut, forward they are the planner's boundary bytes (float64 here: twice float32's), and

@@ -548,3 +548,46 @@ def test_a_replicated_pipeline_stage_runs_each_replicas_own_micro_batches(lenet)
                            groups=[2, 1]), Stage(4, 7, "single", ["c"])], batch=8, micro=4)
     with pytest.raises(PlanError, match="replicas of dp groups of several devices are costed only in a one-stage plan"):
         simulate(gangs, desc, mem, cl)
+
+
+def test_the_replicated_search_finds_the_fastest_pipeline_of_replicated_stages(lenet):
+    """Every pipeline of replicated stages over three devices (in speed order, each stage the
+    next few) and four micro-batches, simulated: the search's plan is the fastest, and its
+    replicas' shares even out their devices. The front layers hold most of the work, so the
+    fastest pipeline replicates them."""
+    import itertools
+
+    from planner.inputs import PlanInputs
+    from planner.replicated import plan_replicated, shares_for
+
+    desc, mem = lenet
+
+    def front_heavy(speed: float) -> CostTable:
+        table = uniform_table(7, 0.01 / speed, 0.02 / speed)
+        table.fwd[4:] /= 10
+        table.bwd[4:] /= 10
+        return table
+
+    cl = cluster_of({"a": front_heavy(1.0), "b": front_heavy(1.0), "c": front_heavy(0.8)}, bw=1e6, latency=1e-3)
+    inputs = PlanInputs(desc, mem, cl, 4, 4)
+    order = cl.by_speed(1)
+    best = None
+    for p in (2, 3):
+        for cuts in itertools.combinations(range(1, 7), p - 1):
+            bounds = [0, *cuts, 7]
+            for sizes in itertools.product(range(1, 4), repeat=p):
+                if sum(sizes) > 3:
+                    continue
+                stages, start = [], 0
+                for (first, last), k in zip(zip(bounds, bounds[1:]), sizes):
+                    names = order[start:start + k]
+                    times = [cl.device(d).costs.range_time(first, last, 1, last == 7) for d in names]
+                    stages.append(Stage(first, last, "single", names) if k == 1 else
+                                  Stage(first, last, "single", names, replicas=k, shares=shares_for(times, 4)))
+                    start += k
+                step = simulate(inputs.plan(stages, "brute"), desc, mem, cl).step_time
+                best = step if best is None else min(best, step)
+    found = plan_replicated(inputs)
+    assert found.predicted["step_time_s"] == pytest.approx(best, rel=1e-9)
+    assert found.stages[0].replicas == 2 and found.stages[0].shares == [2, 2]
+    assert shares_for([1.0, 2.0], 8) == [6, 2] and shares_for([1.0, 1.0, 1.0], 4) == [2, 1, 1]

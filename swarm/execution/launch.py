@@ -294,8 +294,11 @@ class SwarmRunner:
         if o.schedule == "gpipe":  # every stage runs all forwards first (for comparison)
             for stage in plan.stages:
                 stage.warmup = plan.microbatches
-        plan.validate(desc)
-        short = memory_overflows(plan, desc, {n: f.get("memory") for n, f in facts.items()}, cfg.optimizer)
+        try:
+            plan.validate(desc)
+            short = memory_overflows(plan, desc, {n: f.get("memory") for n, f in facts.items()}, cfg.optimizer)
+        except PlanError as exc:
+            raise SwarmError(f"the plan cannot run: {exc}") from None
         if short:
             raise SwarmError(f"the plan does not fit in the devices' memory: {describe_overflows(short)} (less than "
                              f"the devices would need; --strategy auto plans within each device's memory, and a "
