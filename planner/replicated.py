@@ -27,6 +27,7 @@ from planner.stage_work import gradient_buckets, ring_allreduce_time
 
 MAX_DEVICES = 16  # larger swarms: Asteroid's groups (the search below grows with devices squared)
 MAX_CUTS = 24  # layer boundaries the search cuts at
+MAX_STAGES = 8  # deeper pipelines fill and drain through too many stages to pay
 KEEP = 4  # pipelines the search keeps for each first layer, first device and stage count
 CANDIDATES = 32  # the best pipelines by load and fill that are simulated
 
@@ -54,23 +55,27 @@ def plan_replicated(inputs: PlanInputs, bound: float | None = None) -> Plan | No
     L = len(cuts) - 1
     mem = inputs.mem
 
-    def load(i: int, j: int, a: int, k: int) -> tuple[float, float, tuple[int, ...]] | None:
-        """A stage of layers [cuts[i], cuts[j]) on order[a:a+k]: its busiest device's work, a
-        micro-batch's time on its slowest device, and the shares; None where a device cannot
-        hold its micro-batches."""
+    @lru_cache(maxsize=None)
+    def load(i: int, j: int, a: int, k: int, warmup: int) -> tuple[float, float, tuple[int, ...]] | None:
+        """A stage of layers [cuts[i], cuts[j]) on order[a:a+k], warming up with `warmup`
+        forwards: its busiest device's work, a micro-batch's time on its slowest device, and
+        the shares; None where a device cannot hold its micro-batches in flight."""
         first, last = cuts[i], cuts[j]
         with_loss = last == inputs.num_layers
         names = order[a:a + k]
         times = [cl.device(d).costs.range_time(first, last, mb, with_loss) for d in names]
         shares = shares_for(times, M)
         for d, share in zip(names, shares):
-            if mem.stage(first, last, mb, share) > mem.budget(first, last, cl.device(d).memory):
+            if mem.stage(first, last, mb, min(share, warmup)) > mem.budget(first, last, cl.device(d).memory):
                 return None
         summed = 0.0
         if k > 1:  # the gradient sum over the replicas, as if nothing hid it
             summed = ring_allreduce_time(float(mem.param_bytes[first:last].sum()), names, cl,
                                          gradient_buckets(mem, first, last))
-        return max(s * t for s, t in zip(shares, times)) + summed, max(times), tuple(shares)
+        work = max(s * t for s, t in zip(shares, times)) + summed
+        if bound is not None and work >= bound:  # a step that takes this device longer cannot win
+            return None
+        return work, max(times), tuple(shares)
 
     @lru_cache(maxsize=None)
     def best(i: int, a: int, stages: int) -> tuple:
@@ -82,7 +87,7 @@ def plan_replicated(inputs: PlanInputs, bound: float | None = None) -> Plan | No
             options = [(j, k) for j in range(i + 1, L) for k in range(1, min(M, N - a - (stages - 1)) + 1)]
         found = []
         for j, k in options:
-            here = load(i, j, a, k)
+            here = load(i, j, a, k, 2 * stages - 1)  # Asteroid's K_p: this stage has stages - 1 after it
             if here is None:
                 continue
             for rest in (((0.0, 0.0, ()),) if stages == 1 else best(j, a + k, stages - 1)):
@@ -92,7 +97,8 @@ def plan_replicated(inputs: PlanInputs, bound: float | None = None) -> Plan | No
 
     # each stage count's best by load, ranked by load plus the fill and drain (one micro-batch
     # through every stage), the first CANDIDATES simulated
-    pipelines = sorted((q for p in range(2, min(N, L) + 1) for q in best(0, 0, p)), key=lambda q: q[0] + q[1])
+    pipelines = sorted((q for p in range(2, min(N, L, MAX_STAGES) + 1) for q in best(0, 0, p)),
+                       key=lambda q: q[0] + q[1])
     plans = []
     for _, _, stages in pipelines[:CANDIDATES]:
         built = []

@@ -227,6 +227,26 @@ def test_every_message_costs_its_ends_their_time_per_message(lenet):
     assert allgather_time(1e3, ["a", "b", "c"], cl) == pytest.approx(gather + 2 * 2 * m)
 
 
+def test_a_batchnorm_exchange_costs_its_hand_over_beside_its_messages():
+    """A gang's BatchNorm exchange is an all-gather handed from the compute thread to the event
+    loop and back: each costs its messages and EXCHANGE_MESSAGES messages' time more, in the
+    step and in the members' own CPU, once per BatchNorm layer."""
+    from planner.stage_work import EXCHANGE_MESSAGES, allgather_cpu, allgather_time, bn_sync_cpu, bn_sync_time
+    from planner.synthetic import flops_cluster
+
+    desc = describe_model("yolov2-16", 64, classes=5)
+    cl = flops_cluster(desc, {d: (4, "1 GiB") for d in "ab"}, mbps=100)
+    for d in "ab":
+        cl.device(d).msg_s = 0.002
+    bns = [layer for layer in desc.layers[0:6] if layer.batch_normalize]
+    assert len(bns) == 4
+    gathers = sum(allgather_time(8 + 16 * layer.out_shape[0], ["a", "b"], cl) for layer in bns)
+    own = sum(allgather_cpu(8 + 16 * layer.out_shape[0], ["a", "b"], cl) for layer in bns)
+    assert bn_sync_time(desc, 0, 6, ["a", "b"], cl) == pytest.approx(gathers + 4 * EXCHANGE_MESSAGES * 0.002)
+    assert bn_sync_cpu(desc, 0, 6, ["a", "b"], cl) == pytest.approx(own + 4 * EXCHANGE_MESSAGES * 0.002)
+    assert bn_sync_time(desc, 0, 6, ["a"], cl) == 0.0
+
+
 def test_the_cpu_transfers_take_is_paid_by_a_busy_device_not_an_idle_one(lenet):
     """Moving bytes costs each end CPU (time per byte) even when the link sets the transfer's
     pace. A device waiting for its next input moves them in its idle time; one that goes
