@@ -86,6 +86,11 @@ class Stage:
             the conv's output instead of keeping them (swarm.zoo.recompute): a layer keeps one
             map of its output's size, not two or three, for one more pass over it in the
             backward. The gradients are the same, bit for bit. Default off.
+    deal: (replicas of a single or dp stage) "runs" (the default): replica r takes the r-th run of
+            consecutive micro-batches; "turns": the replicas take them in turn, each micro-batch
+            going to the replica furthest behind its share (with equal shares, m to m mod R). In
+            a pipeline, turns end the drain with one backward on each replica, not a run of them;
+            the running statistics are then combined micro-batch by micro-batch.
     checkpoint: (single, and dp whose groups are one device each) the stage runs in the model's
             checkpointed segments (planner.checkpoint): a micro-batch keeps only the maps that
             cross a segment's start, and the backward runs each segment's forward again before
@@ -111,6 +116,7 @@ class Stage:
     overlap: bool | None = None
     recompute: bool | None = None
     checkpoint: bool | None = None
+    deal: str | None = None
 
     @property
     def layers(self) -> range:
@@ -130,6 +136,20 @@ class Stage:
         if self.shares:
             return list(self.shares)
         return [microbatches // self.replica_count()] * self.replica_count()
+
+    def replica_order(self, microbatches: int) -> list[int]:
+        """The replica of each micro-batch: consecutive runs of each replica's share (replica 0
+        the first), or with `deal` "turns", the replicas in turn, each micro-batch to the one
+        furthest behind its share, the first on a tie (with equal shares, m to m mod R)."""
+        shares = self.replica_shares(microbatches)
+        if self.deal != "turns":
+            return [r for r, share in enumerate(shares) for _ in range(share)]
+        taken, order = [0] * len(shares), []
+        for _ in range(microbatches):
+            r = min((r for r in range(len(shares)) if taken[r] < shares[r]), key=lambda r: (taken[r] / shares[r], r))
+            taken[r] += 1
+            order.append(r)
+        return order
 
     def group_sizes(self) -> list[int]:
         """How many of `devices` each replica of a dp stage takes (one group: all of them)."""
@@ -208,12 +228,9 @@ class Plan:
         """The replica of stage p that runs micro-batch m (0 where the stage has one)."""
         if not self.stages[p].replicas:
             return 0
-        end = 0
-        for r, share in enumerate(self.stages[p].replica_shares(self.microbatches)):
-            end += share
-            if m < end:
-                return r
-        raise ValueError(f"micro-batch {m} is beyond the plan's {self.microbatches}")
+        if not 0 <= m < self.microbatches:
+            raise ValueError(f"micro-batch {m} is beyond the plan's {self.microbatches}")
+        return self.stages[p].replica_order(self.microbatches)[m]
 
     def replica_plan(self, r: int) -> "Plan":
         """Replica r of a one-stage replicated plan on its own: its devices running its share of
@@ -284,6 +301,8 @@ class Plan:
                 how += f", {s.replica_count()} replicas taking {taking} micro-batches"
             elif s.replica_count() > 1:
                 how += f", {s.replica_count()} replicas of {self.microbatches // s.replica_count()} micro-batch(es) each"
+            if s.deal == "turns" and s.replica_count() > 1:
+                how += ", in turns"
             if s.overlap:
                 how += ", each backward beside the next forward"
             on = ", ".join(f"{d} ({self.devices[d]['accelerator']})" if (self.devices.get(d) or {}).get("accelerator")
@@ -364,6 +383,10 @@ class Plan:
                                         f"least one micro-batch, {self.microbatches} in all")
                 elif s.replicas < 1 or self.microbatches % s.replicas:
                     raise PlanError(f"{where}: replicas={s.replicas} must divide the {self.microbatches} micro-batches")
+            if s.deal not in (None, "runs", "turns"):
+                raise PlanError(f"{where}: deal is 'runs' or 'turns', not {s.deal!r}")
+            if s.deal == "turns" and (s.replicas in (None, 1) or s.mode == "tiles"):
+                raise PlanError(f"{where}: micro-batches are dealt in turns only to the replicas of a single or dp stage")
             getattr(self, f"_check_{s.mode}")(i, s, where, desc)
         if expect != n_layers:
             raise PlanError(f"the stages end at layer {expect - 1}, but the model has {n_layers} layers (0-{n_layers - 1})")

@@ -6,7 +6,8 @@ each other at each; on slow devices those exchanges, not the computation, set th
 A replicated stage (Stage.replicas) gives each of its devices whole micro-batches instead:
 it exchanges nothing while it computes, and sums its gradients once a step. It costs a
 whole micro-batch's maps on each device, and a longer drain: the last micro-batch's
-backward through the stage runs on one device.
+backward through the stage runs on one device. The replicas take the micro-batches in turn
+(Stage.deal), so that each ends the step with one backward, not a run of them.
 
 The search: devices fastest first, layer boundaries as Asteroid's (candidate_cuts), and a
 dynamic program over (first layer, first free device) for the pipeline whose busiest device
@@ -105,7 +106,7 @@ def plan_replicated(inputs: PlanInputs, bound: float | None = None) -> Plan | No
         for first, last, a, k, shares in stages:
             names = order[a:a + k]
             built.append(Stage(first, last, "single", names) if k == 1 else
-                         Stage(first, last, "single", names, replicas=k, shares=list(shares)))
+                         Stage(first, last, "single", names, replicas=k, shares=list(shares), deal="turns"))
         try:
             plans.append(inputs.finish(inputs.plan(built, "replicated")))
         except PlanError:

@@ -231,8 +231,7 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
     bn_layers = [i for i in range(first, last) if desc.layers[i].batch_normalize]
     # a replicated stage: each micro-batch runs on its replica alone, whole on each (a pipeline
     # of such stages is costed where every replica is one device)
-    runs_on = [stage.replica_devices(r) for r, share in enumerate(stage.replica_shares(len(sizes)))
-               for _ in range(share)]
+    runs_on = [stage.replica_devices(r) for r in stage.replica_order(len(sizes))]
     if stage.replica_count() > 1 and max(len(g) for g in runs_on) > 1:
         raise PlanError(f"stage {p}: replicas of dp groups of several devices are costed only in a one-stage plan")
     gang = alloc is not None and len(group) > 1 and bool(bn_layers) and stage.replica_count() == 1

@@ -57,6 +57,11 @@ def _stages(kind: str, n: int, cuts: list[int]) -> list[Stage]:
                 Stage(cuts[0], cuts[1], "single", ["d2"]),
                 Stage(cuts[1], n, "dp", ["d3", "d4", "d1"], allocation={"d3": 1, "d4": 1, "d1": 2}, replicas=2,
                       groups=[2, 1], shares=[1, 3])]
+    if kind == "replicas-in-turns":  # the same, the replicas taking the micro-batches in turn
+        return [Stage(0, cuts[0], "single", ["d0", "d1"], replicas=2, shares=[3, 1], deal="turns"),
+                Stage(cuts[0], cuts[1], "single", ["d2"]),
+                Stage(cuts[1], n, "dp", ["d3", "d4", "d1"], allocation={"d3": 1, "d4": 1, "d1": 2}, replicas=2,
+                      groups=[2, 1], shares=[1, 3], deal="turns")]
     raise AssertionError(kind)
 
 
@@ -71,11 +76,11 @@ def local_weights():
     return weights
 
 
-@pytest.mark.parametrize("kind", ["pp4", "dp", "hybrid", "replicas", "replicated-pp"])
+@pytest.mark.parametrize("kind", ["pp4", "dp", "hybrid", "replicas", "replicated-pp", "replicas-in-turns"])
 @pytest.mark.parametrize("name", sorted(NETWORKS))
 def test_a_graph_network_trains_to_the_local_weights_in_every_plan(local_weights, name, kind):
     n, cuts = NETWORKS[name]
-    microbatches = 4 if kind == "replicated-pp" else 2
+    microbatches = 4 if kind in ("replicated-pp", "replicas-in-turns") else 2
     cfg = _cfg(_model(name), microbatches, img_size=SIZE)
     trainer = _planned(cfg, Plan(cfg.model, SIZE, 8, microbatches, _stages(kind, n, cuts)))
     worst, key = _worst(trainer.net.state_dict(), local_weights(name, microbatches))

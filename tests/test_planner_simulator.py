@@ -564,6 +564,15 @@ def test_a_replicated_pipeline_stage_runs_each_replicas_own_micro_batches(lenet)
     # c starts once a's F0 is done and then never waits (a and b feed it in time); b's B3
     # starts once c's B3 is done, and ends the step
     assert t.step_time == pytest.approx(f0 + 4 * (f1 + b1) + b0, rel=1e-6)
+    # in turns, a takes micro-batches 0 and 2, b 1 and 3: b's last backward follows c's B3 as
+    # before, but a's B2 no longer waits behind its B1, nor b's B3 behind its B2
+    turns = [Stage(0, 4, "single", ["a", "b"], replicas=2, deal="turns"), Stage(4, 7, "single", ["c"])]
+    t2 = simulate(plan_of(turns, batch=4, micro=4), desc, mem, cl)
+    mine = {d: [(e.kind, e.micro) for e in t2.events if e.device == d and e.kind in "FB"] for d in "ab"}
+    assert mine == {"a": [("F", 0), ("F", 2), ("B", 0), ("B", 2)], "b": [("F", 1), ("F", 3), ("B", 1), ("B", 3)]}
+    assert t2.step_time == pytest.approx(t.step_time, rel=1e-6)  # c paces both: the same end
+    assert [Stage(0, 4, "single", ["a", "b"], replicas=2, shares=[3, 1], deal="turns").replica_order(4)] == \
+        [[0, 1, 0, 0]]
     gangs = plan_of([Stage(0, 4, "dp", ["a", "b", "c"], allocation={"a": 1, "b": 1, "c": 2}, replicas=2,
                            groups=[2, 1]), Stage(4, 7, "single", ["c"])], batch=8, micro=4)
     with pytest.raises(PlanError, match="replicas of dp groups of several devices are costed only in a one-stage plan"):
@@ -603,7 +612,8 @@ def test_the_replicated_search_finds_the_fastest_pipeline_of_replicated_stages(l
                     names = order[start:start + k]
                     times = [cl.device(d).costs.range_time(first, last, 1, last == 7) for d in names]
                     stages.append(Stage(first, last, "single", names) if k == 1 else
-                                  Stage(first, last, "single", names, replicas=k, shares=shares_for(times, 4)))
+                                  Stage(first, last, "single", names, replicas=k, shares=shares_for(times, 4),
+                                        deal="turns"))
                     start += k
                 step = simulate(inputs.plan(stages, "brute"), desc, mem, cl).step_time
                 best = step if best is None else min(best, step)

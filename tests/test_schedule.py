@@ -85,6 +85,8 @@ def test_plan_round_trips_through_json():
      "groups are for the replicas of a dp stage"),
     (dict(stages=[Stage(0, 17, "dp", ["a", "b"], allocation={"a": 4, "b": 4}, replicas=2, shares=[2, 1])]),
      r"shares \[2, 1\] must give each of the 2 replicas at least one micro-batch, 2 in all"),
+    (dict(stages=[Stage(0, 17, "single", ["a", "b"], replicas=2, deal="evenly")]), "deal is 'runs' or 'turns'"),
+    (dict(stages=[Stage(0, 17, "single", ["a"], deal="turns")]), "dealt in turns only to the replicas"),
     (dict(stages=[Stage(0, 17, "tiles", ["a", "b"], grid=(1, 2), tile_devices=["a", "b"], replicas=2)]),
      "2 replicas of grid 1x2 have 4 tiles"),
     (dict(stages=[Stage(0, 17, "tiles", ["a", "b"], grid=(1, 2), tile_devices=["a", "b", "b", "a"], replicas=2)]),

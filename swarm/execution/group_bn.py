@@ -200,11 +200,15 @@ async def merge_running_stats(ep, step: int, p: int, copy, moved: torch.Tensor, 
     next step may already be running, its additions counted from zero. `before`: the merge
     of the step before, which gives this step's start."""
     stage = copy.stage
-    parts = []
+    parts, shares = [], stage.replica_shares(microbatches)
     if moved.numel():
         gathered = await allgather(ep, stage.devices, channels.running(step, p), [moved], timeout_s)
         firsts = [stage.devices.index(stage.replica_devices(r)[0]) for r in range(stage.replica_count())]
         parts = [gathered[i][0] for i in firsts]
+    if copy.in_turns:  # a row per micro-batch of each replica: all of them, in micro-batch order
+        rows = [iter(part) for part in parts]
+        parts = [next(rows[r]) for r in stage.replica_order(microbatches)] if parts else []
+        shares = [1] * microbatches
     if before is not None:
         await before.wait()
-    copy.start_stats = await trio.to_thread.run_sync(copy.merged_running, parts, stage.replica_shares(microbatches))
+    copy.start_stats = await trio.to_thread.run_sync(copy.merged_running, parts, shares)

@@ -44,6 +44,7 @@ class StageCopy:
     inflight: dict[tuple[int, int], InFlight] = field(default_factory=dict)  # (part, micro-batch)
     start_stats: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # replicas: the step's starting BN statistics
     tile_dy: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (tile, mb): dL/d(tile output)
+    moved_by_mb: dict[int, torch.Tensor] = field(default_factory=dict)  # replicas in turn: each micro-batch's running stats
     device: torch.device = HOST  # where this copy computes; what it sends and keeps for others is on the host
     update_lock: threading.Lock = field(default_factory=threading.Lock)  # apply_params from several threads
     # layers with weights: open once the step before's update of them is applied (worker.Tail)
@@ -136,15 +137,34 @@ class StageCopy:
             return torch.zeros(0)
         return to_host(torch.cat([t.detach().reshape(-1) for bn in bns for t in (bn.running_mean, bn.running_var)]))
 
-    def take_moved(self) -> torch.Tensor:
-        """After this device's last forward of a step: what the step's micro-batches added to
-        the running statistics (running_moved), and the statistics back at zero for the next
-        step's, which may start before this one's are merged."""
-        moved = self.running_moved()  # a copy (a concatenation)
+    def _kept_share(self) -> torch.Tensor:
+        """1 - momentum for each value of running_moved's vector: what a micro-batch keeps of
+        the running statistics before it."""
+        return torch.cat([torch.full((2 * bn.running_mean.numel(),), 1.0 - bn.momentum, dtype=bn.running_mean.dtype)
+                          for bn in self._batchnorms()]) if self._batchnorms() else torch.zeros(0)
+
+    def _zero_running(self) -> None:
         with torch.no_grad():
             for bn in self._batchnorms():
                 bn.running_mean.zero_()
                 bn.running_var.zero_()
+
+    @property
+    def in_turns(self) -> bool:
+        """A replicated stage whose replicas take the micro-batches in turn (Stage.deal)."""
+        return self.stage.replica_count() > 1 and self.stage.deal == "turns"
+
+    def take_moved(self) -> torch.Tensor:
+        """After this device's last forward of a step: what the step's micro-batches added to
+        the running statistics (running_moved), and the statistics back at zero for the next
+        step's, which may start before this one's are merged. Replicas that take micro-batches
+        in turn: what each of this device's micro-batches added alone, a row each in order."""
+        if self.in_turns:
+            rows = [self.moved_by_mb.pop(m) for m in sorted(self.moved_by_mb)]
+            self._zero_running()
+            return torch.stack(rows) if rows and rows[0].numel() else torch.zeros(0)
+        moved = self.running_moved()  # a copy (a concatenation)
+        self._zero_running()
         return moved
 
     def merged_running(self, moved: list[torch.Tensor], shares: list[int]) -> list[tuple[torch.Tensor, ...]]:
@@ -190,8 +210,11 @@ class StageCopy:
         for k, t in inputs.items():  # from the host: one copy each to where this stage computes
             t = t.to(self.device, non_blocking=True)
             leaves[k] = t.detach().requires_grad_(True) if t.is_floating_point() and k >= 0 else t
+        before = self.running_moved() if self.in_turns else None
         with torch.enable_grad():
             outs = self.net.forward_range(stage.first, stage.last, leaves, keys)
+            if before is not None:  # what this micro-batch alone added (the buffers stay as autograd saw them)
+                self.moved_by_mb[m] = self.running_moved() - self._kept_share() * before
             loss = None
             if self.is_last:
                 out = self.desc.head_of(outs)
