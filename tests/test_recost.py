@@ -185,18 +185,24 @@ def test_a_run_that_switches_to_a_re_costed_plan_ends_with_the_local_weights(bac
             assert torch.equal(trainer.net.state_dict()[k], v), k
 
 
-def test_a_re_costed_plan_that_would_not_pay_for_the_switch_is_not_taken():
+@pytest.mark.parametrize("backup_interval", [1, 100])
+def test_a_re_costed_plan_that_would_not_pay_for_the_switch_is_not_taken(backup_interval):
+    """Nor is a backup taken early for it: the copies of every stage would only slow the next
+    step (the backup steps of the run's own interval come as they would)."""
     cfg = _cfg()
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, 64, 3)
     first = simple_plan("dp", trainer.desc, ["d0", "d1"], 8, 4)
     switch = _Switch(simple_plan("pp", trainer.desc, ["d1", "d0"], 8, 4), current_s=0.6)  # 0.1 s a step saved
-    lines = []
+    lines, reports = [], []
     coordinator = train_plan_in_process(first, trainer, data, 4, strategy="dp", timeout_s=60, recost=switch,
-                                        devices=["d0", "d1"], backup_interval=1, log=lines.append)
+                                        devices=["d0", "d1"], backup_interval=backup_interval, log=lines.append,
+                                        on_step=reports.append)
     assert len(switch.asked) == 1 and coordinator.recoveries == []
     assert coordinator.plan.used_devices() == ["d0", "d1"] and trainer.step_count == 4
-    assert any("would not pay for the switch" in line for line in lines), lines
+    assert sum("would not pay for the switch" in line for line in lines) == 1, lines
+    if backup_interval > 4:
+        assert not any(r.backup for r in reports), [(r.step, r.backup) for r in reports]
 
 
 def test_a_devices_step_says_how_much_of_its_compute_was_in_the_kernel():

@@ -350,6 +350,8 @@ class TrainingCoordinator:
             stop_here = step + 1 < total_steps and self.should_stop()
             is_last = step + 1 == total_steps or stop_here
             checkpoint = is_last or bool(self.checkpoint_every and (step + 1) % self.checkpoint_every == 0)
+            if self.better is not None and not self.better.pays(total_steps - (step + 1)):
+                self.decline_better(total_steps - (step + 1))  # and take no backup early for it
             backup = not is_last and self.backups.due(step + 1, bool(self.joined) or self.better is not None)
             await self._may_commit()
             for device in self.plan.used_devices():
@@ -504,15 +506,22 @@ class TrainingCoordinator:
         if result.plan is not None and set(result.plan.used_devices()) <= set(alive):
             self.better = result
 
+    def decline_better(self, steps_left: int) -> None:
+        """Let the re-costed plan go: what it saves over the `steps_left` steps after the next
+        backup step would not pay for the switch (planner.recost.Recost.pays)."""
+        better, self.better = self.better, None
+        saved = better.current_s - (better.new_s if better.new_s is not None else better.current_s)
+        self.log(f"the re-costed plan is not taken: {saved:.1f} s a step over the {steps_left} step(s) left "
+                 f"would not pay for the switch")
+
     async def switch_to_better(self, steps_left: int) -> bool:
         """At a backup step, once it is complete, move to the re-costed plan where it pays for
         itself over the `steps_left` steps after it (planner.recost.Recost.pays); whether it did."""
-        better, self.better = self.better, None
+        better = self.better
         if not better.pays(steps_left):
-            saved = better.current_s - (better.new_s if better.new_s is not None else better.current_s)
-            self.log(f"the re-costed plan is not taken: {saved:.1f} s a step over the {steps_left} step(s) left "
-                     f"would not pay for the switch")
+            self.decline_better(steps_left)
             return False
+        self.better = None
         if not await self._backup_complete():
             return False
         plan = better.plan
