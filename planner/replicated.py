@@ -55,6 +55,7 @@ def plan_replicated(inputs: PlanInputs, bound: float | None = None) -> Plan | No
     cuts = candidate_cuts(inputs, MAX_CUTS)
     L = len(cuts) - 1
     mem = inputs.mem
+    beaten = []  # stages left out because they cannot beat `bound`
 
     @lru_cache(maxsize=None)
     def load(i: int, j: int, a: int, k: int, warmup: int) -> tuple[float, float, tuple[int, ...]] | None:
@@ -75,6 +76,7 @@ def plan_replicated(inputs: PlanInputs, bound: float | None = None) -> Plan | No
                                          gradient_buckets(mem, first, last))
         work = max(s * t for s, t in zip(shares, times)) + summed
         if bound is not None and work >= bound:  # a step that takes this device longer cannot win
+            beaten.append((i, j, a, k))
             return None
         return work, max(times), tuple(shares)
 
@@ -112,6 +114,8 @@ def plan_replicated(inputs: PlanInputs, bound: float | None = None) -> Plan | No
         except PlanError:
             continue
     if not plans:
+        if beaten:
+            return None
         raise NoPlan("no pipeline of replicated stages fits the devices' memory")
     plans.sort(key=lambda q: (not q.predicted["fits"], q.predicted["step_time_s"]))
     if bound is not None and plans[0].predicted["step_time_s"] >= bound:

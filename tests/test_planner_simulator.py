@@ -621,3 +621,20 @@ def test_the_replicated_search_finds_the_fastest_pipeline_of_replicated_stages(l
     assert found.predicted["step_time_s"] == pytest.approx(best, rel=1e-9)
     assert found.stages[0].replicas == 2 and found.stages[0].shares == [2, 2]
     assert shares_for([1.0, 2.0], 8) == [6, 2] and shares_for([1.0, 1.0, 1.0], 4) == [2, 1, 1]
+
+
+def test_the_replicated_search_gives_way_to_a_step_it_cannot_beat(lenet):
+    """Given auto's best step so far, the search leaves out the stages whose devices alone take
+    longer, and answers None (not "nothing fits") when that leaves nothing."""
+    from planner.inputs import NoPlan, PlanInputs
+    from planner.replicated import plan_replicated
+
+    desc, mem = lenet
+    cl = cluster_of({d: uniform_table(7, 0.01, 0.02) for d in "abc"})
+    inputs = PlanInputs(desc, mem, cl, 4, 4)
+    found = plan_replicated(inputs)
+    assert found is not None and plan_replicated(inputs, bound=found.predicted["step_time_s"]) is None
+    assert plan_replicated(inputs, bound=1e-6) is None
+    tiny = cluster_of({d: uniform_table(7, 0.01, 0.02) for d in "abc"}, memory=1.0)
+    with pytest.raises(NoPlan, match="fits the devices' memory"):
+        plan_replicated(PlanInputs(desc, mem, tiny, 4, 4))
