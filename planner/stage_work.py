@@ -154,9 +154,9 @@ def gradient_buckets(mem: MemoryModel, first: int, last: int) -> int:
 # quota like the messages'. On the testbed (8 x 0.2 core, resnet18 at 224, pairs of devices
 # splitting its first layers' micro-batches, 2026-11-30 22:49 UTC) an exchange took 16.2-17.2 ms
 # (exchange_s over a step's 80 and 96 exchanges) where its messages give 4.1 (latency 0.33 ms,
-# msg_s 1.75-1.90 ms): 12-13 ms more, about seven messages' time, and as much in groups of four
-# (16-28 ms against 11.7, 2026-11-28 22:13 UTC); the hand-over's CPU, counted per message by the
-# bandwidth job's round trips, is that much smaller there.
+# msg_s 1.75-1.90 ms): 12-13 ms more, about seven messages' time. Groups of four had taken
+# 16-28 ms an exchange (2026-11-28 22:13 UTC), about as much beyond their six messages. The
+# bandwidth job's round trips, asked from a computing thread too, cost a message far less.
 EXCHANGE_MESSAGES = 7
 
 
