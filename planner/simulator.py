@@ -162,7 +162,8 @@ def stage_works(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster)
         if stage.mode == "tiles":
             works.append(tiles_stage_work(p, stage, plan, desc, mem, cluster, sizes, p == last_stage))
         else:
-            works.append(split_stage_work(p, stage, desc, mem, cluster, sizes, p == last_stage, plan.warmups()[p]))
+            works.append(split_stage_work(p, stage, desc, mem, cluster, sizes, p == last_stage, plan.warmups()[p],
+                                          len(plan.stages) > 1))
     return works
 
 

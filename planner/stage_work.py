@@ -148,33 +148,38 @@ def gradient_buckets(mem: MemoryModel, first: int, last: int) -> int:
     return len(buckets_of({i: int(mem.param_bytes[i]) for i in range(first, last) if mem.param_bytes[i] > 0}))
 
 
-# What a BatchNorm exchange costs each member beyond its messages, in messages' time (msg_s):
-# the compute thread hands the exchange to the event loop and sleeps until the answer wakes
-# it, the gather runs as tasks of its own, and under a CPU quota that work spreads over the
-# quota like the messages'. On the testbed (8 x 0.2 core, resnet18 at 224, pairs of devices
-# splitting its first layers' micro-batches, 2026-11-30 22:49 UTC) an exchange took 16.2-17.2 ms
-# (exchange_s over a step's 80 and 96 exchanges) where its messages give 4.1 (latency 0.33 ms,
-# msg_s 1.75-1.90 ms): 12-13 ms more, about seven messages' time. Groups of four had taken
-# 16-28 ms an exchange (2026-11-28 22:13 UTC), about as much beyond their six messages. The
-# bandwidth job's round trips, asked from a computing thread too, cost a message far less.
+# What a BatchNorm exchange of a gang inside a pipeline costs each member beyond its messages,
+# in messages' time (msg_s). On the testbed (8 x 0.2 core, resnet18 at 224, pairs of devices
+# splitting the micro-batches of its first two stages, 2026-11-30 22:49 UTC) an exchange took
+# 16.2-17.2 ms (exchange_s over a step's 80 and 96 exchanges) where its messages give 4.1
+# (latency 0.33 ms, msg_s 1.75-1.90 ms): 12-13 ms more, about seven messages' time, and the
+# plan ran 58% under its prediction without it. A one-stage dp group needs none: yolov2-16's
+# four pairs at 416 (2026-12-01 00:41 UTC) waited 21-31 ms an exchange, most of it for the
+# partner's long layers, which the model's slowest-member rule counts, and ran within 1% of
+# their prediction without it (7% under with it). What a pipeline adds is not measured apart;
+# the members of a gang inside one take their inputs from the stage before, a member at a time.
 EXCHANGE_MESSAGES = 7
 
 
-def bn_sync_time(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:
+def bn_sync_time(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster,
+                 in_pipeline: bool = False) -> float:
     """Per micro-batch and direction: the BatchNorm statistics a split stage gathers at every
-    BN layer (a count and two float64 values per channel from each member), and each
-    exchange's hand-over (EXCHANGE_MESSAGES)."""
+    BN layer (a count and two float64 values per channel from each member), and inside a
+    pipeline each exchange's EXCHANGE_MESSAGES more."""
     if len(group) < 2:
         return 0.0
-    return sum(allgather_time(8 + 16 * layer.out_shape[0], group, cluster) + EXCHANGE_MESSAGES * cluster.msg_cpu(group)
+    extra = EXCHANGE_MESSAGES * cluster.msg_cpu(group) if in_pipeline else 0.0
+    return sum(allgather_time(8 + 16 * layer.out_shape[0], group, cluster) + extra
                for layer in desc.layers[first:last] if layer.batch_normalize)
 
 
-def bn_sync_cpu(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster) -> float:
-    """What of bn_sync_time is each member's own CPU (allgather_cpu and the hand-over)."""
+def bn_sync_cpu(desc: ModelDesc, first: int, last: int, group: list[str], cluster: Cluster,
+                in_pipeline: bool = False) -> float:
+    """What of bn_sync_time is each member's own CPU (allgather_cpu, and EXCHANGE_MESSAGES)."""
     if len(group) < 2:
         return 0.0
-    return sum(allgather_cpu(8 + 16 * layer.out_shape[0], group, cluster) + EXCHANGE_MESSAGES * cluster.msg_cpu(group)
+    extra = EXCHANGE_MESSAGES * cluster.msg_cpu(group) if in_pipeline else 0.0
+    return sum(allgather_cpu(8 + 16 * layer.out_shape[0], group, cluster) + extra
                for layer in desc.layers[first:last] if layer.batch_normalize)
 
 
@@ -217,9 +222,9 @@ class StageWork:
 
 
 def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cluster: Cluster,
-                     sizes: list[int], is_last: bool, warmup: int = 1) -> StageWork:
+                     sizes: list[int], is_last: bool, warmup: int = 1, in_pipeline: bool = False) -> StageWork:
     """The work of a single or dp stage: whole samples per device (`warmup`: its K_p, for a
-    stage that overlaps)."""
+    stage that overlaps; `in_pipeline`: the plan has other stages)."""
     first, last = stage.first, stage.last
     if stage.mode == "single":
         alloc = None
@@ -235,7 +240,7 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
     if stage.replica_count() > 1 and max(len(g) for g in runs_on) > 1:
         raise PlanError(f"stage {p}: replicas of dp groups of several devices are costed only in a one-stage plan")
     gang = alloc is not None and len(group) > 1 and bool(bn_layers) and stage.replica_count() == 1
-    sync = bn_sync_time(desc, first, last, group, cluster) if gang else 0.0
+    sync = bn_sync_time(desc, first, last, group, cluster, in_pipeline) if gang else 0.0
     shares, fwd, bwd, act, trans = [], [], [], [], []
     for m, size in enumerate(sizes):
         if alloc is None or stage.replica_count() > 1:
@@ -264,7 +269,7 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
         act.append({s.device: mem.activations(first, last, s.samples) for s in sh})
         trans.append({s.device: mem.transient(first, last, s.samples) for s in sh})
     if gang and stage.overlap:
-        _overlap(fwd, bwd, act, trans, sync, warmup, bn_sync_cpu(desc, first, last, group, cluster))
+        _overlap(fwd, bwd, act, trans, sync, warmup, bn_sync_cpu(desc, first, last, group, cluster, in_pipeline))
     weights = {d: mem.weights(first, last) for d in group}
     reduce_bytes = float(mem.param_bytes[first:last].sum())
     allreduce, own = 0.0, {}
