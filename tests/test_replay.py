@@ -272,3 +272,19 @@ def test_replicas_of_dp_groups_lose_one(local_weights, dead, devices, allocation
                                                                                          groups, shares)
     assert coordinator.recoveries[0].how == "lightweight"
     assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
+
+
+def test_a_replicated_stage_in_turns_that_keeps_one_replica_deals_no_more():
+    """Replicas that took the micro-batches in turn, one of two lost: the survivor takes them
+    all, a plain single stage the plan can run (the lightweight re-plan, no heavy one)."""
+    from planner.plan import Plan, Stage
+    from planner.replan import lightweight
+    from swarm.zoo import describe_model
+
+    desc = describe_model("yolov2-16", 64, classes=5)
+    plan = Plan("yolov2-16", 64, 8, 4, [Stage(0, 8, "single", ["a", "b"], replicas=2, deal="turns"),
+                                        Stage(8, 17, "single", ["c"])])
+    shifted = lightweight(plan, desc, {"b"})
+    shifted.validate(desc)
+    assert shifted.stages[0].devices == ["a"] and shifted.stages[0].replica_count() == 1
+    assert shifted.stages[0].deal is None
