@@ -6,9 +6,10 @@
 auto takes the best predicted plan of all the planners, and also tries hybrids the single
 planners do not build: the tileable front of the network as a tiles stage on the k fastest
 devices, followed by Asteroid's pipeline (dp and single stages) over the layers after it on
-the other devices. A plan that fits beats one that does not; then the shorter step. The
-planners that search many candidates are given the best step found before them and leave
-out what cannot beat it (planner/bounds.py).
+the other devices; and pipelines of replicated stages, each stage a few devices taking whole
+micro-batches in turn (planner/replicated.py). A plan that fits beats one that does not; then
+the shorter step. The planners that search many candidates are given the best step found
+before them and leave out what cannot beat it (planner/bounds.py).
 """
 from __future__ import annotations
 
@@ -184,7 +185,6 @@ def _plan_auto(inputs: PlanInputs, bound: float | None = None, remaking: bool = 
     tiles_plan = next((p for p in candidates if p.planner == "tiles"), None)
     if not (remaking or checkpoints):
         candidates += plan_hybrids(inputs, tiles_plan, best_step(best, bound))
-    if not (remaking or checkpoints):
         try:
             replicated = plan_replicated(inputs, best_step(best, bound))
         except NoPlan as exc:

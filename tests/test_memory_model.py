@@ -221,7 +221,8 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
         if predicted > MARGIN[allocator] * runs[-1]["peak"]:  # a low run (199 MiB once, 247-252 usually): again
             runs.append(share_peak(b, size, env, how))
         peaks = [m["peak"] / 2**20 for m in runs]
-        assert all(m["peak"] <= predicted for m in runs), f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
+        assert all(m["peak"] <= predicted for m in runs), \
+            f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
         # and the margin is a margin, not a different model: glibc's slack (1.15, fitted again
         # once its small-chunk caches were off: planner/memory.py) is within 1.6x a 2-sample
         # share, where the fixed stage scratch is a large part (213-249 MiB against 324), and
