@@ -51,7 +51,11 @@ setting, samples, size, iterations, model = sys.argv[1], [int(x) for x in sys.ar
     int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 recompute, segments = sys.argv[6] == "on", sys.argv[6] == "segments"
 from swarm.host import malloc
-if setting.startswith("mapped"):
+if setting == "mapped-small":
+    malloc.tune()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(malloc.M_MMAP_THRESHOLD, malloc.MAPPED_FROM); libc.mallopt(malloc.M_MMAP_MAX, malloc.MAX_MAPPED)
+elif setting.startswith("mapped"):
     malloc.tune()
     malloc.map_large(True)
     if ":" in setting:
@@ -59,6 +63,8 @@ if setting.startswith("mapped"):
 elif setting == "mmap":
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(malloc.M_ARENA_MAX, 1); libc.mallopt(-3, 256 << 10); libc.mallopt(malloc.M_TRIM_THRESHOLD, 1 << 30)
+elif setting == "default":
+    pass
 elif setting == "before":
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(malloc.M_ARENA_MAX, 1); libc.mallopt(malloc.M_MMAP_MAX, 0); libc.mallopt(malloc.M_TRIM_THRESHOLD, 1 << 30)
@@ -83,7 +89,7 @@ with PeakRSS() as rss:
         net(torch.rand(samples[i % len(samples)], *desc.layers[0].in_shape)).float().pow(2).mean().backward()
         peaks.append((rss.peak - base) / 2**20)
 after = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"allocator": malloc.allocator(), "peaks": peaks, "user": after.ru_utime - before.ru_utime,
+print(json.dumps({"base": base / 2**20, "allocator": malloc.allocator(), "peaks": peaks, "user": after.ru_utime - before.ru_utime,
                   "sys": after.ru_stime - before.ru_stime, "faults": after.ru_minflt - before.ru_minflt}))
 """
 
@@ -92,10 +98,10 @@ def environment(setting: str, jemalloc: str | None) -> dict[str, str] | None:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES", malloc.PRELOADED)}
     env["PYTHONPATH"] = str(ROOT)
-    if setting == "heap":
+    if setting in ("heap", "mapped-small"):
         env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
     elif setting == "swarm" or setting.startswith("mapped"):  # as `swarm` starts itself again
-        env.update(GLIBC_TUNABLES=malloc.glibc_tunables(), **{malloc.PRELOADED: "glibc"})
+        env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
     elif setting == "jemalloc":
         library = jemalloc or malloc.find_jemalloc()
         if library is None:
@@ -118,7 +124,7 @@ def main() -> int:
     args = parser.parse_args()
     settings = [s for s in args.settings.split(",") if s]
     unknown = {s for s in settings if not (s.startswith("mapped:") and s[7:].isdigit())} - {
-        "before", "heap", "swarm", "mapped", "mmap", "jemalloc"}
+        "default", "mapped-small", "before", "heap", "swarm", "mapped", "mmap", "jemalloc"}
     if unknown:
         parser.error(f"no setting {', '.join(sorted(unknown))}")
     modes = [m for m in args.recompute.split(",") if m]
@@ -127,6 +133,7 @@ def main() -> int:
     rows = [(s, m) for s in settings for m in modes]
     suffix = {"off": "", "on": "+rc", "segments": "+ck"}
     runs: dict[str, list[dict]] = {s + suffix[m]: [] for s, m in rows}
+    killed: dict[str, int] = {}
     for _ in range(args.rounds):
         for setting, mode in rows:
             env = environment(setting, args.jemalloc)
@@ -135,22 +142,26 @@ def main() -> int:
             out = subprocess.run([sys.executable, "-c", PASSES, setting, args.samples, str(args.img_size),
                                   str(args.iterations), args.model, mode],
                                  capture_output=True, text=True, env=env, cwd=ROOT)
-            if out.returncode != 0:
-                print(f"{setting}: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-                return 1
+            if out.returncode != 0:  # (killed for memory, under a limit: counted, the others go on)
+                lines = out.stderr.strip().splitlines()[-1:] or [f"ended with {out.returncode}"]
+                print(f"{setting}: {lines[0]}", file=sys.stderr)
+                killed[setting + suffix[mode]] = killed.get(setting + suffix[mode], 0) + 1
+                continue
             runs[setting + suffix[mode]].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.model} at {args.img_size}, {args.samples} samples a pass, {args.iterations} passes, "
           f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass)")
     print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8}")
     for setting, done in runs.items():
         if not done:
-            print(f"{setting:12} (not installed)")
+            print(f"{setting:12} " + (f"ended early in all {killed[setting]} runs" if setting in killed else
+                                      "(not installed)"))
             continue
         medians = [statistics.median(r["peaks"][i] for r in done) for i in range(args.iterations)]
         last = sorted(r["peaks"][-1] for r in done)
         print(f"{setting:12} {done[0]['allocator']:9} {' '.join(f'{m:.0f}' for m in medians):48} "
               f"{last[0]:.0f}-{last[-1]:.0f}{'':6} {statistics.median(r['user'] for r in done):7.2f} "
-              f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f}")
+              f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f}"
+              f"{f'  ({killed[setting]} ended early)' if setting in killed else ''}")
     return 0
 
 

@@ -67,7 +67,7 @@ class Device:
     reduce_msg_s: float = 0.0
     # seconds of this device's time per byte of a block mapped afresh and faulted in (the
     # kernel zeroes its pages): what a plan that maps its largest blocks costs it (planner.
-    # mapping); 0: the device cannot map (its profile measures it on glibc with huge pages)
+    # mapping); 0: the device cannot map (its profile measures it on glibc as swarm starts it)
     map_s_per_byte: float = 0.0
     accelerator: Accelerator | None = None  # None: the device computes on its CPU
     # the CPU's own figures when an accelerator is given (None: `costs` and `memory` are the CPU's)

@@ -1,12 +1,13 @@
 """Plans whose devices map a micro-batch's largest blocks afresh (Plan.mapped).
 
-On glibc with transparent huge pages (swarm.host.malloc, the allocator "glibc-thp") a device
-can serve every block of MAPPED_FROM bytes or more from a mapping of its own, unmapped when
+On glibc as `swarm` starts it (swarm.host.malloc) a device can serve every block of MAPPED_FROM bytes or more from a mapping of its own, unmapped when
 freed, instead of from its heap. The heap keeps freed blocks for reuse, but the backward's
 buffers, of other sizes than the maps freed before them, mostly do not fit in those holes, and
 the heap grows: a 4-sample share of yolov2-16 at 416 held 877 MiB above its start in the heap
 and 525 mapped (jemalloc: 611). Mapped blocks come back zeroed by the kernel each time, which
-costs CPU time: about 9% more a pass there (bench/RESULTS.md).
+costs CPU time (bench/RESULTS.md): in a 0.2-core, 1 GiB cgroup, 4 passes of 4 samples took
+6.7-7.1 CPU-s mapped, 5.4 in the heap (which held 818 MiB, and was killed once), and 5.8-6.6 on
+glibc's defaults, which map blocks of 32 MiB or more and peaked at 722-785 MiB.
 
 So mapping is a trade, as remaking BatchNorm and checkpointing are: less memory for more
 compute. `auto` weighs it where every device of the cluster can map: the memory model of a
@@ -35,7 +36,7 @@ MAPPED_SLACK = 1.0
 
 def can_map(cluster: Cluster) -> bool:
     """Whether every device of the cluster can map its largest blocks (its profile measured
-    what that costs, on glibc with huge pages)."""
+    what that costs, on glibc as swarm starts it)."""
     return all(d.map_s_per_byte > 0 for d in cluster.devices)
 
 
@@ -85,7 +86,7 @@ def mapping(mem: MemoryModel, cluster: Cluster, desc: ModelDesc) -> tuple[Memory
     the device faults in its blocks of MAPPED_FROM or more."""
     if not can_map(cluster):
         cannot = [d.name for d in cluster.devices if d.map_s_per_byte <= 0]
-        raise ValueError(f"{', '.join(cannot)} cannot map blocks afresh (glibc with transparent huge pages, "
+        raise ValueError(f"{', '.join(cannot)} cannot map blocks afresh (glibc as swarm starts it, "
                          f"measured by a profile)")
     if cluster.mapping:
         return mapped_model(mem), cluster

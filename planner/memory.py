@@ -22,8 +22,8 @@ OPTIMIZER_STATE_FLOATS = {"sgd": 1, "adam": 2, "plain-sgd": 0}  # extra floats p
 # them and the temporaries of the last layer run. Plans for real devices use this factor on
 # glibc (MemoryModel.for_devices); the model alone (slack 1) is the papers' equation. It was
 # 1.5 while glibc ran with its small-chunk caches, whose peaks grew with a share's samples
-# and varied from run to run. As swarm runs glibc now (swarm.host.malloc: no tcache, the heap
-# in huge pages where the kernel has them), one process above its settled start, the most of
+# and varied from run to run. As swarm runs glibc now (swarm.host.malloc: no tcache; the heap
+# was then in huge pages, where the kernel had them), one process above its settled start, the most of
 # two runs (bench/RESULTS.md, 2026-11-30 "glibc's slack fitted again"): yolov2-16 at 416
 # keeping every map 196, 427 and 868 MiB for 1, 2 and 4 samples, remaking 163, 323 and 663;
 # darknet53 at 256 166, 307, 593 and 134, 227, 403; yolov2-16 at 320 as a whole-model share
@@ -74,9 +74,11 @@ GROWTH_FROM = 2
 # alone, begun at 243).
 JEMALLOC_SLACK = 1.25
 JEMALLOC_GROWTH = 0.0
-# glibc as swarm runs it where the kernel has transparent huge pages ("glibc-thp", swarm.host.
-# malloc) keeps its heap as above, in huge pages: the same peaks (bench/RESULTS.md), so the same
-# slack. A plan may have such devices map their largest blocks instead (planner.mapping).
+# glibc as swarm ran it until 2026-12 where the kernel had transparent huge pages ("glibc-thp",
+# which older profiles may name) kept its heap as above, in huge pages: the same peaks, so the
+# same slack; in small pages, as now, 4 samples held 798-818 MiB in a 1 GiB cgroup (bench/
+# RESULTS.md, 2026-12-01). A plan may have glibc devices map their largest blocks instead
+# (planner.mapping).
 # Whether the backward's buffers reuse the room the saved tensors of the layers behind them
 # (already back-propagated) have freed. glibc's heap, tuned by swarm.host.malloc to keep
 # what it frees, does not hand that room to maps of other sizes (its peaks above grow

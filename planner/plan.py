@@ -213,7 +213,7 @@ class Plan:
     predicted: dict | None = None  # {"step_time_s": float, "peak_memory": {device: bytes}, ...}
     planner: str = "manual"
     # every device serves its largest blocks from mappings of their own, not its heap
-    # (planner.mapping: less memory, more compute; devices on glibc with huge pages)
+    # (planner.mapping: less memory, more compute; devices on glibc)
     mapped: bool = False
     version: int = PLAN_VERSION
 

@@ -19,7 +19,6 @@ ALLOWED_SKIPS = (
     "no CUDA device on this machine",  # test_cuda, test_tiles_graph
     "a CUDA device is here",           # test_planner_cli: what a machine without CUDA prints
     "jemalloc is not installed here",  # test_malloc, test_memory_model: an optional system library
-    "the kernel has no transparent huge pages",  # test_malloc, test_memory_model: a kernel setting
     "systemd-analyze not installed",   # test_deploy_unit: .ci/run installs it where it can and says when not
     "no external interface here",      # test_discovery: a container with loopback alone
 )

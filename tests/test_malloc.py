@@ -118,11 +118,11 @@ def test_a_command_that_trains_on_glibc_starts_again_without_glibcs_small_chunk_
     """The tcache can only be turned off at a process's start (swarm.host.malloc)."""
     base = {"PATH": "/usr/bin"}
     env = malloc.preload_environment(base, None, glibc=True)
-    assert env == dict(base, GLIBC_TUNABLES=malloc.glibc_tunables(), **{malloc.PRELOADED: "glibc"})
+    assert env == dict(base, GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
     assert malloc.preload_environment(env, None, glibc=True) is None  # started again already: no loop
     assert malloc.preload_environment(base, None) is None  # a command that does not train
     assert malloc.preload_environment(dict(base, SWARM_MALLOC="glibc"), "/usr/lib/libjemalloc.so.2", glibc=True) \
-        == dict(base, SWARM_MALLOC="glibc", GLIBC_TUNABLES=malloc.glibc_tunables(), **{malloc.PRELOADED: "glibc"})
+        == dict(base, SWARM_MALLOC="glibc", GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
     for chosen in ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, {"MALLOC_ARENA_MAX": "2"},
                    {"LD_PRELOAD": "/opt/libtcmalloc.so"}):
         assert malloc.preload_environment(dict(base, **chosen), None, glibc=True) is None, chosen
@@ -141,24 +141,18 @@ def test_swarm_train_runs_with_glibcs_tunables_and_status_starts_once(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES",
                                                                                           malloc.PRELOADED)}
     env.update(PYTHONPATH=f"{tmp_path}:{ROOT}", **env_extra)
-    for command, expected in ((["train", "--help"], malloc.glibc_tunables()), (["status", "--help"], "-")):
+    for command, expected in ((["train", "--help"], malloc.GLIBC_TUNABLES), (["status", "--help"], "-")):
         out = subprocess.run([sys.executable, "-m", "swarm", *command], capture_output=True, text=True, env=env)
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines()[-1] == f"TUNABLES {expected}", out.stdout[-300:]
 
 
-# ---- glibc with transparent huge pages ------------------------------------------------------
-needs_huge_pages = pytest.mark.skipif(not malloc.huge_pages(), reason="the kernel has no transparent huge pages")
-
-
-def test_huge_pages_are_asked_for_where_the_kernel_gives_them_to_memory_that_asks(tmp_path):
-    for text, expected in (("always [madvise] never\n", True), ("[always] madvise never\n", True),
-                           ("always madvise [never]\n", False)):
-        (tmp_path / "enabled").write_text(text)
-        assert malloc.huge_pages(str(tmp_path / "enabled")) is expected, text
-    assert malloc.huge_pages(str(tmp_path / "missing")) is False  # no THP in the kernel at all
+# ---- glibc as swarm starts it, and plans that map --------------------------------------------
+def test_glibc_is_not_asked_for_huge_pages():
+    """On a device whose memory is nearly all in use the kernel compacts memory for each huge
+    page a fault asks for: a 1 GiB device paid more system time in them (swarm.host.malloc)."""
     env = malloc.preload_environment({"PATH": "/usr/bin"}, None, glibc=True)
-    assert env["GLIBC_TUNABLES"] == (malloc.GLIBC_HUGE_TUNABLES if malloc.huge_pages() else malloc.GLIBC_TUNABLES)
+    assert env["GLIBC_TUNABLES"] == malloc.GLIBC_TUNABLES and "hugetlb" not in env["GLIBC_TUNABLES"]
     assert malloc.preload_environment(env, None, glibc=True) is None  # started again already
     assert malloc.without_own_preload(env) == {"PATH": "/usr/bin"}
 
@@ -179,21 +173,19 @@ print(malloc.allocator(), mapped, faults() - before, (after - rss) >> 20)
 """
 
 
-@needs_huge_pages
-def test_a_plan_that_maps_gives_its_largest_blocks_back_on_free_and_faults_them_in_by_huge_pages():
-    """The `swarm` command's glibc where the kernel has huge pages (swarm.host.malloc): its heap
-    keeps a freed block for reuse, as before; a plan that maps (map_large) unmaps it when freed,
-    so the process holds what it uses, and mapping a block again costs a fault per 2 MiB, not
-    per 4 KiB."""
+def test_a_plan_that_maps_gives_its_largest_blocks_back_on_free():
+    """The `swarm` command's glibc (swarm.host.malloc): its heap keeps a freed block for reuse;
+    a plan that maps (map_large) unmaps it when freed, so the process holds what it uses, and
+    faults a block in again when it next needs one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "SWARM_MALLOC")}
-    env.update(PYTHONPATH=str(ROOT), GLIBC_TUNABLES=malloc.GLIBC_HUGE_TUNABLES, **{malloc.PRELOADED: "glibc"})
+    env.update(PYTHONPATH=str(ROOT), GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
     runs = {}
     for how in ("heap", "map"):
         out = subprocess.run([sys.executable, "-c", MAPPED_PROBE, how], capture_output=True, text=True, env=env,
                              check=True)
         name, mapped, faults, kept = out.stdout.split()
-        assert name == "glibc-thp" and mapped == str(how == "map")
+        assert name == "glibc" and mapped == str(how == "map")
         runs[how] = int(faults), int(kept)
     assert runs["heap"][1] >= 250 and runs["heap"][0] < 1000  # kept for reuse, used again without faults
     assert runs["map"][1] < 50  # given back
-    assert runs["map"][0] < 2000  # 64 MiB is 16384 pages of 4 KiB, 32 of 2 MiB
+    assert runs["map"][0] > runs["heap"][0]  # faulted in again (here 4205 times against none)

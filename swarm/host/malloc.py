@@ -37,21 +37,20 @@ with neither cache 851-866 MiB, flat from the fourth (in five more rounds on a q
 time (M_MXFAST 0); the tcache only at a process's start (GLIBC_TUNABLES), so the `swarm`
 command training on glibc starts itself again with it (`preload`), as it does on jemalloc.
 
-Where the kernel gives transparent huge pages to memory that asks for them (`enabled` is
-`always` or `madvise`, as on Debian's kernels), glibc is asked for them too (the tunable
-glibc.malloc.hugetlb=1; the allocator is then "glibc-thp"), and its heap grows in huge pages:
-a fault per 2 MiB instead of per 4 KiB, fewer TLB misses. yolov2-16 at 416 on 4-sample
-passes: 2-7% less CPU than the same heap in small pages, within 3% of jemalloc's, at the same
-peak as the heap (bench/allocator_peaks.py; bench/RESULTS.md).
+A plan may also have every block of MAPPED_FROM or more served from a mapping of its own,
+unmapped on free (`map_large`, Plan.mapped). Those are the largest maps of a micro-batch (at
+416 the first layers' outputs, 11 MB a sample): they no longer leave holes in the heap that the
+next maps of other sizes cannot use. yolov2-16 at 416 on 4-sample passes held 525 MiB above
+the start, flat, against 800-877 in the heap and 611 on jemalloc; but each pass faults its
+mapped blocks in again, zeroed by the kernel. So the planner weighs it (planner.mapping), at
+the cost per byte each device's profile measures (swarm.profiling.mapping).
 
-There a plan may also have every block of MAPPED_FROM or more served from a mapping of its
-own, unmapped on free (`map_large`, Plan.mapped). Those are the largest maps of a micro-batch
-(at 416 the first layers' outputs, 11 MB a sample): they no longer leave holes in the heap
-that the next maps of other sizes cannot use. The same passes held 525 MiB above the start,
-flat, against 877 in the heap and 611 on jemalloc; but each pass faults its mapped blocks in
-again, zeroed by the kernel: about 9% more CPU. So the planner weighs it
-(planner.mapping), at the cost per byte each device's profile measures
-(swarm.profiling.mapping).
+glibc is not asked for transparent huge pages (its tunable glibc.malloc.hugetlb=1, which swarm
+set where the kernel had them, until 2026-12). On a device whose memory is nearly all in use,
+as on a 1 GiB device holding a micro-batch, the kernel compacts memory to find each huge page
+a fault asks for: in a 0.2-core, 1 GiB cgroup, 4-sample passes of yolov2-16 at 416 took
+2.9-4.5 s of system time mapped in huge pages against 1.8-1.9 in small ones (the same peak),
+and 2 samples in the heap 0.52-0.58 against 0.17 (bench/RESULTS.md, 2026-12-01).
 """
 from __future__ import annotations
 
@@ -65,13 +64,10 @@ import sys
 M_MXFAST, M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = 1, -1, -3, -4, -8
 # glibc: no per-thread cache of small freed chunks (what mallopt cannot change once running)
 GLIBC_TUNABLES = "glibc.malloc.tcache_count=0"
-# the same, and huge pages asked for the heap and the mappings, where the kernel has them
-GLIBC_HUGE_TUNABLES = GLIBC_TUNABLES + ":glibc.malloc.hugetlb=1"
-# on glibc with huge pages, where a plan maps (map_large): blocks this large or larger get their
+# on glibc as swarm starts it, where a plan maps (map_large): blocks this large or larger get their
 # own mapping (M_MMAP_THRESHOLD; planner.mapping.MAPPED_FROM)
 MAPPED_FROM = 4 << 20
 MAX_MAPPED = 1 << 16  # mappings at once (glibc's default)
-THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 # the commands whose processes train or profile (the rest allocate little, and start once)
 COMPUTING = ("train", "join", "profile", "eval", "detect", "export", "plan")
 # one arena (as on glibc: each thread's own would keep its freed activations), and freed pages
@@ -97,7 +93,7 @@ def find_jemalloc() -> str | None:
 def _users_choice(environ) -> bool:
     """Whether the environment sets the allocator or its settings (swarm's own start aside)."""
     own = environ.get(PRELOADED)
-    if own == "glibc" and environ.get("GLIBC_TUNABLES") in (GLIBC_TUNABLES, GLIBC_HUGE_TUNABLES):
+    if own == "glibc" and environ.get("GLIBC_TUNABLES") == GLIBC_TUNABLES:
         environ = {k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}
     elif own is not None and environ.get("LD_PRELOAD") == own:
         environ = {k: v for k, v in environ.items() if k != "LD_PRELOAD" and
@@ -116,29 +112,13 @@ def preload_environment(environ: dict[str, str], library: str | None, glibc: boo
     if library is not None:
         return dict(environ, LD_PRELOAD=library, MALLOC_CONF=JEMALLOC_CONF, **{PRELOADED: library})
     if glibc:
-        return dict(environ, GLIBC_TUNABLES=glibc_tunables(), **{PRELOADED: "glibc"})
+        return dict(environ, GLIBC_TUNABLES=GLIBC_TUNABLES, **{PRELOADED: "glibc"})
     return None
 
 
-def huge_pages(path: str = THP) -> bool:
-    """Whether the kernel gives transparent huge pages to memory that asks (madvise)."""
-    try:
-        with open(path) as f:
-            enabled = f.read()
-    except OSError:
-        return False
-    return "[always]" in enabled or "[madvise]" in enabled
-
-
-def glibc_tunables() -> str:
-    """The GLIBC_TUNABLES a `swarm` command that trains on glibc starts again with: huge
-    pages asked for where the kernel has them."""
-    return GLIBC_HUGE_TUNABLES if huge_pages() else GLIBC_TUNABLES
-
-
-def _huge_glibc(environ=os.environ) -> bool:
-    """Whether this process was started by swarm on glibc with huge pages asked for."""
-    return environ.get(PRELOADED) == "glibc" and environ.get("GLIBC_TUNABLES") == GLIBC_HUGE_TUNABLES
+def _swarm_glibc(environ=os.environ) -> bool:
+    """Whether this process was started by swarm on glibc with its tunables."""
+    return environ.get(PRELOADED) == "glibc" and environ.get("GLIBC_TUNABLES") == GLIBC_TUNABLES
 
 
 def preload(argv: list[str] | None = None) -> None:
@@ -166,7 +146,7 @@ def without_own_preload(environ: dict[str, str]) -> dict[str, str]:
         return dict(environ)
     env = {k: v for k, v in environ.items() if k != PRELOADED}
     if environ[PRELOADED] == "glibc":
-        if env.get("GLIBC_TUNABLES") in (GLIBC_TUNABLES, GLIBC_HUGE_TUNABLES):
+        if env.get("GLIBC_TUNABLES") == GLIBC_TUNABLES:
             env.pop("GLIBC_TUNABLES")
     elif env.get("LD_PRELOAD") == environ[PRELOADED]:
         env.pop("LD_PRELOAD")
@@ -185,14 +165,13 @@ def _jemalloc():
 
 
 def allocator() -> str:
-    """The allocator this process runs on: "jemalloc", "glibc-thp" (glibc with huge pages and
-    its largest blocks mapped, as `swarm` starts it where the kernel has them), "glibc" or
-    "other"."""
+    """The allocator this process runs on: "jemalloc", "glibc" or "other". (Profiles made
+    before 2026-12 may say "glibc-thp": glibc with its heap in huge pages.)"""
     if _jemalloc() is not None:
         return "jemalloc"
     if _libc() is None:
         return "other"
-    return "glibc-thp" if _huge_glibc() and huge_pages() else "glibc"
+    return "glibc"
 
 
 def _libc():
@@ -220,9 +199,9 @@ def tune() -> None:
 
 
 def can_map() -> bool:
-    """Whether this process can serve its largest blocks from mappings of their own at a
-    fault per huge page (map_large): glibc with huge pages, as `swarm` starts it."""
-    return allocator() == "glibc-thp" and not _users_choice(os.environ)
+    """Whether this process can serve its largest blocks from mappings of their own
+    (map_large): glibc, as `swarm` starts it (a user's own settings stay as they are)."""
+    return allocator() == "glibc" and _swarm_glibc()
 
 
 def map_large(on: bool) -> bool:

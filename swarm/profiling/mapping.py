@@ -2,7 +2,7 @@
 planner.mapping): measured with its profile, kept in it as "map_cpu_s_per_byte".
 
 The blocks are mapped here with the mmap module, as glibc maps a block of MAPPED_FROM or more
-(private, anonymous, advised to huge pages), not through malloc: glibc serves such a request
+(private, anonymous, in the kernel's small pages), not through malloc: glibc serves such a request
 from a free chunk of its heap when one holds it, and a profile runs after work that grew the
 heap, so a pass asked to map often mapped nothing. Three measures in one process that had built
 yolov2-16 at 416 gave 3e-11, 0 and 3e-10 s a byte; mapped here, 0.9-1.8e-10.
@@ -22,10 +22,7 @@ SHAPE = (1.1, 2.8, 1.7, 5.5, 4.3, 11.2, 2.8, 1.1)
 
 
 def _fresh(nbytes: int) -> mmap.mmap:
-    block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        block.madvise(mmap.MADV_HUGEPAGE)  # what glibc.malloc.hugetlb=1 asks of a mapped chunk
-    return block
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def map_cost(rounds: int = 9) -> float:

@@ -79,7 +79,7 @@ def load_or_profile(model: str = "yolov2-16", img_size: ImageSize | int | None =
 
 PROFILE_JOB = "profile"
 REDUCE_MSG = "reduce_msg_cpu_s"  # in a profile's device facts: swarm.profiling.reduction
-MAP_COST = "map_cpu_s_per_byte"  # in a profile's device facts, on glibc with huge pages: swarm.profiling.mapping
+MAP_COST = "map_cpu_s_per_byte"  # in a profile's device facts, on glibc as swarm starts it: swarm.profiling.mapping
 
 
 async def run_profile_job(ctx) -> dict:
@@ -101,7 +101,7 @@ async def run_profile_job(ctx) -> dict:
     if REDUCE_MSG not in profile.device:  # a fresh profile, or one cached before it was measured
         profile.device[REDUCE_MSG] = await ctx.run_in_thread(reduce_msg_cpu)
         write_profile(profile, path)
-    if MAP_COST not in profile.device and profile.device.get("allocator") == "glibc-thp" and malloc.can_map():
+    if MAP_COST not in profile.device and malloc.can_map():
         profile.device[MAP_COST] = await ctx.run_in_thread(map_cost)
         write_profile(profile, path)
     return {"profile": profile.to_dict(), "cached": cached}
