@@ -1,23 +1,31 @@
 """A training process's resident peak on each allocator setting, micro-batch after micro-batch.
 
     python bench/allocator_peaks.py [--model yolov2-16 --img-size 416 --samples 4 --iterations 6
-        --rounds 3 --settings before,heap,swarm,mapped,mmap,jemalloc --jemalloc PATH --recompute off,on,segments]
+        --rounds 3 --settings default,heap,mapped,mapped-small,mmap,jemalloc --jemalloc PATH --recompute off,on,segments
+        --cpu 0.2 --mem 1G]
 
 One process per setting and round (alternating: round 1 runs every setting, then round 2),
 each training the whole model on one thread, `--iterations` forward-backward passes of
 `--samples` samples (a list, such as 4,2,3, is taken in turn: micro-batches of varying size).
 It prints, per setting, the median over the rounds of the resident peak above the process's
-settled start after each pass, and the CPU time (user, system) and page faults of the passes:
+settled start after each pass, and the CPU time (user, system), page faults and wall time of the
+passes. With `--cpu` and `--mem` (root) each process runs in a cgroup of that CPU quota and
+memory, as a testbed device does (swarm.testbed.cgroups); a run killed for memory is counted.
+
+    default   glibc as a plain Python process runs it (as torch's DDP does): blocks above its
+              mmap threshold (up to 32 MiB, moving) mapped afresh
 
     before    glibc as swarm set it before: one arena, no mmap, freed memory kept
     heap      the above, and neither fastbins nor the per-thread cache (tcache): what the
               `swarm` command runs a training on, on glibc, where the kernel has no
               transparent huge pages (swarm.host.malloc)
-    swarm     what it runs a training on, on glibc, here: where the kernel has transparent
-              huge pages, `heap` with the heap in huge pages ("glibc-thp")
-    mapped    `swarm` as a plan that maps its largest blocks runs (Plan.mapped): blocks of
-              4 MiB or more mapped afresh, unmapped on free (swarm.host.malloc.map_large)
+    swarm     `heap` (what it runs a training on since 2026-12, so the same as `heap`)
+    mapped    `heap` with the heap and its mappings in huge pages (glibc.malloc.hugetlb=1,
+              as swarm ran glibc until 2026-12, "glibc-thp"), as a plan that maps its largest
+              blocks ran (Plan.mapped): blocks of 4 MiB or more mapped afresh, unmapped on free
     mapped:N  the same, with blocks of N MiB or more mapped afresh
+    mapped-small  `heap` as a plan that maps runs now: blocks of 4 MiB or more mapped
+              afresh, in the kernel's small pages (mapped-small:N: of N MiB or more)
     mmap      one arena, and every block of 256 KiB or more its own mapping, unmapped on
               free (each pass faults its pages in again)
     jemalloc  jemalloc as swarm preloads it (where it is installed, or the library --jemalloc
@@ -43,6 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from swarm.commands.testbed_cmd import memory_size  # noqa: E402
 from swarm.host import malloc  # noqa: E402
 
 PASSES = r"""
@@ -51,15 +60,17 @@ setting, samples, size, iterations, model = sys.argv[1], [int(x) for x in sys.ar
     int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 recompute, segments = sys.argv[6] == "on", sys.argv[6] == "segments"
 from swarm.host import malloc
-if setting == "mapped-small":
-    malloc.tune()
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(malloc.M_MMAP_THRESHOLD, malloc.MAPPED_FROM); libc.mallopt(malloc.M_MMAP_MAX, malloc.MAX_MAPPED)
-elif setting.startswith("mapped"):
+if setting.startswith("mapped-small"):
     malloc.tune()
     malloc.map_large(True)
     if ":" in setting:
         ctypes.CDLL("libc.so.6").mallopt(malloc.M_MMAP_THRESHOLD, int(setting.split(":")[1]) << 20)
+elif setting.startswith("mapped"):  # (its tunables are not swarm's: tune() would leave them alone)
+    libc = ctypes.CDLL("libc.so.6")
+    for option, value in ((malloc.M_ARENA_MAX, 1), (malloc.M_TRIM_THRESHOLD, 1 << 30), (malloc.M_MXFAST, 0),
+                          (malloc.M_MMAP_MAX, malloc.MAX_MAPPED),
+                          (malloc.M_MMAP_THRESHOLD, int(setting[7:] or "4") << 20)):
+        libc.mallopt(option, value)
 elif setting == "mmap":
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(malloc.M_ARENA_MAX, 1); libc.mallopt(-3, 256 << 10); libc.mallopt(malloc.M_TRIM_THRESHOLD, 1 << 30)
@@ -83,13 +94,14 @@ net.checkpoint = segments
 net(torch.rand(1, *desc.layers[0].in_shape)).sum().backward()
 base = settled_rss()
 before = resource.getrusage(resource.RUSAGE_SELF)
+t0 = time.monotonic()
 peaks = []
 with PeakRSS() as rss:
     for i in range(iterations):
         net(torch.rand(samples[i % len(samples)], *desc.layers[0].in_shape)).float().pow(2).mean().backward()
         peaks.append((rss.peak - base) / 2**20)
 after = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"base": base / 2**20, "allocator": malloc.allocator(), "peaks": peaks, "user": after.ru_utime - before.ru_utime,
+print(json.dumps({"wall": time.monotonic() - t0, "base": base / 2**20, "allocator": malloc.allocator(), "peaks": peaks, "user": after.ru_utime - before.ru_utime,
                   "sys": after.ru_stime - before.ru_stime, "faults": after.ru_minflt - before.ru_minflt}))
 """
 
@@ -98,10 +110,10 @@ def environment(setting: str, jemalloc: str | None) -> dict[str, str] | None:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES", malloc.PRELOADED)}
     env["PYTHONPATH"] = str(ROOT)
-    if setting in ("heap", "mapped-small"):
+    if setting in ("heap", "swarm") or setting.startswith("mapped-small"):  # as `swarm` starts itself again
         env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
-    elif setting == "swarm" or setting.startswith("mapped"):  # as `swarm` starts itself again
-        env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
+    elif setting.startswith("mapped"):  # as it did until 2026-12, in huge pages
+        env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES + ":glibc.malloc.hugetlb=1")
     elif setting == "jemalloc":
         library = jemalloc or malloc.find_jemalloc()
         if library is None:
@@ -121,9 +133,20 @@ def main() -> int:
     parser.add_argument("--jemalloc", help="the jemalloc library to preload (default: the installed one)")
     parser.add_argument("--recompute", default="off", help="any of off, on, segments (off,on,segments): BatchNorm "
                         "and activation remade in the backward (on), or checkpointed segments")
+    parser.add_argument("--cpu", type=float, help="each process in a cgroup of this many cores (root)")
+    parser.add_argument("--mem", type=memory_size, help="... and this much memory (1G, 800M)")
     args = parser.parse_args()
+    in_cgroup = None
+    if args.cpu is not None or args.mem is not None:
+        from swarm.testbed import cgroups
+        host = cgroups.detect()
+        if host is None or os.geteuid() != 0:
+            parser.error("--cpu and --mem need root and cgroups")
+        dirs = cgroups.create_limits(host, "allocator-peaks", args.cpu, args.mem)
+        in_cgroup = lambda: cgroups.add_process(dirs, os.getpid())  # noqa: E731 (in the child, before exec)
     settings = [s for s in args.settings.split(",") if s]
-    unknown = {s for s in settings if not (s.startswith("mapped:") and s[7:].isdigit())} - {
+    unknown = {s for s in settings if not (s.split(":")[0] in ("mapped", "mapped-small") and s.count(":") == 1
+                                           and s.split(":")[1].isdigit())} - {
         "default", "mapped-small", "before", "heap", "swarm", "mapped", "mmap", "jemalloc"}
     if unknown:
         parser.error(f"no setting {', '.join(sorted(unknown))}")
@@ -141,7 +164,7 @@ def main() -> int:
                 continue  # jemalloc not installed
             out = subprocess.run([sys.executable, "-c", PASSES, setting, args.samples, str(args.img_size),
                                   str(args.iterations), args.model, mode],
-                                 capture_output=True, text=True, env=env, cwd=ROOT)
+                                 capture_output=True, text=True, env=env, cwd=ROOT, preexec_fn=in_cgroup)
             if out.returncode != 0:  # (killed for memory, under a limit: counted, the others go on)
                 lines = out.stderr.strip().splitlines()[-1:] or [f"ended with {out.returncode}"]
                 print(f"{setting}: {lines[0]}", file=sys.stderr)
@@ -150,7 +173,7 @@ def main() -> int:
             runs[setting + suffix[mode]].append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{args.model} at {args.img_size}, {args.samples} samples a pass, {args.iterations} passes, "
           f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass)")
-    print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8}")
+    print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8} {'wall s':>7}")
     for setting, done in runs.items():
         if not done:
             print(f"{setting:12} " + (f"ended early in all {killed[setting]} runs" if setting in killed else
@@ -160,7 +183,8 @@ def main() -> int:
         last = sorted(r["peaks"][-1] for r in done)
         print(f"{setting:12} {done[0]['allocator']:9} {' '.join(f'{m:.0f}' for m in medians):48} "
               f"{last[0]:.0f}-{last[-1]:.0f}{'':6} {statistics.median(r['user'] for r in done):7.2f} "
-              f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f}"
+              f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f} "
+              f"{statistics.median(r['wall'] for r in done):7.1f}"
               f"{f'  ({killed[setting]} ended early)' if setting in killed else ''}")
     return 0
 
