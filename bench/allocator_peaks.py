@@ -136,7 +136,7 @@ def main() -> int:
     parser.add_argument("--cpu", type=float, help="each process in a cgroup of this many cores (root)")
     parser.add_argument("--mem", type=memory_size, help="... and this much memory (1G, 800M)")
     args = parser.parse_args()
-    in_cgroup = None
+    in_cgroup, made = None, []
     if args.cpu is not None or args.mem is not None:
         from swarm.testbed import cgroups
         host = cgroups.detect()
@@ -144,6 +144,7 @@ def main() -> int:
             parser.error("--cpu and --mem need root and cgroups")
         dirs = cgroups.create_limits(host, "allocator-peaks", args.cpu, args.mem)
         in_cgroup = lambda: cgroups.add_process(dirs, os.getpid())  # noqa: E731 (in the child, before exec)
+        made = dirs + host.group_dirs()  # removed after (a testbed's group stays: it is not empty)
     settings = [s for s in args.settings.split(",") if s]
     unknown = {s for s in settings if not (s.split(":")[0] in ("mapped", "mapped-small") and s.count(":") == 1
                                            and s.split(":")[1].isdigit())} - {
@@ -171,6 +172,8 @@ def main() -> int:
                 killed[setting + suffix[mode]] = killed.get(setting + suffix[mode], 0) + 1
                 continue
             runs[setting + suffix[mode]].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for d in made:  # the runs' cgroup, emptied
+        cgroups.remove(d, wait=0.5)
     print(f"{args.model} at {args.img_size}, {args.samples} samples a pass, {args.iterations} passes, "
           f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass)")
     print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8} {'wall s':>7}")
