@@ -101,7 +101,8 @@ with PeakRSS() as rss:
         net(torch.rand(samples[i % len(samples)], *desc.layers[0].in_shape)).float().pow(2).mean().backward()
         peaks.append((rss.peak - base) / 2**20)
 after = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"wall": time.monotonic() - t0, "base": base / 2**20, "allocator": malloc.allocator(), "peaks": peaks, "user": after.ru_utime - before.ru_utime,
+print(json.dumps({"wall": time.monotonic() - t0, "base": base / 2**20, "allocator": malloc.allocator(),
+                  "peaks": peaks, "user": after.ru_utime - before.ru_utime,
                   "sys": after.ru_stime - before.ru_stime, "faults": after.ru_minflt - before.ru_minflt}))
 """
 
@@ -176,7 +177,8 @@ def main() -> int:
         cgroups.remove(d, wait=0.5)
     print(f"{args.model} at {args.img_size}, {args.samples} samples a pass, {args.iterations} passes, "
           f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass)")
-    print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} {'sys s':>6} {'faults':>8} {'wall s':>7}")
+    print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} "
+          f"{'sys s':>6} {'faults':>8} {'wall s':>7}")
     for setting, done in runs.items():
         if not done:
             print(f"{setting:12} " + (f"ended early in all {killed[setting]} runs" if setting in killed else

@@ -1,7 +1,8 @@
 """Plans whose devices map a micro-batch's largest blocks afresh (Plan.mapped).
 
-On glibc as `swarm` starts it (swarm.host.malloc) a device can serve every block of MAPPED_FROM bytes or more from a mapping of its own, unmapped when
-freed, instead of from its heap. The heap keeps freed blocks for reuse, but the backward's
+On glibc as `swarm` starts it (swarm.host.malloc) a device can serve every block of
+MAPPED_FROM bytes or more from a mapping of its own, unmapped when freed, instead of from its
+heap. The heap keeps freed blocks for reuse, but the backward's
 buffers, of other sizes than the maps freed before them, mostly do not fit in those holes, and
 the heap grows: a 4-sample share of yolov2-16 at 416 held 877 MiB above its start in the heap
 and 525 mapped (jemalloc: 611). Mapped blocks come back zeroed by the kernel each time, which

@@ -22,9 +22,9 @@ OPTIMIZER_STATE_FLOATS = {"sgd": 1, "adam": 2, "plain-sgd": 0}  # extra floats p
 # them and the temporaries of the last layer run. Plans for real devices use this factor on
 # glibc (MemoryModel.for_devices); the model alone (slack 1) is the papers' equation. It was
 # 1.5 while glibc ran with its small-chunk caches, whose peaks grew with a share's samples
-# and varied from run to run. As swarm runs glibc now (swarm.host.malloc: no tcache; the heap
-# was then in huge pages, where the kernel had them), one process above its settled start, the most of
-# two runs (bench/RESULTS.md, 2026-11-30 "glibc's slack fitted again"): yolov2-16 at 416
+# and varied from run to run. As swarm runs glibc now (swarm.host.malloc: no tcache; the
+# heap was then in huge pages, where the kernel had them), one process above its settled
+# start, the most of two runs (bench/RESULTS.md, 2026-11-30 "glibc's slack fitted again"): yolov2-16 at 416
 # keeping every map 196, 427 and 868 MiB for 1, 2 and 4 samples, remaking 163, 323 and 663;
 # darknet53 at 256 166, 307, 593 and 134, 227, 403; yolov2-16 at 320 as a whole-model share
 # 249 and 520 for 2 and 4, and as pipeline stages of 1-4 micro-batches under its model at

@@ -116,7 +116,8 @@ def test_pipeline_is_bit_exact_in_float32(bed, local_runs, tmp_path):
 def test_replicas_of_dp_groups_on_the_testbed_equal_local(bed, local_runs, tmp_path):
     """A plan file whose dp stage has two replicas of unequal groups (dev0 alone with whole
     micro-batches of 4 | dev1, dev2 and dev3 sharing theirs 2, 1, 1), taking 3 and 1 of the
-    4 micro-batches, its devices mapping their largest blocks afresh (Plan.mapped, on glibc): over real connections, the local trainer's weights."""
+    4 micro-batches, its devices mapping their largest blocks afresh (Plan.mapped, on glibc):
+    over real connections, the local trainer's weights."""
     from planner.plan import Plan, Stage
     from swarm.host import malloc
 
