@@ -245,11 +245,7 @@ def test_profile_says_its_layers_are_fitted(profile):
 
 
 def test_profile_measures_the_tiles_executors_overhead(profile):
-    # the same work with the executor's bookkeeping on top: about 1 where the network is large;
-    # at 32x32, one repeat, each side is a few milliseconds on a machine the suite's other
-    # workers share, and one side caught between them has read 0.43 (a fresh-clone CI run,
-    # 2026-12-01): the bounds catch a measure that is broken, not one that is noisy
-    assert 0.25 < profile.costs.tiles_overhead < 5
+    assert 0.5 < profile.costs.tiles_overhead < 5
     again = DeviceProfile.from_dict(json.loads(json.dumps(profile.to_dict())))
     assert again.costs.tiles_overhead == profile.costs.tiles_overhead
     assert again.costs.scaled(2.0).tiles_overhead == profile.costs.tiles_overhead

@@ -177,8 +177,14 @@ def time_tiles_overhead(net, desc, batch: int, budget: Budget, watch: Stopwatch)
         net.zero_grad(set_to_none=True)
 
     untiled(), tiled()  # warm up
+    # a ratio of two timings: each the median of OVERHEAD_RUNS at least (within the timing budget),
+    # so that one run caught behind another process does not decide it
+    budget = budget._replace(repeats=max(budget.repeats, OVERHEAD_RUNS))
     base = median_time(untiled, budget, watch)
     return median_time(tiled, budget, watch) / base if base > 0 else 1.0
+
+
+OVERHEAD_RUNS = 5
 
 
 def fit_to_steps(fwd, bwd, loss_f, loss_b, update: float, steps: list[float]) -> list[float]:
