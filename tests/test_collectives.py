@@ -165,3 +165,53 @@ def test_allgather_of_a_small_group_takes_one_round_of_direct_messages(n):
     assert len(sent) == n * (n - 1)  # every member to every other, once
     assert {key[2] for _, _, key in sent} == {0}  # all in round 0
     assert {(src, dst) for src, dst, _ in sent} == {(a, b) for a in names for b in names if a != b}
+
+
+@pytest.mark.parametrize("owns", [[0.0, 0.5, 0.5], [0.5, 0.0, 0.5], [0.0, 0.0, 1.0], [0.1, 0.6, 0.0, 0.3],
+                                  [0.0, 0.25, 0.25, 0.25, 0.25]])
+def test_a_sum_owned_unevenly_has_the_bits_of_equal_shares_and_skips_the_empty_owners(owns):
+    """Stage.owns: members own uneven shares of the sum, some none. Every element is still
+    summed in group order, so every member ends with the bits the equal shares give; a member
+    that owns nothing is sent no share to sum and sends no sum back (g - 1 messages out and in
+    for it where an equal share takes 2(g - 1)), and the bytes each member moves follow its
+    share (planner.stage_work.moved_share)."""
+    n = len(owns)
+    torch.manual_seed(n)
+    values = [torch.randn(999, dtype=torch.float32) * 10 ** (i % 3) for i in range(n)]
+    sent = []
+
+    def body_with(shares):
+        async def body(ep, names, i):
+            original = ep.send
+
+            async def counting(dst, key, payload):
+                sent.append((ep.name, dst, sum(a.numel() for a in payload["arrays"])))
+                await original(dst, key, payload)
+            ep.send = counting
+            return await allreduce_sum(ep, names, ("g", 0), values[i].clone(), 10.0, shares)
+        return body
+
+    equal, _ = _run_group(n, body_with(None))
+    sent.clear()
+    owned, _ = _run_group(n, body_with(owns))
+    for i in range(n):
+        assert torch.equal(owned[i], equal[0])
+    owners = [j for j in range(n) if owns[j] > 0]
+    for j in range(n):
+        name = f"d{j}"
+        out = [count for src, _, count in sent if src == name]
+        received = [count for _, dst, count in sent if dst == name]
+        if owns[j] == 0:
+            assert len(out) == len(owners) and len(received) == len(owners)
+        share = owns[j] / sum(owns)
+        assert sum(out) == pytest.approx(999 * ((1 - share) + (n - 1) * share), abs=2 * n)
+        assert sum(received) == pytest.approx(999 * ((1 - share) + (n - 1) * share), abs=2 * n)
+
+
+def test_shares_of_a_sum_must_match_the_group():
+    async def main():
+        ep = LocalNetwork().endpoint("d0")
+        await allreduce_sum(ep, ["d0", "d1", "d2"], ("g", 0), torch.ones(8), 10.0, [1.0, 0.0])
+
+    with pytest.raises(ValueError, match="2 shares for a group of 3"):
+        trio.run(main)

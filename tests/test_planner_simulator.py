@@ -640,3 +640,47 @@ def test_the_replicated_search_gives_way_to_a_step_it_cannot_beat(lenet):
     tiny = cluster_of({d: uniform_table(7, 0.01, 0.02) for d in "abc"}, memory=1.0)
     with pytest.raises(NoPlan, match="fits the devices' memory"):
         plan_replicated(PlanInputs(desc, mem, tiny, 4, 4))
+
+
+def test_a_sum_owned_by_the_replicas_that_finish_first_ends_sooner(lenet):
+    """Stage.owns: the replica that finishes last owns none of the gradient sum. What is left
+    to move once it finishes is then its gradients out and the sums in, once each way, not
+    2(g - 1)/g of them; the others, who finished first, sum and send the sums. The planner
+    tries it for each replica (PlanInputs.with_owned_sums) and keeps the fastest."""
+    from planner.inputs import PlanInputs
+    from planner.stage_work import moved_share
+
+    desc, mem = lenet
+    summed = float(mem.param_bytes.sum())
+    bw = summed / 1.0  # a whole sum's bytes take a second on a link
+    cl = cluster_of({"a": uniform_table(7, 0.1, 0.2), "b": uniform_table(7, 0.1, 0.2),
+                     "c": uniform_table(7, 0.1, 0.2)}, bw=bw)
+    stage = Stage(0, 7, "single", ["a", "b", "c"], replicas=3, shares=[4, 1, 1])  # a finishes last, by 6.3 s
+    equal = plan_of([stage], batch=6, micro=6)
+    owned = plan_of([replace(stage, owns={"a": 0.0, "b": 0.5, "c": 0.5})], batch=6, micro=6)
+    owned.validate(desc)
+    t_equal, t_owned = simulate(equal, desc, mem, cl), simulate(owned, desc, mem, cl)
+    # after a's last backward: 4/3 of a sum's bytes at a's link, against 1 (a's out and in, b's and c's sums out)
+    assert moved_share(3, 1 / 3) == pytest.approx(4 / 3) and moved_share(3, 0.0) == 1.0
+    assert t_equal.step_time - t_owned.step_time == pytest.approx(1 / 3, rel=0.05)
+    chosen = PlanInputs(desc, mem, cl, batch_size=6, microbatches=6).finish(plan_of([stage], batch=6, micro=6))
+    assert chosen.stages[0].owns == {"a": 0.0, "b": 0.5, "c": 0.5}
+    assert chosen.predicted["step_time_s"] == pytest.approx(t_owned.step_time)
+    assert "summed by a:0%, b:50%, c:50%" in chosen.describe()
+    assert Plan.from_dict(chosen.to_dict()).stages[0].owns == chosen.stages[0].owns
+    # with every replica finishing together, equal shares stay
+    even = plan_of([Stage(0, 7, "single", ["a", "b", "c"], replicas=3)], batch=6, micro=6)
+    assert PlanInputs(desc, mem, cl, batch_size=6, microbatches=6).finish(even).stages[0].owns is None
+
+
+@pytest.mark.parametrize("owns, message", [({"a": 0.5, "b": 0.5}, "a share to each"), ({"a": 0.5, "b": 0.6, "c": -0.1},
+                                            "at least 0"), ({"a": 0.5, "b": 0.5, "c": 0.5}, "add up to 1")])
+def test_shares_of_the_sums_that_do_not_fit_the_stage_are_refused(lenet, owns, message):
+    desc, _ = lenet
+    plan = plan_of([Stage(0, 7, "single", ["a", "b", "c"], replicas=3, owns=owns)], batch=6, micro=6)
+    with pytest.raises(PlanError, match=message):
+        plan.validate(desc)
+    two = plan_of([Stage(0, 3, "single", ["a", "b"], replicas=2, owns={"a": 1.0, "b": 0.0}),
+                   Stage(3, 7, "single", ["c"])], batch=6, micro=6)
+    with pytest.raises(PlanError, match="a plan of one stage"):
+        two.validate(desc)
