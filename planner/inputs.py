@@ -11,13 +11,8 @@ from dataclasses import dataclass
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
-from planner.plan import DIRECT_REDUCE_MAX, Plan, PlanError, Stage
+from planner.plan import Plan, PlanError, Stage
 from planner.simulator import Timeline, backups_with_room, simulate
-
-# a plan whose sums are owned unevenly (Stage.owns) is kept where it is predicted at least this
-# much faster than equal shares: it moves more bytes in all, and leans on the replicas finishing
-# in the order the model gives
-OWNED_GAIN = 0.02
 
 
 class NoPlan(PlanError):
@@ -83,30 +78,7 @@ class PlanInputs:
         overlapping, where that is better (with_overlap)."""
         timeline = self.simulate(plan)
         plan.predicted = timeline.summary()
-        return self.with_owned_sums(self.with_overlap(plan))
-
-    def with_owned_sums(self, plan: Plan) -> Plan:
-        """`plan`, or the same plan with one replica owning none of its gradient sums
-        (Stage.owns), the others equal shares, where that is predicted at least OWNED_GAIN
-        faster and fits: a one-stage plan of replicas whose devices finish their backwards at
-        different times (uneven devices, uneven shares), whose sum then waits on the last of
-        them. Each replica is tried as the one that owns nothing."""
-        if len(plan.stages) != 1 or not plan.predicted:
-            return plan
-        s = plan.stages[0]
-        group = list(dict.fromkeys(s.devices))
-        if s.mode == "tiles" or s.owns or s.replica_count() < 2 or not 3 <= len(group) <= DIRECT_REDUCE_MAX:
-            return plan
-        best = plan
-        for r in range(s.replica_count()):
-            last = set(s.replica_devices(r))
-            trial = Plan.from_dict(plan.to_dict())
-            trial.stages[0].owns = {d: 0.0 if d in last else 1.0 / (len(group) - len(last)) for d in group}
-            timeline = self.simulate(trial)
-            if timeline.fits and timeline.step_time < best.predicted["step_time_s"] * (1 - OWNED_GAIN):
-                trial.predicted = {**plan.predicted, **timeline.summary()}
-                best = trial
-        return best
+        return self.with_overlap(plan)
 
     def with_overlap(self, plan: Plan) -> Plan:
         """`plan`, or the same plan with its gangs overlapping each backward with the next

@@ -22,8 +22,6 @@ from planner.model_desc import ModelDesc
 from planner.schedule import asteroid_warmup, check_warmups
 from tiles.stage_graph import missing_syncs, stage_refusal
 
-DIRECT_REDUCE_MAX = 8  # groups up to this size all-reduce straight to each chunk's owner and back (Stage.owns)
-
 PLAN_VERSION = 1
 MODES = ("single", "dp", "tiles")
 
@@ -99,12 +97,6 @@ class Stage:
             back-propagating through it, one segment's maps at a time. The gradients are the
             same, bit for bit. Not with recompute (a remade segment keeps everything while it
             is remade). Default off.
-    owns: (a stage whose gradients are summed straight, over up to DIRECT_REDUCE_MAX devices) each
-            device's share of the elements of every gradient sum it owns, sums and sends back
-            (swarm.execution.collectives); a device that owns nothing sends its gradients and
-            receives the sums, once each way, where an equal share moves 2(g - 1)/g of them
-            each way. Meant for the device that finishes its backward last, the others having
-            had time to sum (planner.stage_work.owned_shares). Default equal shares.
     """
 
     first: int
@@ -125,7 +117,6 @@ class Stage:
     recompute: bool | None = None
     checkpoint: bool | None = None
     deal: str | None = None
-    owns: dict[str, float] | None = None
 
     @property
     def layers(self) -> range:
@@ -252,9 +243,9 @@ class Plan:
         elif s.mode == "dp":
             group = s.replica_devices(r)
             s = replace(s, devices=group, allocation={d: s.allocation[d] for d in group}, replicas=None, shares=None,
-                        groups=None, owns=None)
+                        groups=None)
         else:
-            s = replace(s, devices=[s.devices[r]], replicas=None, shares=None, owns=None)
+            s = replace(s, devices=[s.devices[r]], replicas=None, shares=None)
         return replace(self, batch_size=self.microbatch_size() * share, microbatches=share, stages=[s],
                        devices={d: f for d, f in self.devices.items() if d in s.devices})
 
@@ -314,8 +305,6 @@ class Plan:
                 how += ", in turns"
             if s.overlap:
                 how += ", each backward beside the next forward"
-            if s.owns:
-                how += ", summed by " + ", ".join(f"{d}:{w:.0%}" for d, w in s.owns.items())
             on = ", ".join(f"{d} ({self.devices[d]['accelerator']})" if (self.devices.get(d) or {}).get("accelerator")
                            else d for d in s.devices)
             lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {on}")
@@ -394,10 +383,6 @@ class Plan:
                                         f"least one micro-batch, {self.microbatches} in all")
                 elif s.replicas < 1 or self.microbatches % s.replicas:
                     raise PlanError(f"{where}: replicas={s.replicas} must divide the {self.microbatches} micro-batches")
-            if s.owns is not None:
-                if len(self.stages) > 1:
-                    raise PlanError(f"{where}: owns is for a plan of one stage")
-                self._check_owns(s, where)
             if s.deal not in (None, "runs", "turns"):
                 raise PlanError(f"{where}: deal is 'runs' or 'turns', not {s.deal!r}")
             if s.deal == "turns" and (s.replicas in (None, 1) or s.mode == "tiles"):
@@ -490,20 +475,6 @@ class Plan:
         reason = missing_syncs(desc.layers[s.first:s.last], fwd, bwd)
         if reason is not None:
             raise PlanError(f"{where}: {reason}")
-
-    @staticmethod
-    def _check_owns(s: Stage, where: str) -> None:
-        group = list(dict.fromkeys(s.devices))
-        if not isinstance(s.owns, dict) or set(s.owns) != set(group):
-            raise PlanError(f"{where}: owns gives a share to each of the stage's devices ({', '.join(group)}), "
-                            f"not {sorted(s.owns) if isinstance(s.owns, dict) else s.owns!r}")
-        if s.mode == "tiles" or len(group) < 2 or len(group) > DIRECT_REDUCE_MAX:
-            raise PlanError(f"{where}: owns is for a single or dp stage summed straight over 2 to "
-                            f"{DIRECT_REDUCE_MAX} devices")
-        shares = list(s.owns.values())
-        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in shares) \
-                or abs(sum(shares) - 1.0) > 1e-6:
-            raise PlanError(f"{where}: owns must be shares of at least 0 that add up to 1, not {s.owns}")
 
     # ---- JSON ----------------------------------------------------------------------
     def to_dict(self) -> dict:

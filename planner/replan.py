@@ -144,9 +144,6 @@ def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, fl
             stages.append(replace(s, devices=survivors, warmup=None))
     # a replicated stage left with one replica takes every micro-batch itself: nothing to deal
     stages = [replace(s, deal=None) if s is not None and s.replica_count() == 1 and s.deal else s for s in stages]
-    # a group that lost members sums in equal shares again (who finishes last has changed)
-    stages = [replace(s, owns=None) if s is not None and s.owns and set(s.owns) != set(s.devices) else s
-              for s in stages]
     # stages left without devices: their layers go to the neighbours, in proportion to compute
     while None in stages:
         i = stages.index(None)

@@ -190,13 +190,12 @@ def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, va
     summed = float(mem.param_bytes[stage.first:stage.last].sum())
     everyone = list(dict.fromkeys(stage.tile_devices if stage.mode == "tiles" else stage.devices))
     buckets = gradient_buckets(mem, stage.first, stage.last)
-    own = allreduce_cpu(summed, everyone, cluster, buckets, stage.owns)
+    ring = ring_allreduce_time(summed, everyone, cluster, buckets)
+    own = allreduce_cpu(summed, everyone, cluster, buckets)
     timelines = []
     for r in range(stage.replica_count()):
         alone = plan.replica_plan(r).in_blocks()
         works = stage_works(alone, desc, mem, cluster)
-        # the sum as it ends for this replica finishing last (with uneven shares, what is left then)
-        ring = ring_allreduce_time(summed, everyone, cluster, buckets, stage.owns, works[0].devices)
         works[0] = replace(works[0], allreduce=ring, reduce_cpu={d: own[d] for d in works[0].devices if d in own})
         timelines.append(_Run(alone, desc, mem, cluster, works).run())
     slowest = max(timelines, key=lambda t: t.step_time)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
-from planner.plan import DIRECT_REDUCE_MAX, PlanError, Stage
+from planner.plan import PlanError, Stage
 from planner.schedule import overlap_units, stage_schedule
 
 IMAGE_BYTES_PER_VALUE = 1  # samples travel as uint8 images
@@ -34,6 +34,7 @@ def microbatch_sizes(batch: int, microbatches: int) -> list[int]:
     return [base + (1 if m < extra else 0) for m in range(microbatches)]
 
 
+DIRECT_REDUCE_MAX = 8  # groups up to this size all-reduce straight to each chunk's owner and back
 
 
 def allreduce_rounds(g: int) -> int:
@@ -58,28 +59,7 @@ def allreduce_messages(g: int) -> int:
     return 2 * (g - 1)
 
 
-def moved_share(g: int, owns: float) -> float:
-    """What of a sum over g members one member moves each way, summing straight, when it owns
-    `owns` of the elements: its other gradients out to their owners and their sums in (1 -
-    owns), and its own share in from the g - 1 others and its sum out to them ((g - 1) owns).
-    An equal share (1/g) gives 2(g - 1)/g."""
-    return (1.0 - owns) + (g - 1) * owns
-
-
-def after_last(group: list[str], owns: dict[str, float] | None, last: list[str]) -> float:
-    """What of a straight sum is still to move, at the link of the member that moves most,
-    once the members `last` finish their backward, the others having finished before and sent
-    what they could: each of `last` its whole share both ways (moved_share), each other member
-    the sums of what it owns out to the rest ((g - 1) owns). Equal shares: 2(g - 1)/g."""
-    g = len(group)
-    if owns is None:
-        return 2 * (g - 1) / g
-    return max([moved_share(g, owns[d]) for d in last]
-               + [(g - 1) * owns[d] for d in group if d not in last])
-
-
-def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1,
-                        owns: dict[str, float] | None = None, last: list[str] | None = None) -> float:
+def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1) -> float:
     """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus a message latency per
     round (allreduce_rounds). Each device sends and receives that much at once: the sum runs
     no faster than a device's CPU moves twice the bytes. The data goes in `buckets` sums
@@ -87,37 +67,28 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
     overlap, but every member handles each of its messages out and in (allreduce_messages),
     each a message's handling and the sum's own work on it (Cluster.reduce_msg_cpu). A
     member computing on an accelerator copies its gradients to the host and the sums back:
-    twice the bytes at the slowest member's copy rate. With `owns` (Stage.owns), what is
-    left once the members `last` finish (after_last); without `last`, the worst of them."""
+    twice the bytes at the slowest member's copy rate."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0
     per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
     messages = max(1, buckets) * allreduce_messages(g) * 2 * cluster.reduce_msg_cpu(group)
     copies = 2 * nbytes * cluster.copy_per_byte(group)
-    if owns is None:
-        moved = 2 * (g - 1) / g
-    elif last is None:
-        moved = max(after_last(group, owns, [d]) for d in group)
-    else:
-        moved = after_last(group, owns, last)
-    return allreduce_rounds(g) * cluster.latency + messages + moved * nbytes * per_byte + copies
+    return allreduce_rounds(g) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
 
 
-def allreduce_cpu(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1,
-                  owns: dict[str, float] | None = None) -> dict[str, float]:
+def allreduce_cpu(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1) -> dict[str, float]:
     """Each member's own time on a sum of `nbytes` in `buckets` sums: the 2(g-1)/g of the
     bytes it sends and as many it receives, at its comm_s_per_byte, and its messages out and
     in (allreduce_messages, per bucket), at its msg_s + reduce_msg_s. ring_allreduce_time
     takes the slowest member's for the sum's wall time; this is what the sum takes from each
-    member's CPU, where its computation also runs (under a CPU quota, the same quota). With
-    `owns`, each member moves its moved_share both ways."""
+    member's CPU, where its computation also runs (under a CPU quota, the same quota)."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return {}
+    moved = 2 * 2 * (g - 1) / g * nbytes
     messages = max(1, buckets) * allreduce_messages(g) * 2
-    return {d: 2 * (2 * (g - 1) / g if owns is None else moved_share(g, owns[d])) * nbytes
-            * cluster.device(d).comm_s_per_byte
+    return {d: moved * cluster.device(d).comm_s_per_byte
             + messages * (cluster.device(d).msg_s + cluster.device(d).reduce_msg_s) for d in group}
 
 

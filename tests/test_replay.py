@@ -226,24 +226,23 @@ def test_replicated_tiles_lose_a_device(local_weights):
     assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
 
 
-@pytest.mark.parametrize("owns", [None, {"d0": 0.0, "d1": 0.5, "d2": 0.5}], ids=["equal-sums", "owned-sums"])
-def test_replicas_with_uneven_shares_lose_one(local_weights, owns):
+def test_replicas_with_uneven_shares_lose_one(local_weights):
     """Shifted (--recovery light), d1's share goes to the survivor that grows least for what it
     kept up with: d0, which ran two micro-batches to d2's one, takes it; the run replays to the
-    failure-free weights. Sums owned unevenly (Stage.owns) go back to equal shares."""
+    failure-free weights."""
     from planner.plan import Plan, Stage
 
     cfg = _cfg()
     trainer = LocalTrainer(TrainConfig(**vars(cfg)))
     data, _ = open_datasets(None, 64, 3)
     n = len(trainer.desc.layers)
-    plan = Plan("yolov2-16", 64, 8, 4, [Stage(0, n, "single", ["d0", "d1", "d2"], replicas=3, shares=[2, 1, 1],
-                                              owns=owns)], devices={d: {} for d in DEVICES})
+    plan = Plan("yolov2-16", 64, 8, 4, [Stage(0, n, "single", ["d0", "d1", "d2"], replicas=3, shares=[2, 1, 1])],
+                devices={d: {} for d in DEVICES})
     plan.backups = backup_holders(plan)
     coordinator = train_plan_in_process(plan, trainer, data, STEPS, events=[(1, "kill", "d1", 0.0)], strategy="dp",
                                         backup_interval=1, timeout_s=60, recovery="light")
     stage = coordinator.plan.stages[0]
-    assert (stage.devices, stage.shares, stage.owns) == (["d0", "d2"], [3, 1], None)
+    assert (stage.devices, stage.shares) == (["d0", "d2"], [3, 1])
     assert coordinator.recoveries[0].how == "lightweight"
     assert _worst(trainer.net.state_dict(), local_weights) < 1e-9
 

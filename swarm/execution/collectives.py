@@ -64,7 +64,7 @@ async def _direct_gather(ep: Endpoint, group: list[str], key: tuple, arrays: lis
 
 
 async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor,
-                        timeout: float = math.inf, owns: list[float] | None = None) -> torch.Tensor:
+                        timeout: float = math.inf) -> torch.Tensor:
     """Sum of `flat` (1-D) over the group. Each element is summed by one member, in an order
     fixed by the group alone, and copied to the others: every member ends with the same
     bits. The sum is made in `flat` itself, which is returned. Every way below moves the
@@ -79,23 +79,12 @@ async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.
     ring. Fewer messages cost less CPU, but every round waits for one partner's previous
     round, and on devices with a CPU quota some partner is often late: on 8 devices of 0.2
     core at 100 Mbit, dp trained 8% faster summing straight than halving and doubling
-    (bench/RESULTS.md, "Sums straight to each chunk's owner").
-
-    `owns` (summing straight only): each member's share of the elements it sums, in group
-    order, instead of equal ones (planner.stage_work.owned_shares). A member that owns less
-    sends and receives less: one that owns nothing moves `flat` once each way, where an
-    equal share moves 2(g - 1)/g of it. The member that finishes its backward last should
-    own nothing, so that what is left to move after it is its own gradients out and the sums
-    in, at once, while the others, who had time, sum."""
+    (bench/RESULTS.md, "Sums straight to each chunk's owner")."""
     n = len(group)
     if n == 1:
         return flat
-    if owns is not None and len(owns) != n:
-        raise ValueError(f"{key}: {len(owns)} shares for a group of {n}")
     if n <= DIRECT_REDUCE_MAX:
-        return await _direct(ep, group, key, flat, timeout, owns)
-    if owns is not None:
-        raise ValueError(f"{key}: shares of a sum are for groups of up to {DIRECT_REDUCE_MAX} members")
+        return await _direct(ep, group, key, flat, timeout)
     if n & (n - 1) == 0:
         return await _halving_doubling(ep, group, key, flat, timeout)
     return await _ring(ep, group, key, flat, timeout)
@@ -142,38 +131,19 @@ async def _halving_doubling(ep: Endpoint, group: list[str], key: tuple, flat: to
     return flat
 
 
-def owned_bounds(numel: int, owns: list[float] | None, n: int) -> list[int]:
-    """Where each member's chunk of a `numel` sum starts (and, last, where the sum ends):
-    equal chunks, or chunks in proportion to `owns`. Every member computes the same."""
-    if owns is None:
-        return [round(i * numel / n) for i in range(n + 1)]
-    total = float(sum(owns))
-    if total <= 0 or any(w < 0 for w in owns):
-        raise ValueError(f"shares of a sum must be at least 0 and not all 0: {owns}")
-    cumulative, bounds = 0.0, [0]
-    for w in owns:
-        cumulative += w
-        bounds.append(round(cumulative / total * numel))
-    bounds[-1] = numel
-    return bounds
-
-
-async def _direct(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor, timeout: float,
-                  owns: list[float] | None = None) -> torch.Tensor:
+async def _direct(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor, timeout: float) -> torch.Tensor:
     """Reduce-scatter straight to each chunk's owner, then all-gather straight from it: each
     member sends chunk j to member j, sums its own chunk from every member's in group order,
-    and sends the sum to every other. A member waits for no partner's earlier round. An empty
-    chunk (a member that owns nothing of this sum) is neither sent nor waited for."""
+    and sends the sum to every other. A member waits for no partner's earlier round."""
     n = len(group)
     me = group.index(ep.name)
-    bounds = owned_bounds(flat.numel(), owns, n)
+    bounds = [round(i * flat.numel() / n) for i in range(n + 1)]
     chunks = [flat[bounds[i]:bounds[i + 1]] for i in range(n)]
     mine = chunks[me]
-    owners = [j for j in range(n) if chunks[j].numel() > 0 or owns is None]
 
-    async def send_all(phase: str, pick, to) -> None:
+    async def send_all(phase: str, pick) -> None:
         async with trio.open_nursery() as nursery:
-            for j in to:
+            for j in range(n):
                 if j != me:
                     nursery.start_soon(ep.send, group[j], channels.ring(key, phase, j, me), {"arrays": [pick(j)]})
 
@@ -184,25 +154,20 @@ async def _direct(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor
                              f"expected one array of {tuple(into.shape)}")
         return got[0]
 
-    everyone = range(n)
-    if me in owners:
-        own = mine.clone()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_all, "ds", lambda j: chunks[j], owners)
-            total = None  # member 0's share, then 1's added, and so on: an order fixed by the group
-            for src in everyone:
-                part = own if src == me else await take("ds", me, src, mine)
-                if total is None:
-                    total = part if src == me else part.clone()  # (our own is a copy already)
-                else:
-                    total.add_(part)
-        mine.copy_(total)
-    else:
-        await send_all("ds", lambda j: chunks[j], owners)
+    own = mine.clone()
     async with trio.open_nursery() as nursery:
-        if me in owners:
-            nursery.start_soon(send_all, "dg", lambda j: mine, everyone)
-        for src in owners:
+        nursery.start_soon(send_all, "ds", lambda j: chunks[j])
+        total = None  # member 0's share, then 1's added, and so on: an order fixed by the group
+        for src in range(n):
+            part = own if src == me else await take("ds", me, src, mine)
+            if total is None:
+                total = part if src == me else part.clone()  # (our own is a copy already)
+            else:
+                total.add_(part)
+    mine.copy_(total)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send_all, "dg", lambda j: mine)
+        for src in range(n):
             if src != me:
                 chunks[src].copy_(await take("dg", me, src, chunks[src]))
     return flat

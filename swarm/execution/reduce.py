@@ -17,8 +17,7 @@ from swarm.local.compute_device import to_host
 
 class GradReducer:
     def __init__(self, endpoint, group: list[str], key: tuple, net: torch.nn.Module, first: int, last: int,
-                 nursery: trio.Nursery, timeout: float = math.inf, token=None, parts: int = 1,
-                 owns: list[float] | None = None):
+                 nursery: trio.Nursery, timeout: float = math.inf, token=None, parts: int = 1):
         self.ep = endpoint
         self.group = group
         self.key = key  # ("grads", step, stage)
@@ -26,7 +25,6 @@ class GradReducer:
         self.timeout = timeout
         self.token = token or trio.lowlevel.current_trio_token()
         self.parts = parts  # local tiles that must each finish a layer before it is final here
-        self.owns = owns  # each member's share of every sum (Stage.owns, in group order), or equal ones
         self.params = {i: [q for q in net.layers[i].parameters()] for i in range(first, last)}
         self.params = {i: params for i, params in self.params.items() if params}
         sizes = {i: sum(q.numel() * q.element_size() for q in params) for i, params in self.params.items()}
@@ -93,8 +91,7 @@ class GradReducer:
         params = self.bucket_params(bucket)
         t0 = trio.current_time()
         flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params])
-        total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), to_host(flat), self.timeout,
-                                     self.owns)
+        total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), to_host(flat), self.timeout)
         offset = 0
         for q in params:  # the sum's own storage, a slice per parameter (the step sets grads to None)
             n = q.numel()

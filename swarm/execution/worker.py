@@ -361,10 +361,8 @@ class DeviceWorker:
         """The step's sums of stage p; they run in the job's nursery, past the step's end."""
         copy = self.copies[p]
         parts = len([part for part in self.parts if part.stage == p])
-        group = self.group_of(p)
-        owns = [copy.stage.owns[d] for d in group] if copy.stage.owns else None
-        return GradReducer(self.ep, group, channels.grads(step, p), copy.net, copy.stage.first,
-                           copy.stage.last, self.nursery, self.job.timeout_s, self.token, parts, owns)
+        return GradReducer(self.ep, self.group_of(p), channels.grads(step, p), copy.net, copy.stage.first,
+                           copy.stage.last, self.nursery, self.job.timeout_s, self.token, parts)
 
     async def run_stage(self, step: int, p: int, losses: list[float]) -> None:
         """The 1F1B schedule of this device's parts of stage p for one step. During the last
