@@ -203,6 +203,43 @@ def test_the_next_forward_computes_before_the_step_befores_last_update(monkeypat
     assert early >= 4, events  # of the 8 (two steps after another on four devices): all, unless a host stalls
 
 
+def test_the_samples_sent_ahead_wait_for_the_sums_on_the_links(monkeypatch):
+    """A step's samples go out while the step before runs, but only once every device's sums
+    of the step before that are done (they share the links): with the top layers' update
+    held back, each step's samples from the third on leave after every device's tail of the
+    step two before it has ended, and the weights are still the settled run's bits."""
+    from swarm.execution.coordinator import TrainingCoordinator as Coordinator
+    from swarm.execution.worker import DeviceWorker
+    cfg = _cfg("yolov2-16", 4, dtype="float32")
+    plan = _plan("yolov2-16", PLANS["four-replicas-of-one-device"](N16), 4)
+    settled = _planned(cfg, plan, steps=4, backup_interval=1).net.state_dict()
+    fed, tails = {}, {}
+    apply_params, feed, finish_tail = StageCopy.apply_params, Coordinator.feed, DeviceWorker.finish_tail
+
+    def slow_top(self, step, params, commit=True):
+        top = {id(q) for q in self.net.layers[self.stage.last - 1].parameters()}
+        if any(id(q) in top for q in params):
+            time.sleep(0.3)
+        apply_params(self, step, params, commit)
+
+    async def fed_at(self, step, batch):
+        await feed(self, step, batch)
+        fed[step] = time.perf_counter()  # (the sends start after the wait, and end here)
+
+    async def tail_ends(self, tail, decision):
+        await finish_tail(self, tail, decision)
+        tails.setdefault(tail.step, []).append(time.perf_counter())
+    monkeypatch.setattr(StageCopy, "apply_params", slow_top)
+    monkeypatch.setattr(Coordinator, "feed", fed_at)
+    monkeypatch.setattr(DeviceWorker, "finish_tail", tail_ends)
+    overlapped = _planned(cfg, plan, steps=4, backup_interval=1000).net.state_dict()
+    assert sorted(fed) == [0, 1, 2, 3], fed
+    for step in (2, 3):
+        assert len(tails[step - 2]) == 4 and fed[step] > max(tails[step - 2]), (step, fed, tails)
+    for key, value in overlapped.items():
+        assert torch.equal(value, settled[key]), key
+
+
 def test_a_late_merge_of_running_statistics_still_starts_the_next_ones(monkeypatch):
     """A step's running statistics, merged while the next step runs, are that step's start:
     with the first step's merge held back past the second step's end, the result is the

@@ -13,6 +13,8 @@ Coordinator -> device (the step's data, its decision, the run's end):
     stop()                               {}: the run is over
 Device -> coordinator:
     ready(step, device)                  {"loss", "busy_s", "times"}: its share of the step is done
+    summed(step, device)                 {}: its sums and updates of a step are done (its link is free
+                                         for the samples of the step after next)
     backup_ready(step, device)           {}: its snapshot and the backups it holds are in place
     state(step, stage, device)           {"states"}: a stage's weights and optimizer state (checkpoints)
     link(device, far_end)                {"reason"}: its connection to far_end broke (routed, not mailed)
@@ -60,6 +62,10 @@ def stop() -> Key:
 # ---- device -> coordinator ------------------------------------------------------------
 def ready(step: int, device: str) -> Key:
     return ("ready", step, device)
+
+
+def summed(step: int, device: str) -> Key:
+    return ("summed", step, device)
 
 
 def backup_ready(step: int, device: str) -> Key:

@@ -142,6 +142,7 @@ class TrainingCoordinator:
         self.epoch_steps = 0  # steps committed in this epoch
         self.recost_epochs: set[int] = set()  # epochs started by a re-costed plan (not costed again)
         self.better = None  # a planner.recost.Recost whose plan waits for a backup step
+        self.feed_failure: SwarmError | None = None  # why samples sent ahead could not go (_feed_ahead)
         # the loss watch (_watch_losses): the devices the phase under way depends on, the phase
         # (a cancel scope), the losses that cancelled it, and the devices the recovery under way
         # has already written off (the next one leaves them out too, if this one is cut short)
@@ -321,9 +322,44 @@ class TrainingCoordinator:
     async def _steps(self, total_steps: int, on_step) -> None:
         """The epoch's steps. Each step's samples go out while the step before it runs (its
         devices hold one step of input ahead), so that no device waits at a step's start for
-        its share to cross the link after the others'."""
+        its share to cross the link after the others'. They go out in the background
+        (_feed_ahead), once the devices' sums of the step before that are done: while those
+        sums travel, the devices' links are theirs."""
+        failure: SwarmError | None = None
+        self.feed_failure = None
+        async with trio.open_nursery() as nursery:
+            try:
+                await self._step_loop(total_steps, on_step, nursery)
+            except SwarmError as exc:  # raised as itself, not in the nursery's exception group
+                failure = exc
+            nursery.cancel_scope.cancel()  # a feed still waiting (the run stopped early) is not needed
+        failure = failure or self.feed_failure
+        if failure is not None:
+            raise failure
+
+    async def _feed_ahead(self, step: int, batch, done: trio.Event, nursery: trio.Nursery) -> None:
+        """Send `step`'s samples once every device's sums of step - 2 are done (at once if the
+        devices did not run step - 2 in this epoch). They are sent while step - 1 runs; step
+        - 2's sums run then too (worker.py, Tail), on the same links, in the first part of
+        step - 1, and the next step's forward waits for them layer by layer. A sender whose
+        own link carries those sums (the coordinator beside a device of the plan) waits for
+        them too."""
+        try:
+            if step - 2 >= self.job.start_step:
+                for device in self.plan.used_devices():
+                    await self.get(channels.summed(step - 2, device))
+            await self.feed(step, batch)
+        except SwarmError as exc:  # ends the steps, and _steps raises it
+            self.feed_failure = self.feed_failure or exc
+            nursery.cancel_scope.cancel()
+        finally:
+            done.set()
+
+    async def _step_loop(self, total_steps: int, on_step, nursery: trio.Nursery) -> None:
         step = self.committed
-        fed = -1  # the step whose samples are out
+        fed = -1  # the step whose samples are out (or on their way: `ahead` is set once they are out)
+        ahead = trio.Event()
+        ahead.set()
         next_batch = await trio.to_thread.run_sync(self.load_batch, step) if step < total_steps else None
         # A step's time runs from the commit of the one before it: what the coordinator does
         # between commits (re-costing, a checkpoint, a switch of plans) is the run's time too,
@@ -337,7 +373,8 @@ class TrainingCoordinator:
                 fed = step
             if step + 1 < total_steps and not self.should_stop():
                 next_batch = await trio.to_thread.run_sync(self.load_batch, step + 1)
-                await self.feed(step + 1, next_batch)
+                ahead = trio.Event()
+                nursery.start_soon(self._feed_ahead, step + 1, next_batch, ahead, nursery)
                 fed = step + 1
             loss, busy, times = 0.0, {}, {}
             for device in self.plan.used_devices():
@@ -384,6 +421,8 @@ class TrainingCoordinator:
             step += 1
             if fed != step and step < total_steps:
                 next_batch = await trio.to_thread.run_sync(self.load_batch, step)
+            if backup:  # the plan may change here: the samples sent ahead are out first
+                await ahead.wait()
             if backup and await self.around_squeezed():
                 fed = -1  # a new plan: the samples sent ahead went to the last one's devices
             elif self.joined and backup and await self.take_in_joined():

@@ -319,6 +319,8 @@ class DeviceWorker:
         tail.reducing_s = sum(r.seconds for r in tail.reducers.values())
         tail.seconds = trio.current_time() - tail.start
         tail.done.set()
+        if decision["commit"] and not decision.get("last"):  # the coordinator sends the samples of the step after next
+            await self.ep.send(COORDINATOR, channels.summed(tail.step, self.device), {})
 
     async def update(self, step: int, copy: StageCopy, reducer: GradReducer | None, bucket: int | None,
                      commit: bool) -> None:
