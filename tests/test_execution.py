@@ -240,6 +240,35 @@ def test_the_samples_sent_ahead_wait_for_the_sums_on_the_links(monkeypatch):
         assert torch.equal(value, settled[key]), key
 
 
+def test_a_device_that_never_ends_its_sums_ends_the_run_in_one_line(monkeypatch):
+    """The samples sent ahead wait for every device's sums of the step before; before a backup
+    (where the plan may change) the coordinator waits for them to be out, up to the job's
+    timeout: a device that reports its steps ready but never its sums ends the run in one
+    line that names it."""
+    import re
+
+    from swarm.errors import SwarmError
+    from swarm.execution import channels, worker
+
+    class Unsent:
+        def __getattr__(self, name):
+            return getattr(channels, name)
+
+        @staticmethod
+        def summed(step: int, device: str):
+            return ("not-summed", step, device) if device == "d1" else channels.summed(step, device)
+    monkeypatch.setattr(worker, "channels", Unsent())
+    cfg = _cfg("yolov2-16", 4, dtype="float32")
+    trainer = LocalTrainer(TrainConfig(**vars(cfg)))
+    data, _ = open_datasets(None, cfg.img_size, 3)
+    with pytest.raises(SwarmError) as caught:
+        train_plan_in_process(_plan("yolov2-16", PLANS["four-replicas-of-one-device"](N16), 4), trainer, data, 4,
+                              timeout_s=2, backup_interval=1)
+    assert type(caught.value) is SwarmError
+    assert re.fullmatch(r"d1 did not finish its gradient sums of step 1 within 2 s, yet still counts as alive; "
+                        r"training stopped after step 2", str(caught.value)), str(caught.value)
+
+
 def test_a_late_merge_of_running_statistics_still_starts_the_next_ones(monkeypatch):
     """A step's running statistics, merged while the next step runs, are that step's start:
     with the first step's merge held back past the second step's end, the result is the

@@ -142,7 +142,8 @@ class TrainingCoordinator:
         self.epoch_steps = 0  # steps committed in this epoch
         self.recost_epochs: set[int] = set()  # epochs started by a re-costed plan (not costed again)
         self.better = None  # a planner.recost.Recost whose plan waits for a backup step
-        self.feed_failure: SwarmError | None = None  # why samples sent ahead could not go (_feed_ahead)
+        self.feed_failure: Exception | None = None  # why samples sent ahead could not go (_feed_ahead)
+        self.feed_waits_for: tuple[str, int] | None = None  # (device, step) whose sums they wait for
         # the loss watch (_watch_losses): the devices the phase under way depends on, the phase
         # (a cancel scope), the losses that cancelled it, and the devices the recovery under way
         # has already written off (the next one leaves them out too, if this one is cut short)
@@ -325,12 +326,12 @@ class TrainingCoordinator:
         its share to cross the link after the others'. They go out in the background
         (_feed_ahead), once the devices' sums of the step before that are done: while those
         sums travel, the devices' links are theirs."""
-        failure: SwarmError | None = None
-        self.feed_failure = None
+        failure: Exception | None = None
+        self.feed_failure, self.feed_waits_for = None, None
         async with trio.open_nursery() as nursery:
             try:
                 await self._step_loop(total_steps, on_step, nursery)
-            except SwarmError as exc:  # raised as itself, not in the nursery's exception group
+            except Exception as exc:  # raised as itself, not in the nursery's exception group
                 failure = exc
             nursery.cancel_scope.cancel()  # a feed still waiting (the run stopped early) is not needed
         failure = failure or self.feed_failure
@@ -343,17 +344,30 @@ class TrainingCoordinator:
         - 2's sums run then too (worker.py, Tail), on the same links, in the first part of
         step - 1, and the next step's forward waits for them layer by layer. A sender whose
         own link carries those sums (the coordinator beside a device of the plan) waits for
-        them too."""
+        them too. The wait has no time limit of its own: a device that never ends its sums never
+        reports the next step ready either, and that wait ends the run, in one line."""
         try:
             if step - 2 >= self.job.start_step:
                 for device in self.plan.used_devices():
-                    await self.get(channels.summed(step - 2, device))
+                    self.feed_waits_for = (device, step - 2)
+                    await self.ep.mailbox.get(channels.summed(step - 2, device))
+            self.feed_waits_for = None
             await self.feed(step, batch)
-        except SwarmError as exc:  # ends the steps, and _steps raises it
+        except Exception as exc:  # ends the steps, and _steps raises it
             self.feed_failure = self.feed_failure or exc
             nursery.cancel_scope.cancel()
         finally:
             done.set()
+
+    async def _fed_ahead(self, ahead: trio.Event) -> None:
+        """Wait until the samples sent ahead are out (before the plan may change); a device
+        that does not end its sums within the job's timeout ends the run."""
+        with trio.move_on_after(self.job.timeout_s):
+            await ahead.wait()
+        if not ahead.is_set():
+            device, step = self.feed_waits_for or ("a device", self.committed - 1)
+            raise self.give_up(f"{device} did not finish its gradient sums of step {step + 1} within "
+                               f"{self.job.timeout_s:g} s, yet still counts as alive")
 
     async def _step_loop(self, total_steps: int, on_step, nursery: trio.Nursery) -> None:
         step = self.committed
@@ -422,7 +436,7 @@ class TrainingCoordinator:
             if fed != step and step < total_steps:
                 next_batch = await trio.to_thread.run_sync(self.load_batch, step)
             if backup:  # the plan may change here: the samples sent ahead are out first
-                await ahead.wait()
+                await self._fed_ahead(ahead)
             if backup and await self.around_squeezed():
                 fed = -1  # a new plan: the samples sent ahead went to the last one's devices
             elif self.joined and backup and await self.take_in_joined():
