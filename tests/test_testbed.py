@@ -1,7 +1,7 @@
 """The namespace testbed (root): 4 agents that differ in CPU share, memory and link rate find each
 other by mDNS with their own limits, status lists them, a process run --in-cgroup shares its
 device's cgroup, a killed one is dead within 2 s, a cut one dead then healed, links capped by tc
-each at its own rate, and down leaves nothing behind.
+each at its own rate and keeping TCP's packets large both ways, and down leaves nothing behind.
 Also the cgroup v1/v2 logic on fake trees, and the refusal without root."""
 from __future__ import annotations
 
@@ -90,6 +90,25 @@ class TestNamespaceTestbed:
         for r in slow.values():
             assert 1.2e6 < r["bytes_per_second"] < 2.7e6, r   # dev3's 20 Mbit/s = 2.5 MB/s
 
+    def test_streams_both_ways_keep_tcps_packets_large(self, bed):
+        """dev0 and dev1 each stream 8 MB to the other at once, on two connections, as the
+        members of a gradient sum do. The caps send each flow's acknowledgements before the
+        other flow's data, so TCP keeps sending packets of many segments (21 kB a packet
+        received, data and acknowledgements); with one queue that held them behind the data,
+        6-9 kB here, and 1-2.5 kB with eight devices summing."""
+        zero, one = bed.device("dev0"), bed.device("dev1")
+        before = {d.name: tcp_counters(d.namespace) for d in (zero, one)}
+        procs = [subprocess.Popen(["ip", "netns", "exec", d.namespace, sys.executable, "-c", TWO_WAY, d.address, peer.address],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for d, peer in ((zero, one), (one, zero))]
+        for proc in procs:
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+        for d in (zero, one):
+            got = {k: v - before[d.name][k] for k, v in tcp_counters(d.namespace).items()}
+            # packets in: the peer's data (8 MB) and its acknowledgements of ours
+            assert TWO_WAY_BYTES / got["InSegs"] > 14000, (d.name, got)   # 6-9 kB a packet with one queue
+
     def test_status_shows_each_devices_limits_and_exec_in_cgroup_joins_its_cgroup(self, bed):
         status = json.loads(run_swarm("testbed", "status", "--json").stdout)
         shown = {d["device"]: (d["cpu"], d["memory"], d["bandwidth"]) for d in status["devices"]}
@@ -158,6 +177,40 @@ class TestNamespaceTestbed:
         again = run_swarm("testbed", "restart", "dev1")
         assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
         assert f"the agent of dev1 (pid {pid}) is running" in again.stderr
+
+
+TWO_WAY_BYTES = 8 * 2**20
+TWO_WAY = f"""
+import socket, sys, threading, time
+me, peer = sys.argv[1], sys.argv[2]
+server = socket.create_server((me, 4799))
+def send():
+    for _ in range(100):
+        try:
+            out = socket.create_connection((peer, 4799), timeout=1)
+            break
+        except OSError:
+            time.sleep(0.05)
+    out.sendall(bytes({TWO_WAY_BYTES}))
+    out.close()
+sender = threading.Thread(target=send)
+sender.start()
+inc, _ = server.accept()
+got = 0
+while got < {TWO_WAY_BYTES}:
+    n = len(inc.recv(1 << 20))
+    assert n, "closed early"
+    got += n
+sender.join()
+"""
+
+
+def tcp_counters(namespace: str) -> dict[str, int]:
+    """The namespace's TCP counters (/proc/net/snmp), as InSegs: segments received as the stack saw them."""
+    lines = [line.split() for line in subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/snmp"],
+                                                     capture_output=True, text=True, check=True).stdout.splitlines()
+             if line.startswith("Tcp:")]
+    return {k: int(v) for k, v in zip(lines[0][1:], lines[1][1:])}
 
 
 def wait_event(proc, name, kind, timeout=10.0) -> dict:

@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
     up.add_argument("--mem", type=each(memory_size), help="memory limit per device, e.g. 1G, or one each: 1G,1G,2G "
                     "(cgroup)")
     up.add_argument("--bandwidth", type=each(bandwidth_rate), help="cap of each device's link, e.g. 100mbit, or one "
-                    "each: 100mbit,20mbit (tc tbf)")
+                    "each: 100mbit,20mbit (tc htb, acknowledgements first)")
     up.add_argument("--loopback", action="store_true", help="agents on 127.0.0.1 instead of namespaces (no root)")
     commands.add_parser("down", help="stop and remove everything the testbed made (safe to repeat)")
     for action, text in (("kill", "SIGKILL a device's agent"),

@@ -2,7 +2,8 @@
 
 Namespace form, per device devK:
     namespace swtb-devK: swarm0 (10.213.77.(10+K)) == veth == swtb-K on bridge swtb-br0 (host: 10.213.77.1)
-    agent: `swarm join --interface swarm0` under cgroup limits, links capped by tc tbf.
+    agent: `swarm join --interface swarm0` under cgroup limits, links capped by tc htb (pure
+    acknowledgements first: swarm.testbed.netns.cap_bandwidth).
 Loopback form: agents on 127.0.0.1, each told of the others with --peers; no root needed.
 
 The record of what was made lives in names.state_dir() (testbed.json, token, logs);
