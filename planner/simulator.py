@@ -31,6 +31,8 @@ import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from planner.backups import backup_holders
 from planner.checkpoint import checkpointing
 from planner.mapping import mapping
@@ -40,8 +42,8 @@ from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
 from planner.recompute import recomputing
 from planner.schedule import stage_schedule
-from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, allreduce_cpu, gradient_buckets, microbatch_sizes,
-                                ring_allreduce_time, split_stage_work)
+from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, allreduce_cpu, buckets_of, gradient_buckets,
+                                microbatch_sizes, ring_allreduce_time, split_stage_work)
 from planner.tiles_work import tiles_stage_work
 from planner.units import format_bytes
 
@@ -463,9 +465,10 @@ class _Run:
         (swarm/execution/worker.py, Tail): a device reports the step ready after its last
         backward and the commit comes back while the sums travel; each bucket's update is
         applied once its sum and the commit are in, and the next forward waits layer by
-        layer for its own layers' updates. The front layers' bucket, final last, is sent
-        first and holds few weights, so what a step's sums and updates can hide behind is
-        the next step's first forward on each device. The step is then the latest of: the
+        layer for its own layers' updates. The sums start bucket by bucket during the last
+        backward (sums_done); the front layers' bucket, final last, is sent first and holds
+        few weights, so what is left of a step's sums and updates can hide behind the next
+        step's first forward on each device. The step is then the latest of: the
         commit; each update's end less the first forward it must be in for; and each
         device's CPU (its computations, its share of the gradient sums' work, and whatever its
         transfers took that idle time did not cover). A device with a tiles stage ends every
@@ -488,11 +491,35 @@ class _Run:
                 cpu[d] += seconds
         step = max(commit, *cpu.values())
         for p, w in enumerate(self.works):
-            summed = self.last_b_end[p] + w.allreduce
+            summed = self.sums_done(p)
             for d in w.devices:
                 applied = max(summed, commit) + w.update[d]
                 step = max(step, applied - first_forward.get((p, d), 0.0))
         return min(step, settled)
+
+    def sums_done(self, p: int) -> float:
+        """When stage p's gradient sums are in, as the workers sum them (swarm.execution.reduce):
+        a bucket of layers (buckets_of, the top layers' first) goes once the stage's last
+        backward has passed its lowest layer and the buckets before it have gone, each taking
+        the sum's time in proportion to its bytes. The last backward's time is spread over its
+        layers as its device's costs spread a backward."""
+        w = self.works[p]
+        end = self.last_b_end[p]
+        if w.allreduce <= 0:
+            return end
+        first, last = w.stage.first, w.stage.last
+        sizes = {i: int(self.mem.param_bytes[i]) for i in range(first, last) if self.mem.param_bytes[i] > 0}
+        ends = [e for e in self.events if e.kind == "B" and e.stage == p and e.end >= end - EPS]
+        if not sizes or not ends:
+            return end + w.allreduce
+        start = max(e.start for e in ends)
+        layer_s = self.cluster.device(ends[0].device).costs.bwd[first:last, 0]
+        behind = np.cumsum(layer_s[::-1])[::-1] / max(float(layer_s.sum()), EPS)  # done once layer first + k is
+        held, t = sum(sizes.values()), start
+        for bucket in buckets_of(sizes):
+            final = start + (end - start) * float(behind[min(bucket) - first])
+            t = max(t, final) + w.allreduce * sum(sizes[i] for i in bucket) / held
+        return t
 
     def _budget(self, device: str) -> float:
         """The device's memory for its stages (MemoryModel.budget: more for the whole model

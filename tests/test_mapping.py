@@ -107,7 +107,9 @@ def _tight(yolov2):
 
 def test_auto_maps_where_memory_held_its_plan_back_and_not_where_it_did_not(yolov2):
     mem, devices = _tight(yolov2)
-    cluster = _mapping(flops_cluster(yolov2, devices, latency_ms=5))
+    # 10 ms a message: pairs pay their BatchNorm exchanges where whole mapped micro-batches do not (at 5 ms,
+    # since the simulator overlaps the sums with the last backward, the pairs' 7.64 s beat mapping's 7.70)
+    cluster = _mapping(flops_cluster(yolov2, devices, latency_ms=10))
     inputs = PlanInputs(yolov2, mem, cluster, 32, 8)
     keeping, plan = _plan_auto(inputs), plan_auto(inputs)
     assert any(max(s.group_sizes()) > 1 for s in keeping.stages if s.mode == "dp")  # held back: groups

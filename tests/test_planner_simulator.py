@@ -14,6 +14,7 @@ from planner.memory import MemoryModel
 from planner.plan import Plan, PlanError, Stage
 from planner.schedule import asteroid_warmup, stage_schedule
 from planner.simulator import simulate
+from planner.stage_work import buckets_of
 from swarm.zoo import describe_model
 
 FAST = 1e15  # bytes/s: transfers that take no time
@@ -133,6 +134,35 @@ def test_the_next_step_hides_the_sums_behind_its_first_forward_only(lenet):
                      Stage(2, 7, "dp", ["a", "b"], allocation={"a": 1, "b": 1})], batch=4, micro=2, devices=("a", "b"))
     t = simulate(tiles, desc, mem, cl)
     assert t.step_time == t.settled_s
+
+
+def test_the_upper_buckets_sums_run_during_the_last_backward():
+    """A bucket's sum starts once the last backward has passed its lowest layer and the
+    buckets above it have gone (the workers' GradReducer), each taking the sum's time by its
+    bytes: of yolov2-16's gradients, summed slower than the backward runs, only what the
+    backward had not finished waits for its end."""
+    desc = describe_model("yolov2-16", 416)
+    mem, n = MemoryModel.estimated(desc), len(desc.layers)
+    bw, fwd, bwd, update = 1e7, 0.01, 0.02, 0.05
+    cl = cluster_of({d: uniform_table(n, fwd, bwd, update / n) for d in "ab"}, bw=bw)
+    plan = Plan("yolov2-16", 416, 2, 1, [Stage(0, n, "dp", ["a", "b"], allocation={"a": 1, "b": 1})],
+                devices={"a": {}, "b": {}})
+    t = simulate(plan, desc, mem, cl)
+    sizes = {i: int(b) for i, b in enumerate(mem.param_bytes) if b > 0}
+    buckets = buckets_of(sizes)
+    assert len(buckets) > 2
+    (forward,) = [e for e in t.events if e.kind == "F" and e.device == "a"]
+    (backward,) = [e for e in t.events if e.kind == "B" and e.device == "a"]
+    start, end = backward.start, backward.end  # n layers of 0.02 s (and the loss)
+    assert start == pytest.approx(forward.end) and end - start == pytest.approx(n * bwd, rel=0.1)
+    done = start
+    for bucket in buckets:  # uniform layers: the backward has passed layer k after (n - k) of its n layers
+        done = max(done, start + (end - start) * (n - min(bucket)) / n) + sum(sizes[i] for i in bucket) / bw
+    allreduce = sum(sizes.values()) / bw  # 2 (g - 1) / g of the bytes, g = 2, no latency
+    assert done < end + allreduce
+    assert done > end + sizes[min(sizes)] / bw  # the lowest bucket's sum follows the backward
+    assert t.step_time == pytest.approx(done + update - forward.end)  # less the next first forward it hides behind
+    assert t.settled_s == pytest.approx(end + allreduce + update)  # a settled step sums after its backward
 
 
 def test_memory_is_asteroid_eq3(lenet):
