@@ -79,10 +79,10 @@ def cap_bandwidth(rate: str, device: str, namespace: str | None = None) -> None:
     everyone's data to it. TCP, clocked by late acknowledgements, then sent packets of one or
     two segments instead of 15-30 kB, and each crossed the bridge and both caps on its own,
     in softirqs charged to whichever device was on the CPU. Eight 0.2-core devices streaming
-    100 MB each to the next at once: 2.3 kB a packet and 1.6-2.8 s of softirq with one queue
-    (bbr; cubic 1.1 kB and 8.5-9.4 s), 22-32 kB and under 0.3 s with this; a ring all-reduce
-    of 13.75 MB over them cost each device 0.118 CPU-s against 0.024 (bench/RESULTS.md,
-    2026-12-01). A device on a LAN does not pay that: its NIC's queue (fq_codel, systemd's
+    100 MB each to the next at once (bench/link_packets.py): 2.3 kB a packet and 1.6-2.8 s of
+    softirq with one queue (bbr; cubic 1.1 kB and 8.5-9.4 s), 22-32 kB and under 1 s with
+    this; a ring all-reduce of 13.75 MB over them cost each device 0.118 CPU-s against 0.024
+    (bench/RESULTS.md, 2026-12-01). A device on a LAN does not pay that: its NIC's queue (fq_codel, systemd's
     default) sends a flow's few packets before another's backlog, a switch port holds a few
     milliseconds, and the NIC segments and coalesces in hardware."""
     tc = ["ip", "netns", "exec", namespace, "tc"] if namespace else ["tc"]
