@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import re
 
 from swarm.commands.flags import positive_float, positive_int
 from swarm.errors import SwarmError
 from swarm.host.resources import parse_size
+from swarm.testbed import netns
 
 
 def memory_size(text: str) -> int:
@@ -20,8 +20,10 @@ def memory_size(text: str) -> int:
 
 
 def bandwidth_rate(text: str) -> str:
-    if not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit|bps|kbps|mbps|gbps)", text.lower()):
-        raise argparse.ArgumentTypeError(f"'{text}' is not a rate tc understands (e.g. 100mbit, 20mbit, 1gbit)")
+    try:
+        netns.rate_bytes(text)
+    except SwarmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text.lower()
 
 

@@ -82,11 +82,12 @@ def cap_bandwidth(rate: str, device: str, namespace: str | None = None) -> None:
     100 MB each to the next at once (bench/link_packets.py): 2.3 kB a packet and 1.6-2.8 s of
     softirq with one queue (bbr; cubic 1.1 kB and 8.5-9.4 s), 22-32 kB and under 1 s with
     this; a ring all-reduce of 13.75 MB over them cost each device 0.118 CPU-s against 0.024
-    (bench/RESULTS.md, 2026-12-01). A device on a LAN does not pay that: its NIC's queue (fq_codel, systemd's
-    default) sends a flow's few packets before another's backlog, a switch port holds a few
-    milliseconds, and the NIC segments and coalesces in hardware."""
+    (bench/RESULTS.md, 2026-12-01). A device on a LAN does not pay that: its NIC's queue
+    (fq_codel, systemd's default) sends a flow's few packets before another's backlog, a
+    switch port holds a few milliseconds, and the NIC segments and coalesces in hardware."""
     tc = ["ip", "netns", "exec", namespace, "tc"] if namespace else ["tc"]
-    bps = rate_bytes(rate) * 8
+    per_s = rate_bytes(rate)
+    bps = per_s * 8
     run(*tc, "qdisc", "replace", "dev", device, "root", "handle", "1:", "htb", "default", "20")
     cap = ["burst", LINK_BURST, "cburst", LINK_BURST]
     run(*tc, "class", "add", "dev", device, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate, *cap)
@@ -94,7 +95,7 @@ def cap_bandwidth(rate: str, device: str, namespace: str | None = None) -> None:
         run(*tc, "class", "add", "dev", device, "parent", "1:1", "classid", classid, "htb", "rate",
             f"{max(1, int(bps * share))}bit", "ceil", rate, "prio", prio, "quantum", "65536", *cap)
     run(*tc, "qdisc", "add", "dev", device, "parent", "1:20", "handle", "20:", "bfifo", "limit",
-        str(int(rate_bytes(rate) * LINK_QUEUE_S) + 65536))
+        str(int(per_s * LINK_QUEUE_S) + 65536))
     run(*tc, "filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
         "match", "ip", "protocol", "6", "0xff", "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:10")
 
