@@ -240,6 +240,34 @@ def test_the_samples_sent_ahead_wait_for_the_sums_on_the_links(monkeypatch):
         assert torch.equal(value, settled[key]), key
 
 
+def test_a_stage_computes_its_next_micro_batch_while_its_activations_travel(monkeypatch):
+    """What a stage sends the next one goes while it computes on: with every activation's
+    delivery held back 0.3 s, the first stage has started sending its second micro-batch's
+    activations before its first micro-batch's have arrived, in every step; and the weights
+    are still the local run's."""
+    import trio
+
+    from swarm.execution.endpoint import LocalEndpoint
+    starts, ends = {}, {}
+    send = LocalEndpoint.send
+
+    async def slow_acts(self, dst, key, payload):
+        if key[0] != "act" or key[2] != 1:  # (the first stage's outputs, to the second)
+            return await send(self, dst, key, payload)
+        starts[key[1], key[4]] = time.perf_counter()  # (step, micro-batch)
+        await trio.sleep(0.3)
+        await send(self, dst, key, payload)
+        ends[key[1], key[4]] = time.perf_counter()
+    monkeypatch.setattr(LocalEndpoint, "send", slow_acts)
+    cfg = _cfg("yolov2-16", 4)
+    result = _planned(cfg, _plan("yolov2-16", PLANS["pp4"](N16), 4))
+    assert sorted(starts) == [(s, m) for s in range(STEPS) for m in range(4)], starts
+    for step in range(STEPS):
+        assert starts[step, 1] < ends[step, 0], (step, starts, ends)
+    worst = _worst(result.net.state_dict(), _local(cfg))
+    assert worst[0] < 1e-9, worst
+
+
 def test_a_device_that_never_ends_its_sums_ends_the_run_in_one_line(monkeypatch):
     """The samples sent ahead wait for every device's sums of the step before; before a backup
     (where the plan may change) the coordinator waits for them to be out, up to the job's

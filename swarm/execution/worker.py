@@ -403,25 +403,29 @@ class DeviceWorker:
             try:
                 for part in my_parts:
                     if kind == "F":
-                        await self.forward(step, copy, part, m, lo, hi, losses)
+                        await self.forward(step, copy, part, m, lo, hi, losses, sends)
                     else:
-                        await self.backward(step, copy, part, m, hi - lo)
+                        await self.backward(step, copy, part, m, hi - lo, sends)
             finally:
                 for h in handles:
                     h.remove()
 
         # overlapping: a backward and the next forward side by side, each computing while the
-        # other waits for its group (the compute lock lets go during a BatchNorm exchange)
-        for unit in overlap_units(ops) if copy.stage.overlap else [[op] for op in ops]:
-            if len(unit) == 1:
-                await run_op(unit[0])
-                continue
-            async with trio.open_nursery() as both:
-                for op in unit:
-                    both.start_soon(run_op, op)
+        # other waits for its group (the compute lock lets go during a BatchNorm exchange).
+        # What an op sends to the next stage or the one before goes while the next op computes
+        # (`sends`); the schedule ends once all of it has gone.
+        async with trio.open_nursery() as sends:
+            for unit in overlap_units(ops) if copy.stage.overlap else [[op] for op in ops]:
+                if len(unit) == 1:
+                    await run_op(unit[0])
+                    continue
+                async with trio.open_nursery() as both:
+                    for op in unit:
+                        both.start_soon(run_op, op)
 
     # ---- single and dp parts ---------------------------------------------------------
-    async def forward(self, step: int, copy: StageCopy, part: Part, m: int, lo: int, hi: int, losses) -> None:
+    async def forward(self, step: int, copy: StageCopy, part: Part, m: int, lo: int, hi: int, losses,
+                      sends: trio.Nursery | None = None) -> None:
         p, mb = part.stage, hi - lo
         inputs = await self.post.gather_inputs(step, part, m, mb)
         targets = None
@@ -435,13 +439,14 @@ class DeviceWorker:
         if copy.is_last:
             losses.append(await self.compute(copy.loss_value, part.index, m))
         else:
-            await self.post.send_outputs(step, part, m, mb, outputs)
+            await _handed(sends, self.post.send_outputs, step, part, m, mb, outputs)
 
-    async def backward(self, step: int, copy: StageCopy, part: Part, m: int, mb: int) -> None:
+    async def backward(self, step: int, copy: StageCopy, part: Part, m: int, mb: int,
+                       sends: trio.Nursery | None = None) -> None:
         grads = None if copy.is_last else await self.post.gather_output_grads(step, part, m, mb)
         in_grads = await self.compute(copy.backward, part.index, m, grads)
         if part.stage > 0:
-            await self.post.send_input_grads(step, part, m, mb, in_grads)
+            await _handed(sends, self.post.send_input_grads, step, part, m, mb, in_grads)
 
     # ---- tiles parts -----------------------------------------------------------------
     async def tiles_forward(self, step: int, copy: StageCopy, parts: list[Part], block: list[tuple[int, int, int]],
@@ -520,3 +525,14 @@ class Tail:
     done: trio.Event = field(default_factory=trio.Event)
     seconds: float = 0.0  # from `start` to done
     reducing_s: float = 0.0
+
+
+async def _handed(sends: trio.Nursery | None, send, *args) -> None:
+    """Run `send` (a BlockPost send of an op's tensors) in `sends`, beside the ops that follow:
+    a megabyte of activations takes a tenth of a second of a 100 Mbit link, and a gradient
+    for a device that is computing waits until that device's CPU takes it in. Without a
+    nursery, at once."""
+    if sends is None:
+        await send(*args)
+    else:
+        sends.start_soon(send, *args)
