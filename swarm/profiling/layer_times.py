@@ -177,11 +177,16 @@ def time_tiles_overhead(net, desc, batch: int, budget: Budget, watch: Stopwatch)
         net.zero_grad(set_to_none=True)
 
     untiled(), tiled()  # warm up
-    # a ratio of two timings: each the median of OVERHEAD_RUNS at least (within the timing budget),
-    # so that one run caught behind another process does not decide it
+    # the median ratio of OVERHEAD_RUNS pairs at least (within the timing budget), each pair one
+    # pass of each back to back: a run caught behind another process does not decide it, and
+    # a host that slows for a while slows both sides of the pairs it meets
     budget = budget._replace(repeats=max(budget.repeats, OVERHEAD_RUNS))
-    base = median_time(untiled, budget, watch)
-    return median_time(tiled, budget, watch) / base if base > 0 else 1.0
+    once = Budget(1, budget.stop)
+    ratios = []
+    for _ in within_budget(budget):
+        base = median_time(untiled, once, watch)
+        ratios.append(median_time(tiled, once, watch) / base if base > 0 else 1.0)
+    return statistics.median(ratios)
 
 
 OVERHEAD_RUNS = 5
