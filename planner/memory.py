@@ -91,6 +91,20 @@ REUSES_FREED = {"glibc": False, "jemalloc": True, "glibc-thp": False}
 # kept states beyond KEPT_IN_RESERVE are counted on top (MemoryModel.kept_charge): a stage of
 # yolov3 at 416 keeps up to 470 MiB.
 KEPT_IN_RESERVE = 32 * 2**20
+# A remade layer whose map is STREAM_FROM elements or more a sample back-propagates its BatchNorm
+# and activation a run of channels at a time, each run of STREAM_CHUNK_BYTES or so
+# (swarm.zoo.recompute): its backward holds the incoming and outgoing gradients of the whole
+# map, and a few maps of a run's size (in STAGE_SCRATCH_BYTES) instead of three of the
+# whole map's. Measured on one thread (x86, float32), the backward of a remade layer over a
+# 4x32x416x416 map took 0.84x the time of remaking it whole, 4x64x208x208 0.87x, and
+# 4x128x104x104 1.06x (smaller maps gain nothing): STREAM_FROM is 2M elements a sample (8 MiB
+# in float32; yolov2-16's first two layers at 416, its first at 320).
+STREAM_FROM = 2 * 2**20
+STREAM_CHUNK_BYTES = 2 * 2**20
+# Only piecewise-linear activations stream: their gradient is a product that rounds the same in
+# any run of the map, where swish's or mish's exp rounds differently in the vectorised part of a
+# run and its scalar tail (efficientnet-b0's weights came out a bit apart).
+STREAMED_ACTIVATIONS = ("leaky", "relu", "relu6", "linear")
 # the slack and growth of each allocator a device's profile may name; any other: glibc's
 ALLOCATORS = {"glibc": (RESIDENT_SLACK, SHARE_GROWTH), "jemalloc": (JEMALLOC_SLACK, JEMALLOC_GROWTH),
               "glibc-thp": (RESIDENT_SLACK, SHARE_GROWTH)}
@@ -138,6 +152,13 @@ def recomputable(desc: ModelDesc) -> frozenset[int]:
     """The layers whose BatchNorm output and activation result a backward can remake from the
     conv's output (swarm.zoo.recompute): conv and connected layers with BatchNorm."""
     return frozenset(layer.index for layer in desc.layers if layer.kind in ("conv", "connected") and layer.batch_normalize)
+
+
+def streamed(desc: ModelDesc, remade: frozenset[int]) -> frozenset[int]:
+    """The remade layers whose backward runs a few channels at a time: maps of STREAM_FROM
+    elements or more a sample, with an activation of STREAMED_ACTIVATIONS."""
+    return frozenset(i for i in remade if desc.layers[i].out_bytes / BYTES_PER_FLOAT >= STREAM_FROM
+                     and desc.layers[i].activation in STREAMED_ACTIVATIONS)
 
 
 def remade_maps(desc: ModelDesc, remade: frozenset[int]) -> set[int]:
@@ -225,8 +246,11 @@ class MemoryModel:
         self.in_bytes = np.array([in_bytes(self.desc, i) for i in range(len(self.desc.layers))], dtype=float)
         # a layer's backward holds the gradient of its output and of its input, and one more
         # map of its output's size for each pointwise step it runs (BatchNorm, activation)
-        # (a remade layer's backward also holds the map it remade)
-        pointwise = [int(layer.batch_normalize) + int(layer.activation != "linear") + int(layer.index in self.remade)
+        # (a remade layer's backward also holds the map it remade, but one that streams holds only
+        # its outgoing gradient beside the incoming one)
+        streams = streamed(self.desc, self.remade)
+        pointwise = [1 if layer.index in streams else
+                     int(layer.batch_normalize) + int(layer.activation != "linear") + int(layer.index in self.remade)
                      if layer.kind in ("conv", "connected") else 0 for layer in self.desc.layers]
         self.grad_bytes = self.out_bytes * (1 + np.array(pointwise, dtype=float)) + self.in_bytes
         self._cum_params = np.concatenate([[0.0], np.cumsum(self.param_bytes)])

@@ -91,16 +91,19 @@ def test_mapping_adds_each_devices_fresh_bytes_at_its_own_rate(yolov2):
 
 def _tight(yolov2):
     """Six devices of 20-60 GFLOP/s, yolov2-16 at 416, batch 32 in 8 micro-batches of 4, each
-    with a budget that holds a whole micro-batch mapped (1.05x what it needs) but not in the
-    heap, where it takes 2 samples and shares each micro-batch with a partner."""
+    with a budget that holds a whole micro-batch mapped but neither in the heap, where it takes 2
+    samples and shares each micro-batch with a partner, nor remaking BatchNorm (whose largest
+    layers back-propagate a few channels at a time: 308 MiB for the 4 samples, mapped 298):
+    halfway between the two."""
     mem = MemoryModel.for_devices(yolov2, "sgd")
     n = len(yolov2.layers)
 
     def need(m, samples):
         return m.stage(0, n, samples, 1) - m.budget(0, n, 0.0)
 
-    budget = 1.05 * need(mapped_model(mem), 4)
+    budget = (need(mapped_model(mem), 4) + need(mem.recomputing(), 4)) / 2
     assert budget < need(mem, 4) and mem.max_batch(0, n, 1, budget) < 4
+    assert need(mapped_model(mem), 4) < budget < need(mem.recomputing(), 4)
     speeds = (20, 20, 30, 30, 50, 60)
     return mem, {f"d{i}": (g, f"{int(budget)}") for i, g in enumerate(speeds)}
 

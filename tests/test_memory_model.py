@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from planner.mapping import mapped_model
-from planner.memory import RESIDENT_SLACK, SHARE_GROWTH, STAGE_SCRATCH_BYTES, JOB_BYTES, MemoryModel
+from planner.memory import RESIDENT_SLACK, SHARE_GROWTH, STAGE_SCRATCH_BYTES, JOB_BYTES, MemoryModel, streamed
 from swarm.zoo import describe_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +29,9 @@ STAGE = textwrap.dedent("""
     first, last, k, size = map(int, sys.argv[1:5])
     net, desc, _ = build_model("yolov2-16", size, classes=5, seed=1)
     net.train()
+    if sys.argv[4:] == ["remade"]:
+        from planner.memory import recomputable
+        net.recompute = recomputable(desc)
     layers = net.layers[first:last]
     def forward(x):
         for layer in layers:
@@ -161,6 +164,9 @@ SHARE = textwrap.dedent("""
     b, size = map(int, sys.argv[1:3])
     net, desc, _ = build_model("yolov2-16", size, classes=5, seed=1)
     net.train()
+    if sys.argv[4:] == ["remade"]:
+        from planner.memory import recomputable
+        net.recompute = recomputable(desc)
     net(torch.rand(1, *desc.layers[0].in_shape)).sum().backward()
     base = settled_rss()
     with _PeakRSS() as rss:
@@ -170,13 +176,13 @@ SHARE = textwrap.dedent("""
 """)
 
 
-def share_peak(b: int, size: int, env_extra: dict, how: str = "heap") -> dict:
+def share_peak(b: int, size: int, env_extra: dict, how: str = "heap", remade: bool = False) -> dict:
     import os
 
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES", "SWARM_PRELOADED")}
     env.update(PYTHONPATH=str(ROOT), **env_extra)
-    run = subprocess.run([sys.executable, "-c", SHARE, str(b), str(size), how], cwd=ROOT, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", SHARE, str(b), str(size), how, *(["remade"] if remade else [])], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=env)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -231,3 +237,30 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
         # so the sampled peak misses nothing; what varies is the run's own resident peak)
         assert predicted <= MARGIN[allocator] * max(m["peak"] for m in runs), \
             f"{b} samples: measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
+
+
+@pytest.mark.parametrize("allocator", ["glibc", "jemalloc"])
+def test_a_remade_share_that_streams_fits_the_model_of_its_allocator(allocator):
+    """A whole micro-batch of yolov2-16 at 416 that remakes BatchNorm, whose two largest layers
+    back-propagate a few channels at a time (swarm.zoo.recompute): every run's peak is under the
+    model's, and the model within 1.4x of it. (On glibc 441-471 MiB in three runs against 589:
+    the model charges the largest layer's backward buffers on top of every layer's saved maps,
+    where by then the later layers' are freed and some of their room reused.)"""
+    from swarm.host import malloc
+
+    env = {"GLIBC_TUNABLES": malloc.GLIBC_TUNABLES, malloc.PRELOADED: "glibc"}
+    if allocator == "jemalloc":
+        if malloc.find_jemalloc() is None:
+            pytest.skip("jemalloc is not installed here")
+        env = {"LD_PRELOAD": malloc.find_jemalloc(), "MALLOC_CONF": malloc.JEMALLOC_CONF}
+    desc = describe_model("yolov2-16", 416, 5)
+    model, n = MemoryModel.for_devices(desc, allocator=allocator).recomputing(), len(desc.layers)
+    assert streamed(desc, model.remade) == {0, 2}
+    predicted = model.stage(0, n, 4, 1) - model.weights(0, n) + STAGE_SCRATCH_BYTES
+    runs = [share_peak(4, 416, env, remade=True)]
+    if predicted > 1.4 * runs[-1]["peak"]:  # a low run: again
+        runs.append(share_peak(4, 416, env, remade=True))
+    peaks = [m["peak"] / 2**20 for m in runs]
+    assert {m["allocator"] for m in runs} == {allocator}
+    assert all(m["peak"] <= predicted for m in runs), f"measured {peaks} MiB, predicted {predicted / 2**20:.0f}"
+    assert predicted <= 1.4 * max(m["peak"] for m in runs), f"measured {peaks} MiB, predicted {predicted / 2**20:.0f}"

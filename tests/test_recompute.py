@@ -15,6 +15,7 @@ from planner.plan import Plan, PlanError, Stage
 from planner.planners import _plan_auto, plan_auto
 from planner.simulator import simulate
 from planner.synthetic import flops_cluster
+from swarm.execution import group_bn
 from swarm.zoo import build_model, describe_model, recompute
 from tests.test_execution import _cfg, _local, _planned, _worst
 
@@ -46,6 +47,66 @@ def test_remaking_gives_the_same_weights_bit_for_bit(name, size, dtype):
     assert kept.keys() == remade.keys()
     for k in kept:
         assert torch.equal(kept[k], remade[k]), k
+
+
+@pytest.fixture
+def streaming(monkeypatch):
+    """Every remade layer back-propagates a few channels at a time (at the suite's small sizes no
+    map reaches STREAM_FROM); the runs of channels each backward took, listed."""
+    monkeypatch.setattr(recompute, "STREAM_FROM", 0)
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 3000)
+    runs: list[int] = []
+    remake = recompute._PlainStream.remake
+
+    def counted(self, c, weight, bias, j, k):
+        runs.append(k - j)
+        return remake(self, c, weight, bias, j, k)
+
+    monkeypatch.setattr(recompute._PlainStream, "remake", counted)
+    return runs
+
+
+@pytest.mark.parametrize("name,size,dtype", [("yolov2-16", 64, torch.float64), ("yolov4-tiny", 64, torch.float32),
+                                             ("mobilenetv2", 64, torch.float32), ("resnet18", 64, torch.float32),
+                                             ("efficientnet-b0", 64, torch.float32)])
+def test_streaming_gives_the_same_weights_bit_for_bit(name, size, dtype, streaming):
+    """Remade layers that back-propagate a few channels at a time (leaky, ReLU6, ReLU and linear
+    after BatchNorm; swish's layers remake whole maps), against keeping every map: the same
+    weights and running statistics after two steps, bit for bit."""
+    net, desc, _ = build_model(name, size, seed=3)
+    net = net.to(dtype).train()
+    other = copy.deepcopy(net)
+    other.recompute = recomputable(desc)
+    x = torch.rand(3, 3, size, size, dtype=dtype)
+    kept, remade = _passes(net, desc, x), _passes(other, desc, x)
+    assert len(streaming) > 2 * len(other.recompute) and min(streaming) < max(streaming)  # several runs a layer
+    for k in kept:
+        assert torch.equal(kept[k], remade[k]), k
+
+
+def test_a_dp_group_that_streams_trains_as_one_that_does_not_bit_for_bit(monkeypatch):
+    """A dp group's BatchNorm back-propagated a few channels at a time (the group's sums
+    exchanged once a layer, as before) gives the weights the same group gives remaking whole
+    maps, bit for bit, and both equal local training."""
+    cfg = _cfg(str(CFG / "yolov4-tiny.cfg"), 2, img_size=64)
+    plan = Plan(cfg.model, 64, 8, 2, _stages("dp", 38, [5, 13, 33]))
+    whole = _planned(cfg, plan).net.state_dict()
+    runs: list[int] = []
+    remake = group_bn._GroupStream.remake
+
+    def counted(self, c, weight, bias, j, k):
+        runs.append(k - j)
+        return remake(self, c, weight, bias, j, k)
+
+    monkeypatch.setattr(group_bn._GroupStream, "remake", counted)
+    monkeypatch.setattr(recompute, "STREAM_FROM", 0)
+    monkeypatch.setattr(recompute, "CHUNK_BYTES", 3000)
+    streamed = _planned(cfg, plan).net.state_dict()
+    assert len(runs) > 2 * len(recomputable(describe_model(cfg.model, 64))) and min(runs) < max(runs)
+    for k in whole:
+        assert torch.equal(whole[k], streamed[k]), k
+    worst, key = _worst(streamed, _local(cfg))
+    assert worst < 1e-9, (key, worst)
 
 
 def _kept_bytes(net, x) -> int:

@@ -62,11 +62,12 @@ class _GroupBatchNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight, gmean, gvar)
         ctx.exchange, ctx.eps, ctx.n = exchange, eps, float(n)
         unbiased = (gm2 / max(float(n) - 1.0, 1.0)).to(x.device, x.dtype)
-        ctx.mark_non_differentiable(gmean, unbiased, gvar)
-        return y, gmean, unbiased, gvar
+        count = torch.tensor(float(n), dtype=torch.float64)
+        ctx.mark_non_differentiable(gmean, unbiased, gvar, count)
+        return y, gmean, unbiased, gvar, count
 
     @staticmethod
-    def backward(ctx, dy, _dmean, _dvar, _dgvar):
+    def backward(ctx, dy, _dmean, _dvar, _dgvar, _dcount):
         x, weight, gmean, gvar = ctx.saved_tensors
         if x.numel():  # with the group's mean and variance as "running" statistics: (dy w invstd, sum dy xhat, sum dy)
             # (also as the saved ones: CUDA's kernel reads those where its fused path does not apply)
@@ -76,22 +77,36 @@ class _GroupBatchNorm(torch.autograd.Function):
         else:
             scaled = dy
             sum_dy_xhat = sum_dy = torch.zeros_like(weight)
-        parts = ctx.exchange("bwd", [to_host(sum_dy.double()), to_host(sum_dy_xhat.double())])
-        g_dy = sum(p[0] for p in parts)
-        g_dy_xhat = sum(p[1] for p in parts)
-        if not ctx.affine:
-            sum_dy_xhat = sum_dy = None
         if not x.numel():
-            return dy, sum_dy_xhat, sum_dy, None, None
-        # dx = w invstd / n (n dy - sum dy - xhat sum(dy xhat)) = scaled - k (x - mean) - w invstd sum(dy) / n,
-        # with k = w invstd^2 sum(dy xhat) / n
-        n = ctx.n
-        invstd = torch.rsqrt(gvar.double() + ctx.eps)
-        w = weight.double()
-        k = w * invstd * invstd * g_dy_xhat.to(w.device) / n
-        shift = k * gmean.double() - w * invstd * g_dy.to(w.device) / n
-        dx = scaled.addcmul_(x, _bc(-k.to(x.dtype), x)).add_(_bc(shift.to(x.dtype), x))
-        return dx, sum_dy_xhat, sum_dy, None, None
+            _group_sums(ctx.exchange, sum_dy, sum_dy_xhat)
+            return dy, *(_local_sums(ctx.affine, sum_dy_xhat, sum_dy)), None, None
+        dx = _input_grad(ctx.exchange, scaled, x, weight, gmean, gvar, ctx.eps, ctx.n, sum_dy, sum_dy_xhat)
+        return dx, *(_local_sums(ctx.affine, sum_dy_xhat, sum_dy)), None, None
+
+
+def _group_sums(exchange: Exchange, sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's per-channel sums of dy and dy * xhat, from this replica's."""
+    parts = exchange("bwd", [to_host(sum_dy.double()), to_host(sum_dy_xhat.double())])
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def _local_sums(affine: bool, sum_dy_xhat: torch.Tensor, sum_dy: torch.Tensor):
+    """The weight's and bias's gradients: this replica's partial sums (the step's all-reduce adds them up)."""
+    return (sum_dy_xhat, sum_dy) if affine else (None, None)
+
+
+def _input_grad(exchange: Exchange, scaled: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gmean: torch.Tensor,
+                gvar: torch.Tensor, eps: float, n: float, sum_dy: torch.Tensor, sum_dy_xhat: torch.Tensor) -> torch.Tensor:
+    """BatchNorm's input gradient from `scaled` (dy w invstd, overwritten with it) and this replica's sums,
+    once the group's are known:
+    dx = w invstd / n (n dy - sum dy - xhat sum(dy xhat)) = scaled - k (x - mean) - w invstd sum(dy) / n,
+    with k = w invstd^2 sum(dy xhat) / n."""
+    g_dy, g_dy_xhat = _group_sums(exchange, sum_dy, sum_dy_xhat)
+    invstd = torch.rsqrt(gvar.double() + eps)
+    w = weight.double()
+    k = w * invstd * invstd * g_dy_xhat.to(w.device) / n
+    shift = k * gmean.double() - w * invstd * g_dy.to(w.device) / n
+    return scaled.addcmul_(x, _bc(-k.to(x.dtype), x)).add_(_bc(shift.to(x.dtype), x))
 
 
 def _bc(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -110,7 +125,7 @@ class GroupBatchNorm(nn.BatchNorm2d):
         self.running_mean, self.running_var = bn.running_mean, bn.running_var
         self.num_batches_tracked = bn.num_batches_tracked
         self.exchange: Exchange | None = None
-        self._group_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last training forward
+        self._group_stats: tuple[torch.Tensor, torch.Tensor, float] | None = None  # of the last training forward
 
     def _check_input_dim(self, x):  # 2-D (connected) and 4-D inputs alike
         if x.dim() not in (2, 4):
@@ -119,8 +134,8 @@ class GroupBatchNorm(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.exchange is None:
             return super().forward(x)
-        y, mean, var, biased = _GroupBatchNorm.apply(x, self.weight, self.bias, self.eps, self.exchange)
-        self._group_stats = (mean.detach(), biased.detach())
+        y, mean, var, biased, count = _GroupBatchNorm.apply(x, self.weight, self.bias, self.eps, self.exchange)
+        self._group_stats = (mean.detach(), biased.detach(), float(count))
         with torch.no_grad():
             momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked + 1)
             self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
@@ -134,11 +149,42 @@ class GroupBatchNorm(nn.BatchNorm2d):
         from this replica's samples alone. None when the forward was a plain BatchNorm's."""
         if not self.training or self.exchange is None:
             return None
-        mean, var = self._group_stats
+        mean, var, _ = self._group_stats
         weight, bias, eps = self.weight, self.bias, self.eps
         if weight is None:
             weight = torch.ones_like(mean)
         return lambda: torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+
+    def streamed(self) -> "_GroupStream | None":
+        """How a backward that runs a few channels at a time (swarm.zoo.recompute) remakes and
+        back-propagates the last training forward: None when that was a plain BatchNorm's."""
+        if not self.training or self.exchange is None:
+            return None
+        return _GroupStream(self.exchange, *self._group_stats, self.eps, self.weight is not None)
+
+
+class _GroupStream:
+    """The last group forward's statistics, for swarm.zoo.recompute's backward in runs of channels:
+    each run remade and back-propagated by the kernels _GroupBatchNorm uses on the whole map (so
+    the same numbers, bit for bit), the input gradient finished once the group's sums are in."""
+
+    def __init__(self, exchange: Exchange, mean: torch.Tensor, var: torch.Tensor, n: float, eps: float, affine: bool):
+        self.exchange, self.mean, self.var, self.n, self.eps, self.affine = exchange, mean, var, n, eps, affine
+
+    def weight(self, weight: torch.Tensor | None) -> torch.Tensor:
+        return weight if weight is not None else torch.ones_like(self.mean)
+
+    def remake(self, c: torch.Tensor, weight, bias, j: int, k: int) -> torch.Tensor:
+        return torch.batch_norm(c, weight, bias, self.mean[j:k], self.var[j:k], False, 0.0, self.eps, False)
+
+    def backward(self, dy: torch.Tensor, c: torch.Tensor, weight, j: int, k: int):
+        mean, var = self.mean[j:k], self.var[j:k]
+        return torch.ops.aten.native_batch_norm_backward(dy, c, weight, mean, var, mean, torch.rsqrt(var + self.eps),
+                                                         False, self.eps, [True, True, True])
+
+    def finish(self, dc: torch.Tensor, c: torch.Tensor, weight, sum_dy_xhat: torch.Tensor, sum_dy: torch.Tensor):
+        dc = _input_grad(self.exchange, dc, c, weight, self.mean, self.var, self.eps, self.n, sum_dy, sum_dy_xhat)
+        return dc, *_local_sums(self.affine, sum_dy_xhat, sum_dy)
 
 
 def replace_batchnorm(module: nn.Module) -> list[tuple[str, GroupBatchNorm]]:

@@ -25,6 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from planner.memory import STREAM_FROM, STREAM_CHUNK_BYTES as CHUNK_BYTES
+
+STREAMED = (nn.LeakyReLU, nn.ReLU, nn.ReLU6, nn.Identity)  # planner.memory.STREAMED_ACTIVATIONS
+
 
 class _Recipe:
     """A saved map, remade on demand. Several backward nodes may save the same map (an in-place
@@ -124,10 +128,14 @@ def run_recomputed(seq: nn.Sequential, x: torch.Tensor, recipes: Recipes) -> tor
     parts = list(seq.children())
     first, bn, act = parts[0], seq.bn, seq.act
     c = first(x)
-    y = bn(c)
     if not (bn.training and torch.is_grad_enabled()):
-        return act(y)
+        return act(bn(c))
     kept = c.detach()
+    if streams(bn, act, c):
+        a = _StreamedBatchNorm.apply(c, bn.weight, bn.bias, bn, act)
+        recipes.note(a, {a._version: lambda: act(batchnorm_recipe(bn, kept)())})
+        return a
+    y = bn(c)
     norm = batchnorm_recipe(bn, kept)
 
     def activated() -> torch.Tensor:
@@ -139,3 +147,81 @@ def run_recomputed(seq: nn.Sequential, x: torch.Tensor, recipes: Recipes) -> tor
     if a is not y:
         recipes.note(a, {a._version: activated})
     return a
+
+
+
+def streams(bn: nn.Module, act: nn.Module, c: torch.Tensor) -> bool:
+    """Whether a remade layer with BatchNorm `bn`, activation `act` and output `c` back-propagates
+    a few channels at a time (planner.memory.streamed): a map of STREAM_FROM elements or more a
+    sample, with samples in it, and a piecewise-linear activation."""
+    return isinstance(bn, nn.modules.batchnorm._BatchNorm) and isinstance(act, STREAMED) and c.dim() >= 2 \
+        and c.shape[0] > 0 and c[:1].numel() >= STREAM_FROM
+
+
+class _PlainStream:
+    """A plain BatchNorm's training statistics, remade from each run of channels by its own kernel."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+        self.stats: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def weight(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        return weight
+
+    def remake(self, c: torch.Tensor, weight, bias, j: int, k: int) -> torch.Tensor:
+        y, mean, invstd = torch.ops.aten.native_batch_norm(c, weight, bias, None, None, True, 0.0, self.eps)
+        self.stats = (mean, invstd)
+        return y
+
+    def backward(self, dy: torch.Tensor, c: torch.Tensor, weight, j: int, k: int):
+        mean, invstd = self.stats
+        return torch.ops.aten.native_batch_norm_backward(dy, c, weight, None, None, mean, invstd, True, self.eps,
+                                                         [True, weight is not None, weight is not None])
+
+    def finish(self, dc: torch.Tensor, c: torch.Tensor, weight, dw, db):
+        return dc, dw, db
+
+
+class _StreamedBatchNorm(torch.autograd.Function):
+    """BatchNorm in training and its activation, whose backward remakes their output and
+    back-propagates through both a run of channels at a time. The forward is the module's own
+    (its running statistics move as they would, a dp group's statistics are exchanged as they
+    would be); it keeps only BatchNorm's input. Each run of channels is a contiguous copy that
+    the same kernels remake and back-propagate as the whole map's: BatchNorm's statistics and
+    sums are per channel, so the gradients come out bit for bit as the whole map's would,
+    while the backward holds, beside the incoming and outgoing gradients, a few maps of
+    CHUNK_BYTES instead of three of the whole map's size."""
+
+    @staticmethod
+    def forward(ctx, c: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                bn: nn.modules.batchnorm._BatchNorm, act: nn.Module) -> torch.Tensor:
+        a = act(bn(c))
+        group = getattr(bn, "streamed", None)
+        ctx.stream = (group() if group is not None else None) or _PlainStream(bn.eps)
+        ctx.save_for_backward(c, weight, bias)
+        ctx.act = act
+        return a
+
+    @staticmethod
+    def backward(ctx, da: torch.Tensor):
+        c, weight, bias = ctx.saved_tensors
+        stream, act = ctx.stream, ctx.act
+        weight = stream.weight(weight)
+        dc = torch.empty_like(c)
+        dw = torch.empty_like(weight) if weight is not None else None
+        db = torch.empty_like(weight) if weight is not None else None
+        run = max(1, CHUNK_BYTES // max(1, c[:, :1].numel() * c.element_size()))
+        for j in range(0, c.shape[1], run):
+            k = min(c.shape[1], j + run)
+            cj = c[:, j:k].contiguous()
+            wj = weight[j:k] if weight is not None else None
+            yj = stream.remake(cj, wj, bias[j:k] if bias is not None else None, j, k)
+            with torch.enable_grad():
+                yj.requires_grad_()
+                (dyj,) = torch.autograd.grad(act(yj.clone()), yj, da[:, j:k].contiguous())
+            dcj, dwj, dbj = stream.backward(dyj, cj, wj, j, k)
+            dc[:, j:k] = dcj
+            if dw is not None:
+                dw[j:k], db[j:k] = dwj, dbj
+        dc, dw, db = stream.finish(dc, c, weight, dw, db)
+        return dc, dw, (db if bias is not None else None), None, None
