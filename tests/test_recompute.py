@@ -49,21 +49,25 @@ def test_remaking_gives_the_same_weights_bit_for_bit(name, size, dtype):
         assert torch.equal(kept[k], remade[k]), k
 
 
-@pytest.fixture
-def streaming(monkeypatch):
+def _streaming(monkeypatch, stream) -> list[int]:
     """Every remade layer back-propagates a few channels at a time (at the suite's small sizes no
-    map reaches STREAM_FROM); the runs of channels each backward took, listed."""
+    map reaches STREAM_FROM); the runs of channels that `stream`'s backwards took, listed."""
     monkeypatch.setattr(recompute, "STREAM_FROM", 0)
     monkeypatch.setattr(recompute, "CHUNK_BYTES", 3000)
     runs: list[int] = []
-    remake = recompute._PlainStream.remake
+    remake = stream.remake
 
     def counted(self, c, weight, bias, j, k):
         runs.append(k - j)
         return remake(self, c, weight, bias, j, k)
 
-    monkeypatch.setattr(recompute._PlainStream, "remake", counted)
+    monkeypatch.setattr(stream, "remake", counted)
     return runs
+
+
+@pytest.fixture
+def streaming(monkeypatch):
+    return _streaming(monkeypatch, recompute._PlainStream)
 
 
 @pytest.mark.parametrize("name,size,dtype", [("yolov2-16", 64, torch.float64), ("yolov4-tiny", 64, torch.float32),
@@ -91,16 +95,7 @@ def test_a_dp_group_that_streams_trains_as_one_that_does_not_bit_for_bit(monkeyp
     cfg = _cfg(str(CFG / "yolov4-tiny.cfg"), 2, img_size=64)
     plan = Plan(cfg.model, 64, 8, 2, _stages("dp", 38, [5, 13, 33]))
     whole = _planned(cfg, plan).net.state_dict()
-    runs: list[int] = []
-    remake = group_bn._GroupStream.remake
-
-    def counted(self, c, weight, bias, j, k):
-        runs.append(k - j)
-        return remake(self, c, weight, bias, j, k)
-
-    monkeypatch.setattr(group_bn._GroupStream, "remake", counted)
-    monkeypatch.setattr(recompute, "STREAM_FROM", 0)
-    monkeypatch.setattr(recompute, "CHUNK_BYTES", 3000)
+    runs = _streaming(monkeypatch, group_bn._GroupStream)
     streamed = _planned(cfg, plan).net.state_dict()
     assert len(runs) > 2 * len(recomputable(describe_model(cfg.model, 64))) and min(runs) < max(runs)
     for k in whole:
