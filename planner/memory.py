@@ -95,10 +95,11 @@ KEPT_IN_RESERVE = 32 * 2**20
 # and activation a run of channels at a time, each run of STREAM_CHUNK_BYTES or so
 # (swarm.zoo.recompute): its backward holds the incoming and outgoing gradients of the whole
 # map, and a few maps of a run's size (in STAGE_SCRATCH_BYTES) instead of three of the
-# whole map's. Measured on one thread (x86, float32), the backward of a remade layer over a
-# 4x32x416x416 map took 0.84x the time of remaking it whole, 4x64x208x208 0.87x, and
-# 4x128x104x104 1.06x (smaller maps gain nothing): STREAM_FROM is 2M elements a sample (8 MiB
-# in float32; yolov2-16's first two layers at 416, its first at 320).
+# whole map's. On one thread (x86, float32, alternating, medians) a remade layer's forward and
+# backward over a 4x32x416x416 map took 0.66x the time of remaking it whole, 4x64x208x208 0.84x,
+# 4x128x104x104 0.97x (smaller maps gain nothing); whole yolov2-16 passes at 416 1.047x keeping
+# every map, against 1.123x (bench/stream_time.py). STREAM_FROM is 2M elements a sample (8 MiB
+# in float32; yolov2-16's first two convs at 416, its first at 320).
 STREAM_FROM = 2 * 2**20
 STREAM_CHUNK_BYTES = 2 * 2**20
 # Only piecewise-linear activations stream: their gradient is a product that rounds the same in
