@@ -133,7 +133,8 @@ def run_recomputed(seq: nn.Sequential, x: torch.Tensor, recipes: Recipes) -> tor
     kept = c.detach()
     if streams(bn, act, c):
         a = _StreamedBatchNorm.apply(c, bn.weight, bn.bias, bn, act)
-        recipes.note(a, {a._version: lambda: act(batchnorm_recipe(bn, kept)())})
+        norm = batchnorm_recipe(bn, kept)  # now: a dp group's statistics are this forward's
+        recipes.note(a, {a._version: lambda: act(norm())})
         return a
     y = bn(c)
     norm = batchnorm_recipe(bn, kept)
@@ -147,7 +148,6 @@ def run_recomputed(seq: nn.Sequential, x: torch.Tensor, recipes: Recipes) -> tor
     if a is not y:
         recipes.note(a, {a._version: activated})
     return a
-
 
 
 def streams(bn: nn.Module, act: nn.Module, c: torch.Tensor) -> bool:
