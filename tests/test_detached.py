@@ -234,6 +234,84 @@ async def test_a_log_chunk_says_the_state_from_before_it_was_read(tmp_path):
         agent.detached.get(run["id"]).process.kill()
 
 
+class DroppingCluster:
+    """A roster's stand-in for `swarm logs -f`: agents by name, each listing the runs it
+    coordinates ({name: [run, ...]}) and serving a log; `drops` asks to a device fail as a
+    closed connection does before the next answers."""
+
+    def __init__(self, runs: dict[str, list[dict]], log: bytes, drops: dict[str, int]):
+        self.devices = [SimpleNamespace(node_id=f"node-{name}", name=name) for name in runs]
+        self.runs, self.log, self.drops = runs, log, dict(drops)
+
+    def alive(self):
+        return list(self.devices)
+
+    async def ask(self, node_id, request, timeout):
+        from swarm.net.peer import PeerUnavailable
+        from swarm.wire import DetachChunk
+
+        name = node_id.removeprefix("node-")
+        if self.drops.get(name, 0) > 0:
+            self.drops[name] -= 1
+            raise PeerUnavailable(f"{name}'s connection closed before it answered")
+        if isinstance(request, DetachList):
+            return SimpleNamespace(error="", jobs=self.runs[name])
+        (run,) = [r for r in self.runs[name] if r["id"] == request.job_id]
+        half = len(self.log) // 2 if request.offset == 0 else len(self.log)  # the log in two chunks
+        return DetachChunk(request.seq, "", "v", request.offset, len(self.log), self.log[request.offset:half],
+                           run["state"])
+
+
+def a_run(state, term):
+    return {"id": "r1", "state": state, "term": term}
+
+
+@pytest.mark.trio
+async def test_a_follower_that_loses_its_connection_to_a_live_coordinator_reads_on_where_it_was(capsys):
+    """A follower whose connection to the coordinator closes (a busy host misses heartbeats)
+    while the coordinator lives on, and whose run has no newer term anywhere, goes back to the
+    same coordinator and reads on from where it was: every line once, not "no agent knows a run"
+    (a CI run's follower failed so at the end of a run), nor the log again from its start."""
+    from swarm.commands.jobs_cmd import _logs
+
+    log = b"".join(f"step {k}/6\n".encode() for k in range(1, 7))
+    cluster = DroppingCluster({"dev0": [], "dev2": [a_run("done", 1)]}, log, {})
+    read = cluster.ask
+
+    async def drop_after_the_first_chunk(node_id, request, timeout):
+        if isinstance(request, DetachRead) and request.offset > 0 and not cluster.dropped:
+            cluster.drops["dev2"], cluster.dropped = 1, True
+        return await read(node_id, request, timeout)
+
+    cluster.dropped, cluster.ask = False, drop_after_the_first_chunk
+    assert await _logs(SimpleNamespace(job="r1", wait=1.0, follow=True), cluster) == 0
+    out = capsys.readouterr().out
+    assert cluster.dropped and "-- dev2 answers again --" in out, out
+    assert [line for line in out.splitlines() if line.startswith("step")] == [f"step {k}/6" for k in range(1, 7)], out
+
+
+@pytest.mark.trio
+async def test_a_follower_takes_a_successor_over_the_lost_coordinator_it_can_reach_again(autojump_clock):
+    """Back on a new connection, a coordinator's run of the same term counts only while it
+    runs or once it is done: one that lost its lease or its agent (failed, stopped, lost) has
+    handed the run on, and a newer term, wherever it is, is taken first."""
+    from swarm.commands.jobs_cmd import find_run
+
+    for old, successor, found in [("running", None, "dev2"), ("running (stopping)", None, "dev2"),
+                                  ("done", None, "dev2"), ("running", a_run("running", 2), "dev3"),
+                                  ("lost", a_run("running", 2), "dev3"), ("failed", a_run("running", 2), "dev3")]:
+        cluster = DroppingCluster({"dev2": [a_run(old, 1)], "dev3": [successor] if successor else []}, b"", {})
+        device, run = await find_run(cluster, "r1", 1.0, newer_than=1, still="node-dev2")
+        assert device.name == found, (old, successor)
+    for old in ("lost", "failed", "stopped"):
+        cluster = DroppingCluster({"dev2": [a_run(old, 1)], "dev3": []}, b"", {})
+        with pytest.raises(SwarmError, match="no agent knows a run r1"):
+            await find_run(cluster, "r1", 1.0, newer_than=1, still="node-dev2")
+    cluster = DroppingCluster({"dev2": [a_run("running", 1)]}, b"", {})
+    with pytest.raises(SwarmError, match="no agent knows a run r1"):  # another device's run of that term: not it
+        await find_run(cluster, "r1", 1.0, newer_than=1, still="node-dev9")
+
+
 def test_malformed_requests_are_refused_by_the_wire():
     good = to_wire(DetachRead(1, "abc123", "log", 0))
     assert from_wire(good) == DetachRead(1, "abc123", "log", 0)

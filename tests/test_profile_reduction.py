@@ -23,7 +23,7 @@ def test_a_sum_does_more_a_message_than_a_bare_swap():
     pairs = [(bare_message_cpu(20), sum_message_cpu(20)) for _ in range(7)]
     assert all(0 < bare < 0.01 and 0 < summed < 0.01 for bare, summed in pairs), pairs
     assert statistics.median(summed - bare for bare, summed in pairs) > 0, pairs
-    assert 0 < reduce_msg_cpu(repeats=1) < 0.01
+    assert 0 < reduce_msg_cpu() < 0.01  # the profile's own figure: a median of pairs (one pair read 0 in CI)
 
 
 @pytest.mark.parametrize("facts, expected", [

@@ -117,10 +117,11 @@ async def list_runs(cluster, devices) -> list[tuple[object, dict]]:
     return sorted(found, key=lambda f: -f[1].get("started", 0))
 
 
-async def find_run(cluster, job_id: str, wait: float, newer_than: int = -1):
+async def find_run(cluster, job_id: str, wait: float, newer_than: int = -1, still=None):
     """(device, run) of the agent that coordinates run `job_id` (of the newest term, after a
-    fail-over, and newer than term `newer_than`): each agent is asked as it appears, for up to
-    `wait` seconds (at least long enough to reach those already known)."""
+    fail-over, and newer than term `newer_than`, or of that term on device `still`, running or
+    done: the one a follower lost touch with, back on a new connection): each agent is asked
+    as it appears, for up to `wait` seconds (at least long enough to reach those known)."""
     import trio
 
     asked: set[str] = set()
@@ -133,7 +134,9 @@ async def find_run(cluster, job_id: str, wait: float, newer_than: int = -1):
         fresh = [d for d in cluster.alive() if d.node_id not in asked]
         asked |= {d.node_id for d in fresh}
         for device, run in await list_runs(cluster, fresh):
-            if run.get("id") == job_id and run.get("term", 0) > newer_than and \
+            term, back = run.get("term", 0), device.node_id == still and (run.get("state", "").startswith("running")
+                                                                            or run.get("state") == "done")
+            if run.get("id") == job_id and (term > newer_than or (term == newer_than and back)) and \
                     (best is None or run.get("term", 0) > best[1].get("term", 0)):
                 best = device, run
         if best is not None and not fresh:
@@ -252,12 +255,18 @@ async def _logs(args, cluster) -> int:
         except SwarmError as exc:
             if not args.follow:
                 raise
-            # its coordinator's device is gone: follow the run to the successor the agents elect
+            # its coordinator's device is gone: follow the run to the successor the agents elect,
+            # or back to the same coordinator if only this connection to it was lost
             print(f"-- {device.name}, coordinating run {args.job}, is gone ({exc}); following the run to its next "
                   f"coordinator --", flush=True)
-            device, run = await find_run(cluster, args.job, FOLLOW_NEXT_S, newer_than=run.get("term", 0))
-            print(f"-- run {args.job} is now coordinated by {device.name} --", flush=True)
-            decoder, offset = codecs.getincrementaldecoder("utf-8")("replace"), 0
+            lost = device
+            device, run = await find_run(cluster, args.job, FOLLOW_NEXT_S, newer_than=run.get("term", 0),
+                                         still=lost.node_id)
+            if device.node_id == lost.node_id:
+                print(f"-- {device.name} answers again --", flush=True)
+            else:
+                print(f"-- run {args.job} is now coordinated by {device.name} --", flush=True)
+                decoder, offset = codecs.getincrementaldecoder("utf-8")("replace"), 0
             continue
         if chunk.data:
             sys.stdout.write(decoder.decode(chunk.data))
