@@ -241,23 +241,29 @@ def test_the_samples_sent_ahead_wait_for_the_sums_on_the_links(monkeypatch):
 
 
 def test_a_stage_computes_its_next_micro_batch_while_its_activations_travel(monkeypatch):
-    """What a stage sends the next one goes while it computes on: with every activation's
-    delivery held back 0.3 s, the first stage has started sending its second micro-batch's
-    activations before its first micro-batch's have arrived, in every step; and the weights
-    are still the local run's."""
+    """What a stage sends the next one goes while it computes on: with the delivery of each
+    step's first activations held back until the first stage starts sending its second
+    micro-batch's (or HELD_S, which a stage that waits on each send would spend), the second
+    has started before the first has arrived, in every step; and the weights are still the
+    local run's. (Held a fixed 0.3 s instead, a loaded host's forward outlasted it.)"""
     import trio
 
     from swarm.execution.endpoint import LocalEndpoint
-    starts, ends = {}, {}
+    HELD_S = 20.0
+    starts, ends, started = {}, {}, {}
     send = LocalEndpoint.send
 
     async def slow_acts(self, dst, key, payload):
         if key[0] != "act" or key[2] != 1:  # (the first stage's outputs, to the second)
             return await send(self, dst, key, payload)
-        starts[key[1], key[4]] = time.perf_counter()  # (step, micro-batch)
-        await trio.sleep(0.3)
+        step, m = key[1], key[4]
+        starts[step, m] = time.perf_counter()
+        started.setdefault((step, m), trio.Event()).set()
+        if m == 0:
+            with trio.move_on_after(HELD_S):
+                await started.setdefault((step, 1), trio.Event()).wait()
         await send(self, dst, key, payload)
-        ends[key[1], key[4]] = time.perf_counter()
+        ends[step, m] = time.perf_counter()
     monkeypatch.setattr(LocalEndpoint, "send", slow_acts)
     cfg = _cfg("yolov2-16", 4)
     result = _planned(cfg, _plan("yolov2-16", PLANS["pp4"](N16), 4))
