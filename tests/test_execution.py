@@ -297,9 +297,9 @@ def test_a_device_that_never_ends_its_sums_ends_the_run_in_one_line(monkeypatch)
     data, _ = open_datasets(None, cfg.img_size, 3)
     with pytest.raises(SwarmError) as caught:
         train_plan_in_process(_plan("yolov2-16", PLANS["four-replicas-of-one-device"](N16), 4), trainer, data, 4,
-                              timeout_s=2, backup_interval=1)
+                              timeout_s=6, backup_interval=1)  # (2 s: as tight as a loaded host's steps)
     assert type(caught.value) is SwarmError
-    assert re.fullmatch(r"d1 did not finish its gradient sums of step 1 within 2 s, yet still counts as alive; "
+    assert re.fullmatch(r"d1 did not finish its gradient sums of step 1 within 6 s, yet still counts as alive; "
                         r"training stopped after step 2", str(caught.value)), str(caught.value)
 
 
