@@ -259,10 +259,9 @@ async def _logs(args, cluster) -> int:
             # or back to the same coordinator if only this connection to it was lost
             print(f"-- {device.name}, coordinating run {args.job}, is gone ({exc}); following the run to its next "
                   f"coordinator --", flush=True)
-            lost = device
-            device, run = await find_run(cluster, args.job, FOLLOW_NEXT_S, newer_than=run.get("term", 0),
-                                         still=lost.node_id)
-            if device.node_id == lost.node_id:
+            lost, term = device, run.get("term", 0)
+            device, run = await find_run(cluster, args.job, FOLLOW_NEXT_S, newer_than=term, still=lost.node_id)
+            if device.node_id == lost.node_id and run.get("term", 0) == term:  # (a new term there: a new log)
                 print(f"-- {device.name} answers again --", flush=True)
             else:
                 print(f"-- run {args.job} is now coordinated by {device.name} --", flush=True)
