@@ -216,12 +216,23 @@ class _StreamedBatchNorm(torch.autograd.Function):
             cj = c[:, j:k].contiguous()
             wj = weight[j:k] if weight is not None else None
             yj = stream.remake(cj, wj, bias[j:k] if bias is not None else None, j, k)
-            with torch.enable_grad():
-                yj.requires_grad_()
-                (dyj,) = torch.autograd.grad(act(yj.clone()), yj, da[:, j:k].contiguous())
+            dyj = activation_backward(act, da[:, j:k].contiguous(), yj)
             dcj, dwj, dbj = stream.backward(dyj, cj, wj, j, k)
             dc[:, j:k] = dcj
             if dw is not None:
                 dw[j:k], db[j:k] = dwj, dbj
         dc, dw, db = stream.finish(dc, c, weight, dw, db)
         return dc, dw, (db if bias is not None else None), None, None
+
+
+def activation_backward(act: nn.Module, da: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gradient at the input `y` of a streamed activation (STREAMED) given `da` at its
+    output: the kernel autograd runs for it, called directly, without the activation's forward
+    on a copy of `y` that autograd's own backward would need."""
+    if isinstance(act, nn.LeakyReLU):
+        return torch.ops.aten.leaky_relu_backward(da, y, act.negative_slope, False)
+    if isinstance(act, nn.ReLU6):
+        return torch.ops.aten.hardtanh_backward(da, y, 0.0, 6.0)
+    if isinstance(act, nn.ReLU):
+        return torch.ops.aten.threshold_backward(da, y, 0)
+    return da
