@@ -305,6 +305,10 @@ class Plan:
                 how += ", in turns"
             if s.overlap:
                 how += ", each backward beside the next forward"
+            if s.recompute:
+                how += ", BatchNorm remade in the backward"
+            if s.checkpoint:
+                how += ", in checkpointed segments"
             on = ", ".join(f"{d} ({self.devices[d]['accelerator']})" if (self.devices.get(d) or {}).get("accelerator")
                            else d for d in s.devices)
             lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {on}")

@@ -538,6 +538,12 @@ def test_a_runs_plan_line_names_each_replicas_share():
     assert "2 replicas taking a:3,b:1 micro-batches on a, b" in uneven
     even = one_stage(Stage(0, 7, "single", ["a", "b"], replicas=2)).describe()
     assert "2 replicas of 2 micro-batch(es) each" in even
+    assert "remade" not in even and "checkpointed" not in even
+    # what a stage keeps for its backward is part of its line
+    remade = one_stage(Stage(0, 7, "single", ["a", "b"], replicas=2, shares=[3, 1], recompute=True)).describe()
+    assert "2 replicas taking a:3,b:1 micro-batches, BatchNorm remade in the backward on a, b" in remade
+    segments = one_stage(Stage(0, 7, "single", ["a"], checkpoint=True)).describe()
+    assert "layers 0-6 single, in checkpointed segments on a" in segments
 
 
 def test_consecutive_stages_on_one_device_hand_over_without_the_host(monkeypatch):
