@@ -9,7 +9,9 @@ each training the whole model on one thread, `--iterations` forward-backward pas
 `--samples` samples (a list, such as 4,2,3, is taken in turn: micro-batches of varying size).
 It prints, per setting, the median over the rounds of the resident peak above the process's
 settled start after each pass, and the CPU time (user, system), page faults and wall time of the
-passes. With `--cpu` and `--mem` (root) each process runs in a cgroup of that CPU quota and
+passes; with `--live`, also the most bytes torch's own allocator held at once in one more pass
+(the live tensors, from torch.profiler's memory events), which the resident peak exceeds by what
+the allocator holds around them. With `--cpu` and `--mem` (root) each process runs in a cgroup of that CPU quota and
 memory, as a testbed device does (swarm.testbed.cgroups); a run killed for memory is counted.
 
     default   glibc as a plain Python process runs it (as torch's DDP does): blocks above its
@@ -101,8 +103,21 @@ with PeakRSS() as rss:
         net(torch.rand(samples[i % len(samples)], *desc.layers[0].in_shape)).float().pow(2).mean().backward()
         peaks.append((rss.peak - base) / 2**20)
 after = resource.getrusage(resource.RUSAGE_SELF)
+live = None
+if sys.argv[7:] == ["live"]:  # one more pass, the most bytes torch's allocator held at once in it
+    import os, tempfile
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        net(torch.rand(samples[0], *desc.layers[0].in_shape)).float().pow(2).mean().backward()
+    fd, trace = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(trace)
+    live = max([e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"] + [0]) / 2**20
 print(json.dumps({"wall": time.monotonic() - t0, "base": base / 2**20, "allocator": malloc.allocator(),
-                  "peaks": peaks, "user": after.ru_utime - before.ru_utime,
+                  "peaks": peaks, "user": after.ru_utime - before.ru_utime, "live": live,
                   "sys": after.ru_stime - before.ru_stime, "faults": after.ru_minflt - before.ru_minflt}))
 """
 
@@ -134,6 +149,8 @@ def main() -> int:
     parser.add_argument("--jemalloc", help="the jemalloc library to preload (default: the installed one)")
     parser.add_argument("--recompute", default="off", help="any of off, on, segments (off,on,segments): BatchNorm "
                         "and activation remade in the backward (on), or checkpointed segments")
+    parser.add_argument("--live", action="store_true", help="also the most bytes torch's allocator holds at once in "
+                        "a pass of the first sample count (torch.profiler), beside the resident peak")
     parser.add_argument("--cpu", type=float, help="each process in a cgroup of this many cores (root)")
     parser.add_argument("--mem", type=memory_size, help="... and this much memory (1G, 800M)")
     args = parser.parse_args()
@@ -165,7 +182,7 @@ def main() -> int:
             if env is None:
                 continue  # jemalloc not installed
             out = subprocess.run([sys.executable, "-c", PASSES, setting, args.samples, str(args.img_size),
-                                  str(args.iterations), args.model, mode],
+                                  str(args.iterations), args.model, mode, *(["live"] if args.live else [])],
                                  capture_output=True, text=True, env=env, cwd=ROOT, preexec_fn=in_cgroup)
             if out.returncode != 0:  # (killed for memory, under a limit: counted, the others go on)
                 lines = out.stderr.strip().splitlines()[-1:] or [f"ended with {out.returncode}"]
@@ -190,7 +207,8 @@ def main() -> int:
               f"{last[0]:.0f}-{last[-1]:.0f}{'':6} {statistics.median(r['user'] for r in done):7.2f} "
               f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f} "
               f"{statistics.median(r['wall'] for r in done):7.1f}"
-              f"{f'  ({killed[setting]} ended early)' if setting in killed else ''}")
+              + (f"  live {statistics.median(r['live'] for r in done):.0f}" if args.live else "")
+              + (f"  ({killed[setting]} ended early)" if setting in killed else ""))
     return 0
 
 
