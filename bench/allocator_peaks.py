@@ -11,8 +11,9 @@ It prints, per setting, the median over the rounds of the resident peak above th
 settled start after each pass, and the CPU time (user, system), page faults and wall time of the
 passes; with `--live`, also the most bytes torch's own allocator held at once in one more pass
 (the live tensors, from torch.profiler's memory events), which the resident peak exceeds by what
-the allocator holds around them. With `--cpu` and `--mem` (root) each process runs in a cgroup of that CPU quota and
-memory, as a testbed device does (swarm.testbed.cgroups); a run killed for memory is counted.
+the allocator holds around them. With `--cpu` and `--mem` (root) each process runs in a cgroup
+of that CPU quota and memory, as a testbed device does (swarm.testbed.cgroups); a run killed for
+memory is counted.
 
     default   glibc as a plain Python process runs it (as torch's DDP does): blocks above its
               mmap threshold (up to 32 MiB, moving) mapped afresh
