@@ -278,7 +278,7 @@ def maxpool_2x2(xp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     others (python bench/maxpool_time.py)."""
     b, c, hp, wp = xp.shape
     oh, ow = hp // 2, wp // 2
-    if oh == 0 or ow == 0 or xp.device.type != "cpu":  # (an accelerator's own kernel is fast)
+    if oh == 0 or ow == 0 or not xp.is_cpu:  # (an accelerator's own kernel is fast)
         return None
     pairs = xp[:, :, :2 * oh, :2 * ow].unflatten(3, (ow, 2))
     left, right = pairs[..., 0], pairs[..., 1]

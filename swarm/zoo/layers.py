@@ -6,7 +6,7 @@ from torch import nn
 
 from swarm.zoo.recompute import active as active_recipes
 from swarm.zoo.recompute import run_recomputed
-from tiles.ops import HardMish, max_pool_channels_last, maxpool_2x2, maxpool_forward, maxpool_input_grad
+from tiles.ops import HardMish, max_pool_channels_last, maxpool_forward, maxpool_input_grad
 
 
 class Reorg(nn.Module):
@@ -32,7 +32,8 @@ class MaxPool2d(nn.MaxPool2d):
     several times faster on the large early maps; the two halves need no copies and are
     faster again. Both select the positions torch's kernel does (ties go to the first in
     window order, NaN wins), so values and gradients are the ones nn.MaxPool2d gives.
-    Padding, dilation, ceil mode and returned indices take torch's path."""
+    Padding, dilation, ceil mode and returned indices take torch's path; a forward without
+    gradients (evaluation, and what an export traces) the channels-last kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plain = x.dim() == 4 and self.padding in (0, (0, 0)) and self.dilation in (1, (1, 1)) \
@@ -44,8 +45,7 @@ class MaxPool2d(nn.MaxPool2d):
             return super().forward(x)
         if torch.is_grad_enabled() and x.requires_grad:
             return _MaxPoolChannelsLast.apply(x, kernel, stride)
-        pooled = maxpool_2x2(x) if kernel == stride == 2 else None
-        return pooled[0] if pooled is not None else max_pool_channels_last(x, kernel, stride)[0]
+        return max_pool_channels_last(x, kernel, stride)[0]  # (traceable: the two halves branch on the values)
 
 
 def _single(v) -> int | None:
