@@ -66,11 +66,11 @@ def fresh_bytes(desc: ModelDesc, batch_sizes) -> tuple[np.ndarray, np.ndarray]:
                      if layer.kind in ("conv", "connected") else 0)
         maps_out = [out] * (1 + pointwise)
         extra_fwd, extra_bwd = [], []
-        if layer.kind == "maxpool" and layer.kernel == 2 and layer.stride == 2:  # tiles.ops.maxpool_2x2
-            extra_fwd = [2 * out, out // 2]  # the larger of each pair of columns; which one, a byte each
-            extra_bwd = [2 * out, 2 * out]  # the kept codes made int64 positions again, and offset
-        elif layer.kind == "maxpool":  # as swarm.zoo.layers runs it: torch's kernel in channels-last
-            extra_fwd = [out, 2 * out]  # the map made contiguous; torch's int64 positions
+        if layer.kind == "maxpool":  # as swarm.zoo.layers runs it
+            if layer.kernel == 2 and layer.stride == 2:  # tiles.ops.maxpool_2x2
+                extra_fwd = [2 * out, out // 2]  # the larger of each pair of columns; which one, a byte each
+            else:  # torch's kernel in channels-last
+                extra_fwd = [out, 2 * out]  # the map made contiguous; torch's int64 positions
             extra_bwd = [2 * out, 2 * out]  # the kept codes made int64 positions again, and offset
         for j, b in enumerate(sizes):
             fwd[i, j] = sum(m * b for m in maps_out if m * b >= MAPPED_FROM)
