@@ -17,6 +17,11 @@ would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
 
 (without augmentation, as the peers train: the runs compare training, not the data pipeline)
 
+A swarm run's name may end in `@glibc`: the same run with every swarm process on glibc, as the
+README's set-up gives it (SWARM_MALLOC=glibc), where a run without it is on jemalloc (installed
+by hand: `deploy/install.sh` brings it). `--runs ddp,auto,auto@glibc` measures the gap between
+the two installs against each other and DDP in one run, alternating.
+
 (`fixed` is auto with `--recost off`: its first plan kept, never re-costed on the devices'
 measured speeds; its re-costing, when auto does it, is printed under the run and kept in
 --json), ddp is bench/peers/ddp.py under torchrun, one node inside each device's namespace and
@@ -43,6 +48,7 @@ devices predicts afterwards, marked "(other plan)" when that is not the plan the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -60,6 +66,7 @@ from peers.run_ddp import PIPE, last_error, out_of_memory, run_ddp, run_peer  # 
 from planner.plan import Plan
 from swarm.commands.flags import positive_float, positive_int
 from swarm.commands.testbed_cmd import bandwidth_rate, each, memory_size
+from swarm.host.malloc import find_jemalloc
 from swarm.host.peaks import Peaks
 from swarm.testbed import testbed
 
@@ -69,6 +76,7 @@ PREDICTED = re.compile(r"^predicted on [a-z ]+: ([0-9.]+) samples/s, ([0-9.]+) s
 # plan: the plan file --plan names (`swarm plan --out`); fixed: auto's first plan, never re-costed (--recost off);
 # alone: every device trains its share of the batch by itself, all at once (no exchange): the ceiling on this host
 RUNS = (*SWARM_RUNS, "fixed", "plan", "ddp", "pipe", "alone")
+ON_GLIBC = "@glibc"  # a swarm run's suffix: every swarm process on glibc (SWARM_MALLOC=glibc)
 
 
 class Parser(argparse.ArgumentParser):
@@ -96,12 +104,37 @@ def per_device(kind):
 
 def run_list(text: str) -> list[str]:
     runs = [r.strip() for r in text.split(",") if r.strip()]
-    unknown = [r for r in runs if r not in RUNS]
+    unknown = [r for r in runs if base_run(r) not in RUNS or (r != base_run(r) and base_run(r) in ("ddp", "pipe"))]
     if unknown or not runs:
-        raise argparse.ArgumentTypeError(f"'{','.join(unknown) or text}' is not a run; choose from {','.join(RUNS)}")
+        raise argparse.ArgumentTypeError(f"'{','.join(unknown) or text}' is not a run; choose from {','.join(RUNS)} "
+                                         f"(a swarm run may end in {ON_GLIBC})")
     if len(set(runs)) < len(runs):
         raise argparse.ArgumentTypeError(f"'{text}' names a run twice")
     return runs
+
+
+def base_run(run: str) -> str:
+    """The run a name measures, without its allocator (ON_GLIBC)."""
+    return run[:-len(ON_GLIBC)] if run.endswith(ON_GLIBC) else run
+
+
+@contextlib.contextmanager
+def allocator_for(bench, run: str):
+    """The environment the testbed's agents, their commands and `alone`'s trainings start with:
+    SWARM_MALLOC=glibc for a run ON_GLIBC, as it was otherwise."""
+    if run == base_run(run):
+        yield
+        return
+    saved = {k: env.get("SWARM_MALLOC") for k, env in (("bench", bench.ENV), ("os", os.environ))}
+    bench.ENV["SWARM_MALLOC"] = os.environ["SWARM_MALLOC"] = "glibc"
+    try:
+        yield
+    finally:
+        for env, old in ((bench.ENV, saved["bench"]), (os.environ, saved["os"])):
+            if old is None:
+                env.pop("SWARM_MALLOC", None)
+            else:
+                env["SWARM_MALLOC"] = old
 
 
 def add_testbed_flags(p: argparse.ArgumentParser) -> None:
@@ -140,12 +173,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(a testbed's logs go with it when the next run starts)")
     args = p.parse_args(argv)
     check_testbed_flags(p, args)
-    if ("plan" in args.runs) != bool(args.plan):
+    if any(base_run(r) == "plan" for r in args.runs) != bool(args.plan):
         p.error("--plan and the run 'plan' go together")
     if args.plan and not Path(args.plan).is_file():
         p.error(f"no plan file {args.plan}")
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step, which starts everything up, is not counted)")
+    on_glibc = [r for r in args.runs if r != base_run(r)]
+    if on_glibc and (find_jemalloc() is None or os.environ.get("SWARM_MALLOC", "").lower() in ("glibc", "system")):
+        p.error(f"'{on_glibc[0]}' would run on glibc as '{base_run(on_glibc[0])}' does: jemalloc is not installed "
+                "here, or SWARM_MALLOC keeps every run on glibc")
     return args
 
 
@@ -278,8 +315,14 @@ def keep_logs(into: Path, output: str | None = None) -> None:
             shutil.copyfile(d.log, into / f"{d.name}.log")
 
 
-def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -> dict:
+def measure(bench, name: str, args: argparse.Namespace, work: Path, label: str) -> dict:
     """One run on a fresh testbed: its rates, the devices it used, the devices' peak memory."""
+    with allocator_for(bench, name):
+        return _measure(bench, name, args, work, label)
+
+
+def _measure(bench, name: str, args: argparse.Namespace, work: Path, label: str) -> dict:
+    run = base_run(name)
     bench.restart_testbed()
     metrics = work / f"{label}.jsonl"
     t0 = time.monotonic()
@@ -292,7 +335,7 @@ def measure(bench, run: str, args: argparse.Namespace, work: Path, label: str) -
             result = train_alone(args, metrics, work / label)
         else:
             result = swarm_train(bench, run, args, metrics)
-    result.update(run=run, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory(),
+    result.update(run=name, label=label, wall_s=time.monotonic() - t0, peak_bytes=peak_memory(),
                   resident_bytes=resident.peak or {},
                   major_faults={d: f.get("pgmajfault", 0) for d, f in memory_stat().items()})
     if args.logs:

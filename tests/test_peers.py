@@ -213,11 +213,31 @@ def test_versus_kill_bad_flags_are_one_line(bad, says):
     assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("bad", [["--runs", "auto,fast"], ["--runs", "dp,dp"], ["--devices", "6", "--cpu", "0.1,0.2"]])
+@pytest.mark.parametrize("bad", [["--runs", "auto,fast"], ["--runs", "dp,dp"], ["--devices", "6", "--cpu", "0.1,0.2"],
+                                 ["--runs", "ddp@glibc"], ["--runs", "auto,auto@jemalloc"]])
 def test_versus_bad_flags_are_one_line(bad):
     r = run_script(ROOT / "bench" / "versus.py", *bad)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("versus.py: error:"), r.stderr
+
+
+def test_a_versus_run_on_glibc_starts_its_testbed_and_commands_on_glibc_and_only_it(monkeypatch):
+    """`auto@glibc`: the agents (started by `swarm testbed up` in bench.ENV), the command in
+    dev0's namespace and `alone`'s trainings (os.environ) run with SWARM_MALLOC=glibc; the run
+    after it as before."""
+    import types
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import versus
+    monkeypatch.delenv("SWARM_MALLOC", raising=False)
+    bench = types.SimpleNamespace(ENV={"SWARM_MALLOC": "jemalloc"})
+    seen = []
+    monkeypatch.setattr(versus, "_measure", lambda bench, name, *_: seen.append(
+        (name, bench.ENV.get("SWARM_MALLOC"), os.environ.get("SWARM_MALLOC"))))
+    for name in ("auto@glibc", "auto", "alone@glibc"):
+        versus.measure(bench, name, None, None, name)
+    assert seen == [("auto@glibc", "glibc", "glibc"), ("auto", "jemalloc", None), ("alone@glibc", "glibc", "glibc")]
+    assert bench.ENV == {"SWARM_MALLOC": "jemalloc"} and "SWARM_MALLOC" not in os.environ
+    assert versus.base_run("auto@glibc") == "auto" and versus.run_list("ddp,auto,auto@glibc")[2] == "auto@glibc"
 
 
 def test_versus_keeps_each_devices_log(tmp_path, monkeypatch):
