@@ -51,11 +51,9 @@ def fresh_bytes(desc: ModelDesc, batch_sizes) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward): (layers, len(batch_sizes)) bytes of the blocks of MAPPED_FROM or
     more that a micro-batch of each size allocates in each layer's forward (its output and
     each pointwise step's) and backward (the gradients of its output, of each pointwise step
-    and of its input), a max-pool's positions in torch's int64 in its backward, and its
-    forward's own temporaries. yolov2-16 at 416, 4 samples: 1888 MiB a pass, where torch's
-    profiler's memory events showed 2349 MiB of such blocks allocated in one pass (2026-12-02;
-    2523 before the 2x2 max-pool ran in two halves, when this model said 1909). On 2026-11-30
-    the kernel mapped and unmapped 2197 MiB a pass (with the convolution library's own)."""
+    and of its input), and a max-pool's positions in torch's int64 both ways. yolov2-16 at 416,
+    4 samples: 1909 MiB a pass, where torch's profiler saw 1823 MiB of such blocks and the
+    kernel 2197 MiB mapped and unmapped (with the convolution library's own)."""
     mem = MemoryModel.estimated(desc)
     sizes = np.asarray(batch_sizes, dtype=float)
     fwd = np.zeros((len(desc.layers), len(sizes)))
@@ -66,11 +64,8 @@ def fresh_bytes(desc: ModelDesc, batch_sizes) -> tuple[np.ndarray, np.ndarray]:
                      if layer.kind in ("conv", "connected") else 0)
         maps_out = [out] * (1 + pointwise)
         extra_fwd, extra_bwd = [], []
-        if layer.kind == "maxpool":  # as swarm.zoo.layers runs it
-            if layer.kernel == 2 and layer.stride == 2:  # tiles.ops.maxpool_2x2
-                extra_fwd = [2 * out, out // 2]  # the larger of each pair of columns; which one, a byte each
-            else:  # torch's kernel in channels-last
-                extra_fwd = [out, 2 * out]  # the map made contiguous; torch's int64 positions
+        if layer.kind == "maxpool":  # as swarm.zoo.layers runs it: torch's kernel in channels-last
+            extra_fwd = [out, 2 * out]  # the map made contiguous; torch's int64 positions
             extra_bwd = [2 * out, 2 * out]  # the kept codes made int64 positions again, and offset
         for j, b in enumerate(sizes):
             fwd[i, j] = sum(m * b for m in maps_out if m * b >= MAPPED_FROM)

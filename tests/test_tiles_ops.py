@@ -147,33 +147,3 @@ def test_a_map_with_unread_last_rows_and_columns():
     dx = ops.maxpool_input_grad(dy, code, 2, 2, (9, 7))
     assert torch.equal(dx, autograd_input_grad(xp, dy, 2, 2))
     assert float(dx[:, :, 8, :].abs().sum()) == 0.0 and float(dx[:, :, :, 6].abs().sum()) == 0.0
-
-
-def torch_codes(x: torch.Tensor, kernel: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's own max-pool on the plain (B, C, H, W) layout: values, and the window-relative
-    code of each selected position."""
-    y, idx = F.max_pool2d(x, kernel, stride, return_indices=True)
-    w = x.shape[3]
-    rows = torch.arange(y.shape[2])[:, None] * stride
-    cols = torch.arange(y.shape[3]) * stride
-    dy, dx = idx // w - rows, idx % w - cols
-    return y, (dy * kernel + dx).to(torch.uint8)
-
-
-@pytest.mark.parametrize("shape", [(2, 5, 8, 8), (1, 3, 9, 7), (3, 2, 2, 3), (4, 6, 33, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_2x2_max_pool_picks_torchs_positions(shape, dtype):
-    """maxpool_2x2 (the two halves) against torch's kernel: ties, -inf windows, odd sizes, and
-    NaN anywhere in a window (left to the channels-last kernel: torch keeps the last NaN)."""
-    g = torch.Generator().manual_seed(sum(shape))
-    for values in ("ties", "spread", "nan", "-inf"):
-        x = (torch.randint(-1, 2, shape, generator=g) if values != "spread" else torch.randn(shape, generator=g)).to(dtype)
-        if values == "nan":
-            x[torch.rand(shape, generator=g) < 0.2] = float("nan")
-        if values == "-inf":
-            x[torch.rand(shape, generator=g) < 0.6] = NEG_INF
-        y, code = ops.maxpool_forward(x, 2, 2)
-        y_ref, code_ref = torch_codes(x, 2, 2)
-        assert torch.equal(y.isnan(), y_ref.isnan()) and torch.equal(y.nan_to_num(), y_ref.nan_to_num())
-        assert torch.equal(code, code_ref), values
-        assert (ops.maxpool_2x2(x) is None) == bool(x[:, :, :y.shape[2] * 2, :y.shape[3] * 2].isnan().any())

@@ -179,11 +179,9 @@ def test_same_seed_same_weights_different_seed_different():
     assert "layers.0.bn.running_mean" in sa and "layers.16.conv.bias" in sa
 
 
-@pytest.mark.parametrize("nan", [True, False])
 @pytest.mark.parametrize("kernel,stride", [(2, 2), (2, 1), (3, 2), (3, 1)])
-def test_max_pool_matches_torch_with_ties_nan_and_inf(kernel, stride, nan):
-    """The zoo's max-pool (channels-last kernel; 2x2 windows of stride 2 in two halves where no
-    NaN is in the map) gives nn.MaxPool2d's values and gradients."""
+def test_max_pool_matches_torch_with_ties_nan_and_inf(kernel, stride):
+    """The zoo's max-pool (channels-last kernel) gives nn.MaxPool2d's values and gradients."""
     from torch import nn
 
     from swarm.zoo.layers import MaxPool2d
@@ -191,7 +189,7 @@ def test_max_pool_matches_torch_with_ties_nan_and_inf(kernel, stride, nan):
     g = torch.Generator().manual_seed(kernel * 10 + stride)
     x = torch.randint(0, 3, (3, 5, 11, 14), generator=g).float()  # many ties
     r = torch.rand(x.shape, generator=g)
-    x[(r < 0.05) if nan else (r < 0)] = float("nan")
+    x[r < 0.05] = float("nan")
     x[(r > 0.05) & (r < 0.3)] = float("-inf")
     x[0, :, :kernel, :] = float("-inf")  # windows of nothing but -inf
     dy = torch.randn(3, 5, (11 - kernel) // stride + 1, (14 - kernel) // stride + 1, generator=g)

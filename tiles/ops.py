@@ -7,7 +7,6 @@ where the rectangle reaches the real edge of the map.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -253,47 +252,12 @@ def maxpool_forward(xp: torch.Tensor, kernel: int, stride: int) -> tuple[torch.T
     The kernel runs on a channels-last copy of the input: torch's max-pool over the
     contiguous (B, C, H, W) layout is a scalar loop per window, several times slower than the
     channels-last one (vectorised over channels) plus the copies there and back; both pick
-    the same positions. A 2x2 window of stride 2, the CNNs' usual max-pool, takes
-    maxpool_2x2 instead."""
-    if kernel == 2 and stride == 2:
-        pooled = maxpool_2x2(xp)
-        if pooled is not None:
-            return pooled
+    the same positions."""
     wp = xp.shape[3]
     y, idx = max_pool_channels_last(xp, kernel, stride)
     oh, ow = y.shape[2:]
     idx.sub_(_window_starts(oh, ow, wp, stride, idx.device))  # dy * wp + dx
     return y, _code_of_offset(kernel, wp, idx.device).take(idx)
-
-
-def maxpool_2x2(xp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """maxpool_forward of a 2x2 window with stride 2, in two halves: the larger of each pair of
-    columns, then of each pair of those rows, each by torch's elementwise kernels over the map
-    in its own layout (no channels-last copies, no int64 positions), the code put together from
-    the two choices. Strict comparisons keep the first of equal values in window order, as
-    torch's kernel does, so values and codes are the same. A window holding a NaN, where
-    torch's kernel keeps the last NaN, leaves it to the caller (None): any NaN in the map
-    shows in the values, since torch.maximum passes NaN on. yolov2-16 at 416, 4 samples, one
-    thread: 3.3x as fast as the channels-last way on its first max-pool (4x32x416x416),
-    2.1-2.4x on the others, a whole training pass 6% faster (python bench/maxpool_time.py)."""
-    b, c, hp, wp = xp.shape
-    oh, ow = hp // 2, wp // 2
-    if oh == 0 or ow == 0 or not xp.is_cpu:  # (an accelerator's own kernel is fast)
-        return None
-    pairs = xp[:, :, :2 * oh, :2 * ow].unflatten(3, (ow, 2))
-    left, right = pairs[..., 0], pairs[..., 1]
-    cols = torch.maximum(left, right)  # (b, c, 2 oh, ow)
-    right_won = torch.gt(right, left).unflatten(2, (oh, 2)).view(torch.uint8)
-    rows = cols.unflatten(2, (oh, 2))
-    top, bottom = rows[:, :, :, 0], rows[:, :, :, 1]
-    y = torch.maximum(top, bottom)
-    if math.isnan(float(y.sum())) and bool(torch.isnan(y).any()):  # (a sum is NaN by a NaN, or by inf - inf)
-        return None
-    # code = 2 + the bottom row's choice where the bottom row won, else the top row's, in bytes
-    # (torch.where on bytes is a scalar loop; these are vectorised)
-    code = right_won[:, :, :, 1] - right_won[:, :, :, 0]
-    code.add_(2).mul_(torch.gt(bottom, top).view(torch.uint8)).add_(right_won[:, :, :, 0])
-    return y, code
 
 
 def max_pool_channels_last(x: torch.Tensor, kernel: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:

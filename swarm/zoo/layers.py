@@ -24,16 +24,13 @@ class Reorg(nn.Module):
 
 
 class MaxPool2d(nn.MaxPool2d):
-    """nn.MaxPool2d that runs torch's kernel on a channels-last copy of its input, or a 2x2
-    window of stride 2 in two halves of elementwise kernels (tiles.ops.maxpool_2x2).
+    """nn.MaxPool2d that runs torch's kernel on a channels-last copy of its input.
 
     torch's max-pool over the contiguous (B, C, H, W) layout is a scalar loop per window; the
     channels-last kernel is vectorised over channels and, with the copies there and back,
-    several times faster on the large early maps; the two halves need no copies and are
-    faster again. Both select the positions torch's kernel does (ties go to the first in
-    window order, NaN wins), so values and gradients are the ones nn.MaxPool2d gives.
-    Padding, dilation, ceil mode and returned indices take torch's path; a forward without
-    gradients (evaluation, and what an export traces) the channels-last kernel."""
+    several times faster on the large early maps. It selects the same positions (ties go to
+    the first in window order, NaN wins), so values and gradients are the ones
+    nn.MaxPool2d gives. Padding, dilation, ceil mode and returned indices take torch's path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plain = x.dim() == 4 and self.padding in (0, (0, 0)) and self.dilation in (1, (1, 1)) \
@@ -45,7 +42,7 @@ class MaxPool2d(nn.MaxPool2d):
             return super().forward(x)
         if torch.is_grad_enabled() and x.requires_grad:
             return _MaxPoolChannelsLast.apply(x, kernel, stride)
-        return max_pool_channels_last(x, kernel, stride)[0]  # (traceable: the two halves branch on the values)
+        return max_pool_channels_last(x, kernel, stride)[0]
 
 
 def _single(v) -> int | None:
@@ -56,8 +53,7 @@ def _single(v) -> int | None:
 
 
 class _MaxPoolChannelsLast(torch.autograd.Function):
-    """Forward as maxpool_forward runs it (the channels-last kernel, or a 2x2 window's two
-    halves); backward is torch's own, from the selected
+    """Forward on the channels-last kernel; backward is torch's own, from the selected
     positions. Those are kept as a byte per output (the position inside its window, as the
     tiles keep them) rather than torch's int64 index: an eighth of the memory a max-pool
     holds until its backward, the same gradients."""
