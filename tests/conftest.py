@@ -140,6 +140,16 @@ def _pin_interface(monkeypatch):
     monkeypatch.setenv("SWARM_INTERFACE", os.environ.get("SWARM_TEST_INTERFACE", "lo"))
 
 
+def jemalloc_library() -> str | None:
+    """The jemalloc the allocator tests preload: SWARM_TEST_JEMALLOC (a library unpacked from its
+    package, not installed, as .ci/run fetches it: the rest of the suite stays on glibc), else
+    the installed one, else None."""
+    from swarm.host import malloc
+
+    given = os.environ.get("SWARM_TEST_JEMALLOC")
+    return given if given and os.path.isfile(given) else malloc.find_jemalloc()
+
+
 def run_swarm(*args, cwd=None, env=None, timeout=600):
     """Run the `swarm` command line in a fresh interpreter; returns CompletedProcess."""
     import subprocess

@@ -49,9 +49,11 @@ def test_the_users_malloc_settings_have_the_last_word():
 
 # ---- jemalloc, where it is installed -----------------------------------------------------
 from swarm.host import malloc  # noqa: E402
+from tests.conftest import jemalloc_library  # noqa: E402
 
-JEMALLOC = malloc.find_jemalloc()
-needs_jemalloc = pytest.mark.skipif(JEMALLOC is None, reason="jemalloc is not installed here")
+JEMALLOC = malloc.find_jemalloc()  # installed
+JEMALLOC_LIBRARY = jemalloc_library()  # installed, or unpacked for the tests (.ci/run)
+needs_jemalloc = pytest.mark.skipif(JEMALLOC_LIBRARY is None, reason="jemalloc is not installed here")
 
 
 def test_swarm_starts_again_on_jemalloc_unless_the_user_chose():
@@ -93,7 +95,7 @@ print(malloc.allocator(), reused, (held - psutil.Process().memory_info().rss) >>
 @needs_jemalloc
 def test_on_jemalloc_freed_blocks_are_reused_and_given_back_after_a_job():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
-    env.update(PYTHONPATH=str(ROOT), LD_PRELOAD=JEMALLOC, MALLOC_CONF=malloc.JEMALLOC_CONF)
+    env.update(PYTHONPATH=str(ROOT), LD_PRELOAD=JEMALLOC_LIBRARY, MALLOC_CONF=malloc.JEMALLOC_CONF)
     out = subprocess.run([sys.executable, "-c", JE_PROBE], capture_output=True, text=True, env=env, check=True)
     name, reused, returned = out.stdout.split()
     assert name == "jemalloc"

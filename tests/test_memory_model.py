@@ -13,6 +13,7 @@ import pytest
 from planner.mapping import mapped_model
 from planner.memory import RESIDENT_SLACK, SHARE_GROWTH, STAGE_SCRATCH_BYTES, JOB_BYTES, MemoryModel, streamed
 from swarm.zoo import describe_model
+from tests.conftest import jemalloc_library
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -265,13 +266,14 @@ def assert_share_fits(predicted: float, b: int, size: int, env: dict, allocator:
 
 def allocator_environment(allocator: str) -> dict[str, str]:
     """What a `swarm` command sets to run a training on `allocator` (glibc as swarm.host.malloc
-    tunes it, or jemalloc preloaded; skips the test where jemalloc is not installed)."""
+    tunes it, or jemalloc preloaded: conftest.jemalloc_library; skips the test where there is none)."""
     from swarm.host import malloc
 
     if allocator == "jemalloc":
-        if malloc.find_jemalloc() is None:
+        library = jemalloc_library()
+        if library is None:
             pytest.skip("jemalloc is not installed here")
-        return {"LD_PRELOAD": malloc.find_jemalloc(), "MALLOC_CONF": malloc.JEMALLOC_CONF}
+        return {"LD_PRELOAD": library, "MALLOC_CONF": malloc.JEMALLOC_CONF}
     return {"GLIBC_TUNABLES": malloc.GLIBC_TUNABLES, malloc.PRELOADED: "glibc"}
 
 
