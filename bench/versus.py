@@ -61,6 +61,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 from peers.run_ddp import PIPE, last_error, out_of_memory, run_ddp, run_peer  # bench/peers, beside this file
 from planner.plan import Plan
@@ -118,23 +119,15 @@ def base_run(run: str) -> str:
     return run[:-len(ON_GLIBC)] if run.endswith(ON_GLIBC) else run
 
 
-@contextlib.contextmanager
 def allocator_for(bench, run: str):
     """The environment the testbed's agents, their commands and `alone`'s trainings start with:
-    SWARM_MALLOC=glibc for a run ON_GLIBC, as it was otherwise."""
+    SWARM_MALLOC=glibc for a run ON_GLIBC (both put back after it), as it is otherwise."""
     if run == base_run(run):
-        yield
-        return
-    saved = {k: env.get("SWARM_MALLOC") for k, env in (("bench", bench.ENV), ("os", os.environ))}
-    bench.ENV["SWARM_MALLOC"] = os.environ["SWARM_MALLOC"] = "glibc"
-    try:
-        yield
-    finally:
-        for env, old in ((bench.ENV, saved["bench"]), (os.environ, saved["os"])):
-            if old is None:
-                env.pop("SWARM_MALLOC", None)
-            else:
-                env["SWARM_MALLOC"] = old
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for env in (bench.ENV, os.environ):
+        stack.enter_context(mock.patch.dict(env, SWARM_MALLOC="glibc"))
+    return stack
 
 
 def add_testbed_flags(p: argparse.ArgumentParser) -> None:
