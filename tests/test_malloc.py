@@ -191,3 +191,47 @@ def test_a_plan_that_maps_gives_its_largest_blocks_back_on_free():
     assert runs["heap"][1] >= 250 and runs["heap"][0] < 1000  # kept for reuse, used again without faults
     assert runs["map"][1] < 50  # given back
     assert runs["map"][0] > runs["heap"][0]  # faulted in again (here 4205 times against none)
+
+
+RESERVE_PROBE = """
+import resource, sys, psutil, torch
+from swarm.host import malloc
+malloc.tune()
+rss = psutil.Process().memory_info().rss
+reserved = malloc.reserve(rss + (300 << 20)) if sys.argv[1] == "reserve" else 0
+held = psutil.Process().memory_info().rss - rss
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+blocks = [torch.ones(21 << 18) for _ in range(12)]  # a run's maps: 12 of 21 MiB, then freed
+del blocks
+blocks = [torch.ones(5 << 18) for _ in range(40)]  # and of other sizes
+del blocks
+print(malloc.allocator(), reserved >> 20, held >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.parametrize("environment", ["swarm", "user"])
+def test_a_reserved_heap_is_faulted_in_before_the_run_and_used_without_faults(environment):
+    """malloc.reserve (what a train job does before its first step, up to the plan's predicted
+    peak): the heap's room is faulted in at once, and the blocks a run then allocates in it
+    fault no page; a process not started as `swarm` starts itself on glibc (here without its
+    tunables, as a user's own settings would be) is left as it is."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "SWARM_MALLOC", "GLIBC_TUNABLES")}
+    env["PYTHONPATH"] = str(ROOT)
+    if environment == "swarm":
+        env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
+    runs = {}
+    for how in ("reserve", "grow"):
+        out = subprocess.run([sys.executable, "-c", RESERVE_PROBE, how], capture_output=True, text=True, env=env,
+                             check=True)
+        name, reserved, held, faults = out.stdout.split()
+        assert name == "glibc"
+        runs[how] = int(reserved), int(held), int(faults)
+    grown = runs["grow"][2]
+    assert grown > 60000  # 252 MiB faulted in as the run went (64512 pages of 4 KiB)
+    if environment == "swarm":
+        assert 300 <= runs["reserve"][0] <= 310 and 300 <= runs["reserve"][1] <= 320
+        assert runs["reserve"][2] < 1000
+    else:
+        assert runs["reserve"][0] == 0 and runs["reserve"][1] < 16
+        assert runs["reserve"][2] > 60000

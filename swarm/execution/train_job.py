@@ -167,6 +167,12 @@ async def run_train_job(ctx) -> dict:
     store = store_for(ctx.job_id)
     log.info("job %s epoch %d: %.0f MiB resident, %.0f MiB of it snapshots and backups", ctx.job_id, ctx.epoch,
              resident_bytes() / 2**20, store.nbytes() / 2**20)
+    if not plan.mapped:
+        need = planned_peak(plan, cfg, spec.get("cfg_text"), me)
+        reserved = await trio.to_thread.run_sync(malloc.reserve, need) if need else 0
+        if reserved:
+            log.info("job %s epoch %d: %.0f MiB of heap faulted in before the first step (the plan predicts "
+                     "%.0f MiB at a step's peak)", ctx.job_id, ctx.epoch, reserved / 2**20, need / 2**20)
     if malloc.map_large(plan.mapped):  # (planner.mapping: the plan was made for devices that can)
         log.info("job %s epoch %d: blocks of %d MiB or more mapped afresh", ctx.job_id, ctx.epoch,
                  malloc.MAPPED_FROM >> 20)
@@ -185,6 +191,20 @@ async def run_train_job(ctx) -> dict:
         trio.lowlevel.spawn_system_task(release_memory_soon)  # once this run's traceback lets go of it
     STORES.pop(ctx.job_id, None)  # the job is over
     return {"device": me, "busy_s": worker.busy_s, "bytes_sent": endpoint.bytes_sent}
+
+
+def planned_peak(plan: Plan, cfg: TrainConfig, cfg_text: str | None, me: str) -> int:
+    """What the plan predicts `me` holds at a step's peak, the runtime included (what
+    `swarm train` prints under its plan), where the planner simulated it; else 0."""
+    from planner.memory_fit import room_left
+    from swarm.zoo import describe_model
+
+    try:
+        desc = describe_model(cfg.model, plan.img_size, cfg.classes, cfg_text)
+    except Exception:  # noqa: BLE001 (the worker says what is wrong with the model, in its own words)
+        return 0
+    need, have, predicted = room_left(plan, desc, cfg.optimizer).get(me, (0.0, 0.0, False))
+    return int(min(need, have)) if predicted else 0
 
 
 def resident_bytes() -> int:
