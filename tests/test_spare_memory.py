@@ -157,6 +157,12 @@ def test_a_simulated_plan_says_its_peak_of_what_each_device_can_spare():
         left = timeline.budgets[d] - timeline.peak_memory[d]
         assert predicted and have == spare[d] and need == pytest.approx(spare[d] - left, abs=1)
     assert describe_room(room).startswith("memory at a step's peak, of what each device can spare: dev0 ")
+    # what a device's part faults in of its heap before the first step (swarm.host.malloc.reserve)
+    from swarm.execution.train_job import planned_peak
+    from swarm.local.trainer import TrainConfig
+
+    cfg = TrainConfig(model="yolov2-16", img_size=160, batch_size=8, classes=5)
+    assert {d: planned_peak(plan, cfg, None, d) for d in room} == {d: int(room[d][0]) for d in room}
     plan.devices = {n: {"spare": spare[n]} for n in plan.used_devices()}  # as `swarm plan`'s devices say
     header, rule, *rows = plan_table(plan, timeline).split("\n\n")[2].splitlines()
     assert header.split() == ["device", "stages", "busy", "use", "peak", "memory", "budget", "left", "spare", "fits"]
@@ -297,6 +303,9 @@ def test_swarm_train_plans_on_the_spare_memory_and_says_what_is_left():
     room = room_left(plan, trainer.desc, cfg.optimizer)
     assert set(room) == {"dev0", "dev1"} and room["dev0"][1:] == (990 * MiB, False)
     assert room["dev0"][0] == room["dev1"][0] > 300 * MiB  # the same share: the same least need
+    from swarm.execution.train_job import planned_peak
+
+    assert planned_peak(plan, cfg, None, "dev0") == 0  # not simulated: no heap faulted in ahead
     line = describe_room(room)
     assert line.startswith("memory at a step's peak (at least), of what each device can spare: dev0 ")
     assert "of 990 MiB" in line and "of 1 GiB" in line

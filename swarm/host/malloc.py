@@ -228,13 +228,14 @@ def reserve(resident: int) -> int:
     first, then more from the system) until this process holds `resident` bytes, write to
     them, and free them again. They stay in the heap, resident, for the run's activations
     (glibc as `swarm` runs it keeps freed memory: tune()). The bytes faulted in; 0 where this
-    process does not run on glibc as swarm starts it, or its largest blocks are mapped afresh.
+    process does not run on glibc as swarm starts it. (Call it with large blocks served from
+    the heap: not under map_large.)
 
     Why: a device's heap on glibc goes on growing for several steps of a run, a large
     activation at a time where no free block in it is large enough, and each growth is
-    faulted in mid-step. A 0.2-core, 1 GiB testbed device training yolov2-16 at 416 on
-    4-sample micro-batches faulted 10,800-21,600 pages in some steps (21 MiB, one map, at a
-    time), 47-70 microseconds a page that close to its limit: 0.5-1.5 CPU-seconds, so that
+    faulted in mid-step. 0.2-core, 1 GiB testbed devices training yolov2-16 at 416 on
+    4-sample micro-batches faulted 10,800-43,000 pages in some steps (multiples of 21 MiB,
+    one map), 46-62 microseconds of system time a page that close to their limit, so that
     one device a step took 16.4-20 s where the rest took 13.4-14.2 and all waited for it.
     The placement of blocks does not change (the heap's free room is where it would have
     grown); only when its pages are faulted in: here before the first step, where the first
