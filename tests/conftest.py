@@ -40,39 +40,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# The suite runs on three processes (pytest -n 3, the README's command). Two groups of modules
-# share something machine-wide, so each group runs one module after another on one process:
-# the namespace testbed (one per machine: network namespaces, a bridge, cgroups), and the
-# tests on loopback (agents advertising on loopback's mDNS, loopback testbeds, checks of how
-# long something took or how much memory it reached). The two groups do not meet: the
-# testbed's devices live in namespaces of their own, with their own interfaces and mDNS.
-# Meanwhile the third process runs the rest, at a lower priority (_prioritise), and so does
-# each group's once its group is done. One group of both, as the suite ran until 2026-12, made
-# a chain of about 1400 s that the rest waited on, with the cores 70% busy (23.6 min in all,
-# 36 core-minutes). An entry is a module, or one test of it ("module::test") where the
-# module's other tests belong to the other group.
+# The suite runs on three processes (pytest -n 3, the README's command). The modules below
+# share something machine-wide, so they run one after another on one of them: the namespace
+# testbed (one per machine), agents advertising on loopback's mDNS, and checks of how long
+# something took or how much memory it reached. Meanwhile the other processes run the rest,
+# at a lower priority (_prioritise). On two cores, two processes left one core idle while the
+# machine-wide tests waited (on heartbeats, elections, timeouts): about 160 core-seconds of
+# a run idle, against 14 with three (1119 s and 958 s, in runs an hour apart).
 MACHINE_WIDE = {
-    "namespace-testbed": {
-        "test_chaos_run", "test_flapping::test_soak_flapping_links_and_a_killed_device", "test_swarm_detached",
-        "test_swarm_replay", "test_swarm_spare_memory", "test_swarm_training", "test_testbed",
-    },
-    "loopback": {
-        "test_agent", "test_agent_bounds", "test_auth", "test_clean_stop", "test_cuda", "test_deploy_notify",
-        "test_detached", "test_discovery", "test_failover", "test_flapping", "test_memory_model",
-        "test_planner_live", "test_service_install", "test_status", "test_torch_libs", "test_wire_sockets",
-    },
+    "test_agent", "test_agent_bounds", "test_auth", "test_chaos_run", "test_clean_stop", "test_cuda",
+    "test_deploy_notify", "test_detached", "test_discovery", "test_failover", "test_flapping", "test_memory_model",
+    "test_planner_live", "test_service_install", "test_status", "test_swarm_detached", "test_swarm_replay",
+    "test_swarm_spare_memory", "test_swarm_training", "test_testbed", "test_torch_libs", "test_wire_sockets",
 }
-
-
-def machine_wide_group(nodeid: str) -> str | None:
-    """The MACHINE_WIDE group a test runs in, or None."""
-    module = _module_of(nodeid)
-    test = f"{module}::{nodeid.split('::', 1)[1].split('[', 1)[0]}" if "::" in nodeid else module
-    for key in (test, module):
-        group = next((group for group, entries in MACHINE_WIDE.items() if key in entries), None)
-        if group is not None:
-            return group
-    return None
 
 
 def _module_of(nodeid: str) -> str:
@@ -81,14 +61,14 @@ def _module_of(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's load scheduling, with each MACHINE_WIDE group's tests in one unit of work."""
+    """pytest-xdist's load scheduling, with every MACHINE_WIDE test in one unit of work."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class MachineWideTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return machine_wide_group(nodeid) or nodeid
+            return "machine-wide" if _module_of(nodeid) in MACHINE_WIDE else nodeid
 
     return MachineWideTogether(config, log)
 
@@ -128,7 +108,7 @@ def pytest_runtest_setup(item):
     """Before each test (and its fixtures): its worker's priority (_prioritise); before a
     testbed test, clear a testbed left by an earlier run whose processes are all gone, so that
     it does not keep this one from running."""
-    _prioritise(machine_wide_group(item.nodeid) is not None)
+    _prioritise(_module_of(item.nodeid) in MACHINE_WIDE)
     if item.get_closest_marker("testbed") is not None and os.geteuid() == 0:
         clear_stale_testbed()
 
