@@ -30,6 +30,13 @@ log = logging.getLogger("swarm.cluster")
 FINISHED = frozenset({"done", "failed", "stopped", "released", "refused"})
 
 
+# An assignment is answered once the agent has imported the job's kind, torch with it for
+# training: 11 s for a 0.3-core testbed device on a busy host, over 30 s under a test suite's
+# load, longer on the smallest boards. A device that dies meanwhile is lost by its heartbeats
+# and ends the wait at once; this bounds only a live device that does not answer.
+ASSIGN_TIMEOUT_S = 120.0
+
+
 class JobError(SwarmError):
     """An agent refused or failed a job, or its device died during it."""
 
@@ -49,7 +56,7 @@ class CoordinatorJob:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    async def assign(self, node_id: str, kind: str, spec: dict, *, timeout: float = 30.0) -> JobState:
+    async def assign(self, node_id: str, kind: str, spec: dict, *, timeout: float = ASSIGN_TIMEOUT_S) -> JobState:
         state = await self._request(node_id, JobAssign(self.job_id, self.epoch, kind, spec, self.heartbeat_interval),
                                     timeout)
         if state.state == "refused":
