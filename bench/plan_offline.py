@@ -17,7 +17,10 @@ builds the planner's inputs from it as `swarm train --strategy auto` does
 (swarm.execution.launch: the devices' measured costs, the memory model of their allocator with
 the profile's saved bytes), prints `auto`'s plan, and for each PLAN.json (as `swarm plan --out`
 writes, or planner.plan.Plan(...).to_json()) its predicted samples/s and step, whether it fits,
-and each device's peak against its budget and its busy time.
+and each device's peak against its budget and its busy time. Before them, the compute floor:
+each device's time for one micro-batch through the whole model (keeping its maps, and remaking
+BatchNorm: planner.recompute), and the step the devices' summed rates would take with the batch
+divided perfectly and nothing exchanged, over every device and over those `auto` uses.
 """
 from __future__ import annotations
 
@@ -82,12 +85,32 @@ def plans(args) -> None:
 
     desc, inputs = load(args.survey, args.model, args.img_size, args.batch_size, args.microbatches)
     auto = make_plan("auto", inputs)
+    floor(inputs, auto.used_devices())
     print(auto.describe())
     show("auto", auto, inputs)
     for path in args.plan:
         plan = Plan.from_json(Path(path).read_text())
         print(plan.describe())
         show(path, plan, inputs)
+
+
+def floor(inputs, used: list[str]) -> None:
+    """What the devices' compute alone allows (module docstring)."""
+    from planner.recompute import recomputing
+
+    _, remaking = recomputing(inputs.mem, inputs.cluster, inputs.desc)
+    n, micro = inputs.num_layers, inputs.microbatch
+    rates = {}
+    print(f"one micro-batch of {micro} through the whole model:")
+    for kept, remade in zip(inputs.cluster.devices, remaking.devices):
+        t_kept = kept.costs.range_time(0, n, micro, with_loss=True)
+        t_remade = remade.costs.range_time(0, n, micro, with_loss=True)
+        rates[kept.name] = (micro / t_kept, micro / t_remade)
+        print(f"  {kept.name}: {t_kept:.2f} s keeping its maps, {t_remade:.2f} s remaking BatchNorm")
+    for what, names in (("every device", list(rates)), (f"the {len(used)} auto uses", used)):
+        for i, form in enumerate(("keeping maps", "remaking")):
+            rate = sum(rates[d][i] for d in names)
+            print(f"  the floor over {what}, {form}: {rate:.3f} samples/s, {inputs.batch_size / rate:.2f} s a step")
 
 
 def show(name: str, plan, inputs) -> None:
