@@ -1,8 +1,8 @@
 """A training process's resident peak on each allocator setting, micro-batch after micro-batch.
 
     python bench/allocator_peaks.py [--model yolov2-16 --img-size 416 --samples 4 --iterations 6
-        --rounds 3 --settings default,heap,mapped,mapped-small,mmap,jemalloc --jemalloc PATH --recompute off,on,segments
-        --cpu 0.2 --mem 1G]
+        --rounds 3 --settings default,heap,mapped,mapped-small,mmap,jemalloc,tbb,pinned:32 --jemalloc PATH --tbb PATH
+        --recompute off,on,segments --cpu 0.2 --mem 1G]
 
 One process per setting and round (alternating: round 1 runs every setting, then round 2),
 each training the whole model on one thread, `--iterations` forward-backward passes of
@@ -34,6 +34,14 @@ memory is counted.
     jemalloc  jemalloc as swarm preloads it (where it is installed, or the library --jemalloc
               names: `apt-get download libjemalloc2 && dpkg -x libjemalloc2_*.deb DIR` gives one
               without installing it)
+    pinned:K  `heap`, and before torch is loaded 64 MiB of free K KiB holes at the heap's foot, each
+              kept apart by a live 16-byte block: glibc serves a small request from the smallest
+              free chunk that fits, so the small blocks of a pass go there rather than into the
+              room a large activation freed
+    tbb       oneTBB's scalable allocator, preloaded (libtbbmalloc_proxy.so.2, which the `tbb` wheel on
+              PyPI carries for x86-64 only; --tbb names it): its large blocks cached for a while,
+              then returned to the system; tbb:N caches every block of N MiB or more for good
+              (TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD)
 
 With `--recompute off,on` each setting runs twice a round: keeping every map the backward reads,
 and remaking BatchNorm's output and its activation's result in the backward (swarm.zoo.recompute)
@@ -84,6 +92,13 @@ elif setting == "before":
     libc.mallopt(malloc.M_ARENA_MAX, 1); libc.mallopt(malloc.M_MMAP_MAX, 0); libc.mallopt(malloc.M_TRIM_THRESHOLD, 1 << 30)
 else:
     malloc.tune()
+    if setting.startswith("pinned:"):  # 64 MiB of free K KiB holes, each kept apart by a live 16-byte block
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        hole = int(setting.split(":")[1]) << 10
+        held = [(libc.malloc(hole), libc.malloc(16)) for _ in range((64 << 20) // hole)]
+        for block, _ in held:
+            libc.free(block)
 import torch
 from swarm.profiling.memory_guard import PeakRSS
 from swarm.profiling.profiler import settled_rss
@@ -117,17 +132,18 @@ if sys.argv[7:] == ["live"]:  # one more pass, the most bytes torch's allocator 
         events = json.load(f)["traceEvents"]
     os.unlink(trace)
     live = max([e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"] + [0]) / 2**20
-print(json.dumps({"wall": time.monotonic() - t0, "base": base / 2**20, "allocator": malloc.allocator(),
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
+print(json.dumps({"wall": time.monotonic() - t0, "base": base / 2**20, "hwm": hwm, "allocator": malloc.allocator(),
                   "peaks": peaks, "user": after.ru_utime - before.ru_utime, "live": live,
                   "sys": after.ru_stime - before.ru_stime, "faults": after.ru_minflt - before.ru_minflt}))
 """
 
 
-def environment(setting: str, jemalloc: str | None) -> dict[str, str] | None:
+def environment(setting: str, jemalloc: str | None, tbb: str | None = None) -> dict[str, str] | None:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "GLIBC_TUNABLES", malloc.PRELOADED)}
     env["PYTHONPATH"] = str(ROOT)
-    if setting in ("heap", "swarm") or setting.startswith("mapped-small"):  # as `swarm` starts itself again
+    if setting in ("heap", "swarm") or setting.startswith(("mapped-small", "pinned")):  # as `swarm` starts itself again
         env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
     elif setting.startswith("mapped"):  # as it did until 2026-12, in huge pages
         env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES + ":glibc.malloc.hugetlb=1")
@@ -136,6 +152,12 @@ def environment(setting: str, jemalloc: str | None) -> dict[str, str] | None:
         if library is None:
             return None
         env.update(LD_PRELOAD=library, MALLOC_CONF=malloc.JEMALLOC_CONF)
+    elif setting.split(":")[0] == "tbb":
+        if tbb is None:
+            return None
+        env.update(LD_PRELOAD=tbb, LD_LIBRARY_PATH=str(Path(tbb).parent))
+        if ":" in setting:
+            env["TBB_MALLOC_SET_HUGE_SIZE_THRESHOLD"] = str(int(setting.split(":")[1]) << 20)
     return env
 
 
@@ -148,6 +170,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settings", default="before,heap,swarm,mapped,mmap,jemalloc")
     parser.add_argument("--jemalloc", help="the jemalloc library to preload (default: the installed one)")
+    parser.add_argument("--tbb", help="oneTBB's libtbbmalloc_proxy.so.2, for the tbb setting")
     parser.add_argument("--recompute", default="off", help="any of off, on, segments (off,on,segments): BatchNorm "
                         "and activation remade in the backward (on), or checkpointed segments")
     parser.add_argument("--live", action="store_true", help="also the most bytes torch's allocator holds at once in "
@@ -165,9 +188,9 @@ def main() -> int:
         in_cgroup = lambda: cgroups.add_process(dirs, os.getpid())  # noqa: E731 (in the child, before exec)
         made = dirs + host.group_dirs()  # removed after (a testbed's group stays: it is not empty)
     settings = [s for s in args.settings.split(",") if s]
-    unknown = {s for s in settings if not (s.split(":")[0] in ("mapped", "mapped-small") and s.count(":") == 1
+    unknown = {s for s in settings if not (s.split(":")[0] in ("mapped", "mapped-small", "tbb", "pinned") and s.count(":") == 1
                                            and s.split(":")[1].isdigit())} - {
-        "default", "mapped-small", "before", "heap", "swarm", "mapped", "mmap", "jemalloc"}
+        "default", "mapped-small", "before", "heap", "swarm", "mapped", "mmap", "jemalloc", "tbb"}
     if unknown:
         parser.error(f"no setting {', '.join(sorted(unknown))}")
     modes = [m for m in args.recompute.split(",") if m]
@@ -179,9 +202,9 @@ def main() -> int:
     killed: dict[str, int] = {}
     for _ in range(args.rounds):
         for setting, mode in rows:
-            env = environment(setting, args.jemalloc)
+            env = environment(setting, args.jemalloc, args.tbb)
             if env is None:
-                continue  # jemalloc not installed
+                continue  # jemalloc (or tbb) not here
             out = subprocess.run([sys.executable, "-c", PASSES, setting, args.samples, str(args.img_size),
                                   str(args.iterations), args.model, mode, *(["live"] if args.live else [])],
                                  capture_output=True, text=True, env=env, cwd=ROOT, preexec_fn=in_cgroup)
@@ -190,13 +213,17 @@ def main() -> int:
                 print(f"{setting}: {lines[0]}", file=sys.stderr)
                 killed[setting + suffix[mode]] = killed.get(setting + suffix[mode], 0) + 1
                 continue
-            runs[setting + suffix[mode]].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            run = json.loads(out.stdout.strip().splitlines()[-1])
+            if setting.startswith("tbb"):  # (swarm.host.malloc knows glibc and jemalloc only)
+                run["allocator"] = "tbbmalloc"
+            runs[setting + suffix[mode]].append(run)
     for d in made:  # the runs' cgroup, emptied
         cgroups.remove(d, wait=0.5)
     print(f"{args.model} at {args.img_size}, {args.samples} samples a pass, {args.iterations} passes, "
-          f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass)")
+          f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass); "
+          f"VmHWM: the process's own peak, its start included, MiB")
     print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} "
-          f"{'sys s':>6} {'faults':>8} {'wall s':>7}")
+          f"{'sys s':>6} {'faults':>8} {'wall s':>7} {'VmHWM':>6}")
     for setting, done in runs.items():
         if not done:
             print(f"{setting:12} " + (f"ended early in all {killed[setting]} runs" if setting in killed else
@@ -207,7 +234,7 @@ def main() -> int:
         print(f"{setting:12} {done[0]['allocator']:9} {' '.join(f'{m:.0f}' for m in medians):48} "
               f"{last[0]:.0f}-{last[-1]:.0f}{'':6} {statistics.median(r['user'] for r in done):7.2f} "
               f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f} "
-              f"{statistics.median(r['wall'] for r in done):7.1f}"
+              f"{statistics.median(r['wall'] for r in done):7.1f} {statistics.median(r['hwm'] for r in done):6.0f}"
               + (f"  live {statistics.median(r['live'] for r in done):.0f}" if args.live else "")
               + (f"  ({killed[setting]} ended early)" if setting in killed else ""))
     return 0
