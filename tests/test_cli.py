@@ -88,3 +88,18 @@ def test_corrupt_checkpoint_for_resume(tmp_path):
     r = run_swarm("train", "--resume", "bad.pt", cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and "bad.pt is not a swarm checkpoint: it is a text file" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [["train", "--model", "yolov9"], ["plan", "--model", "yolov9"],
+                                  ["profile", "--model", "missing.cfg"], ["data", "anchors", ".", "--model", "yolov9"]])
+def test_a_mistyped_model_is_refused_before_torch_loads(tmp_path, args):
+    """A model name or .cfg path is checked as the flags are read: on a small device loading
+    torch takes seconds, which a typo should not cost (a fresh interpreter, as a user's)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom swarm.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+             "    print('torch loaded' if 'torch' in sys.modules else 'torch not loaded', stop.code)\n")
+    r = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["torch", "not", "loaded", "2"], (r.stdout, r.stderr)
+    assert "argument --model: " in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

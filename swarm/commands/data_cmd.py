@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from swarm.commands.flags import IMG_SIZE_HELP, _number, image_size
+from swarm.commands.flags import IMG_SIZE_HELP, _number, image_size, model_name
 
 SAMPLE_SIZES = _number(int, "a whole number", lambda v: 32 <= v <= 2048, "must be between 32 and 2048")
 SAMPLE_COUNT = _number(int, "a whole number", lambda v: 10 <= v <= 100000, "must be between 10 and 100000")
@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
                                      "darknet's anchors= line. `swarm train --anchors auto` fits the same ones when "
                                      "a run starts.")
     a.add_argument("dir", metavar="DIR", help="the data set (images/ and labels/, as `swarm data sample` writes)")
-    a.add_argument("--model", required=True, help="a built-in model with [yolo] heads (yolov3-tiny, yolov4-tiny, "
+    a.add_argument("--model", type=model_name, required=True,
+                   help="a built-in model with [yolo] heads (yolov3-tiny, yolov4-tiny, "
                    "yolov7-tiny) or a .cfg path")
     a.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size in pixels: {IMG_SIZE_HELP} "
                    "(default: the size `swarm train` takes for the model)")

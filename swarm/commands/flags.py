@@ -40,6 +40,19 @@ def image_size(text: str):
 IMG_SIZE_HELP = "N (a square) or WxH, width by height such as 608x352"
 
 
+def model_name(text: str) -> str:
+    """--model: a built-in model's name or a readable .cfg file, checked as the flags are read,
+    before torch is loaded (which takes seconds on a small device) for a name mistyped."""
+    from swarm.errors import SwarmError
+    from swarm.zoo import model_source
+
+    try:
+        model_source(text)
+    except SwarmError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def byte_size(text: str) -> int:
     """An argparse type: a size such as 300M, 1G or 0 (parse_size)."""
     value = parse_size(text)

@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from swarm.commands.flags import IMG_SIZE_HELP, add_network_args, image_size, non_negative_float, positive_int
+from swarm.commands.flags import (IMG_SIZE_HELP, add_network_args, image_size, model_name, non_negative_float,
+                                  positive_int)
 from swarm.errors import SwarmError
 
 STRATEGY_HELP = ("local, dp, pp, tiles, jointdnn, hiertrain, asteroid, or auto (default: the best predicted of all, "
@@ -19,7 +20,8 @@ def add_parser(sub) -> None:
                                    "and memory per device. With --devices, plan a cluster described in a JSON file "
                                    "(docs/planner.md); without it, the devices of the swarm (`swarm join`) are "
                                    "profiled and planned, or this machine alone when none answers.")
-    p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
+    p.add_argument("--model", type=model_name, default="yolov2-16",
+                   help="a built-in model or a .cfg path (default: yolov2-16)")
     p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: as "
                    "swarm train: 128 for the built-in YOLO models (256 yolov4-tiny), a .cfg file's own)")
     p.add_argument("--classes", type=positive_int, help="classes of a built-in detector's head (default: the built-in "

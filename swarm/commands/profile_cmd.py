@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from swarm.commands.flags import IMG_SIZE_HELP, image_size, positive_int
+from swarm.commands.flags import IMG_SIZE_HELP, image_size, model_name, positive_int
 from swarm.errors import SwarmError
 
 
@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
                        description="Time every layer's forward, backward and update at several batch sizes, the "
                                    "memory a training step needs, and cache it in the state directory (swarm plan "
                                    "and swarm train use the cache).")
-    p.add_argument("--model", default="yolov2-16", help="a built-in model or a .cfg path (default: yolov2-16)")
+    p.add_argument("--model", type=model_name, default="yolov2-16",
+                   help="a built-in model or a .cfg path (default: yolov2-16)")
     p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size: {IMG_SIZE_HELP} (default: as "
                    "swarm train: 128 for the built-in YOLO models (256 yolov4-tiny), a .cfg file's own)")
     p.add_argument("--classes", type=positive_int, help="classes of the head (default: the built-in data's)")

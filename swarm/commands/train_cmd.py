@@ -6,8 +6,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from swarm.commands.flags import (IMG_SIZE_HELP, add_network_args, add_token_args, image_size, non_negative_float,
-                                  non_negative_int, positive_float, positive_int)
+from swarm.commands.flags import (IMG_SIZE_HELP, add_network_args, add_token_args, image_size, model_name,
+                                  non_negative_float, non_negative_int, positive_float, positive_int)
 from swarm.errors import SwarmError
 from swarm.local.progress import format_seconds
 
@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model", description=(
         "Train a model. With no other device on the network (or --strategy local) it trains on "
         "this machine; with no --data it uses the built-in synthetic shapes data set."))
-    p.add_argument("--model", help="a built-in model (yolov2-16, the default; yolov2, yolov2-tiny, yolov3-tiny, "
+    p.add_argument("--model", type=model_name,
+                   help="a built-in model (yolov2-16, the default; yolov2, yolov2-tiny, yolov3-tiny, "
                    "yolov4-tiny, yolov7-tiny, darknet53, resnet18, resnet50, mobilenetv2, efficientnet-b0, vgg16, "
                    "alexnet, lenet5: the README's table) or a .cfg path")
     p.add_argument("--img-size", type=image_size, metavar="N|WxH", help=f"input size in pixels: {IMG_SIZE_HELP} "
