@@ -103,3 +103,40 @@ def test_a_mistyped_model_is_refused_before_torch_loads(tmp_path, args):
     r = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["torch", "not", "loaded", "2"], (r.stdout, r.stderr)
     assert "argument --model: " in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+FILE_MISTAKES = [
+    (["eval", "--checkpoint", "notes.txt"], "notes.txt is not a swarm checkpoint: it is a text file"),
+    (["export", "--checkpoint", "missing.pt", "--format", "onnx", "--out", "m.onnx"], "checkpoint missing.pt does not exist"),
+    (["detect", "--checkpoint", "d.weights", "notes.txt"], "d.weights is not a swarm checkpoint: it looks like darknet"),
+    (["detect", "--checkpoint", "old.pt", "nowhere"], "nowhere: no such file or folder"),
+    (["train", "--resume", "notes.txt"], "notes.txt is not a swarm checkpoint: it is a text file"),
+    (["train", "--model", "yolov2-16", "--weights", "notes.txt"], "neither darknet weights nor a swarm checkpoint"),
+    (["train", "--resume", "old.pt", "--weights", "d.weights"], "give one of them"),
+    (["train", "--model", "yolov2-16", "--data", "nowhere"], "data folder nowhere does not exist"),
+    (["train", "--model", "yolov2-16", "--data", "notes.txt"], "--data notes.txt is not a folder"),
+    (["train", "--model", "yolov2-16", "--img-size", "40"], "yolov2-16 cannot take --img-size 40"),
+]
+
+
+def test_a_file_or_size_that_cannot_be_is_refused_before_torch_loads(tmp_path):
+    """A checkpoint, weights file, data folder or image size that cannot be what it is given as
+    is one line before torch is loaded (seconds on a small device), in the words the command
+    would use after: every mistake of FILE_MISTAKES in turn, in one fresh interpreter."""
+    import json
+    import struct
+    import subprocess
+    import sys
+
+    (tmp_path / "notes.txt").write_text("hello\n")
+    (tmp_path / "d.weights").write_bytes(struct.pack("<3iQ", 0, 2, 0, 0) + bytes(64))
+    (tmp_path / "old.pt").write_bytes(b"PK\x03\x04")  # a torch file by its first bytes
+    probe = ("import json, sys\nfrom swarm.cli import main\nfor args in json.loads(sys.argv[1]):\n"
+             "    print(main(args), file=sys.stderr)\nprint('torch loaded' if 'torch' in sys.modules else 'torch not loaded')\n")
+    r = subprocess.run([sys.executable, "-c", probe, json.dumps([args for args, _ in FILE_MISTAKES])], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "torch not loaded", (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2 * len(FILE_MISTAKES), r.stderr  # a message and the exit status, each
+    for (args, message), said, code in zip(FILE_MISTAKES, lines[::2], lines[1::2]):
+        assert said.startswith(f"swarm {args[0]}: error: ") and message in said and code == "2", (args, said, code)

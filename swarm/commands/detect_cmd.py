@@ -42,12 +42,15 @@ def run(args: argparse.Namespace) -> int:
     from PIL import Image
 
     from swarm.errors import SwarmError
+    from swarm.local.files import check_checkpoint, find_images
+
+    check_checkpoint(args.checkpoint)  # a mistake is told before torch loads
+    paths = find_images(args.images)
     from swarm.local.checkpoint import load_checkpoint
-    from swarm.local.detect import Detector, draw, find_images, yolo_lines
+    from swarm.local.detect import Detector, draw, yolo_lines
     from swarm.local.trainer import set_threads
 
     set_threads(args.threads)
-    paths = find_images(args.images)
     detector = Detector(load_checkpoint(args.checkpoint), args.conf, args.nms, args.top_k, args.img_size,
                         args.checkpoint)
     out = Path(args.out)

@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from swarm.local.files import check_checkpoint
+
+    check_checkpoint(args.checkpoint)  # a mistake is told before torch loads
     from swarm.data import open_datasets
     from swarm.errors import SwarmError
     from swarm.local.checkpoint import load_checkpoint, load_network

@@ -207,6 +207,9 @@ def _darknet_read_back(net, desc, cfg_path: Path, text: str, weights_path: Path,
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from swarm.local.files import check_checkpoint
+
+    check_checkpoint(args.checkpoint)  # a mistake is told before torch loads
     from swarm.local.checkpoint import load_checkpoint
     from swarm.local.trainer import set_threads
     from swarm.zoo import model_source

@@ -195,14 +195,34 @@ def lr_drops(text: str) -> list[int]:
     return steps
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """The mistakes in the flags found without torch, which takes seconds to load here and more
+    on a small device: files that are not there or cannot be what they are given as, a data
+    folder that is not one, an image size the model does not take (in the words the run
+    would say them in later)."""
+    from swarm.data.yolo_dir import data_folder
+    from swarm.local.files import check_checkpoint, check_weights
+    from swarm.zoo import default_img_size, describe_model
+
+    if args.resume and args.weights:
+        raise SwarmError("--weights starts a new run; --resume continues one with its own weights: give one of them")
+    if args.resume:
+        check_checkpoint(args.resume)
+    if args.weights:
+        check_weights(args.weights)
+    if args.data not in (None, "synthetic"):
+        data_folder(args.data)
+    if args.model and not args.resume:  # a resumed run's model and size are its checkpoint's
+        describe_model(args.model, default_img_size(args.model, args.img_size))
+
+
 def training_config(args: argparse.Namespace):
-    """The TrainConfig: defaults, then the resumed checkpoint's settings, then explicit flags."""
+    """The TrainConfig: defaults, then the resumed checkpoint's settings, then explicit flags
+    (checked by preflight first)."""
     from swarm.local.trainer import TrainConfig
 
     cfg = TrainConfig()
     state = None
-    if args.resume and args.weights:
-        raise SwarmError("--weights starts a new run; --resume continues one with its own weights: give one of them")
     if args.resume:
         from swarm.local.checkpoint import load_checkpoint
 
@@ -328,8 +348,6 @@ def runner_for(args: argparse.Namespace, log):
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.local.trainer import SAVE_EVERY_S, train
-
     if args.coordinator and not args.detach:
         raise SwarmError("--coordinator chooses where a --detach'ed run is coordinated: add --detach")
     if args.detach:
@@ -340,6 +358,9 @@ def run(args: argparse.Namespace) -> int:
             raise SwarmError(f"{' and '.join(kept)} would be written on the coordinating device: a detached run keeps "
                              f"its checkpoint and metrics there (`swarm fetch JOB` brings the checkpoint here)")
         return detach(args, run_flags(args))
+
+    preflight(args)
+    from swarm.local.trainer import SAVE_EVERY_S, train
 
     cfg, state = training_config(args)
     check_microbatches(cfg, state)

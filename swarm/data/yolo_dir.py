@@ -292,13 +292,19 @@ class YoloDirectory:
         return arr, box.to_input(boxes)
 
 
-def open_yolo_directory(root: str | Path, img_size: ImageSize | int, channels: int) -> tuple[YoloDirectory, YoloDirectory]:
-    """(train, held-out) splits of the data set at `root`, letterboxed into `img_size` (an int is a square)."""
-    root, img_size = Path(root), ImageSize.of(img_size)
+def data_folder(root: str | Path) -> Path:
+    """`--data` as a folder that is there; a SwarmError if not."""
+    root = Path(root)
     if not root.exists():
         raise SwarmError(f"data folder {root} does not exist")
     if not root.is_dir():
         raise SwarmError(f"--data {root} is not a folder")
+    return root
+
+
+def open_yolo_directory(root: str | Path, img_size: ImageSize | int, channels: int) -> tuple[YoloDirectory, YoloDirectory]:
+    """(train, held-out) splits of the data set at `root`, letterboxed into `img_size` (an int is a square)."""
+    root, img_size = data_folder(root), ImageSize.of(img_size)
     (train_img, train_lab), val = _split_dirs(root)
     cache = DecodeCache(root)
     scan = _scan(train_img, train_lab, cache)

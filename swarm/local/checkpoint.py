@@ -11,13 +11,13 @@ import os
 import re
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import torch
 
 from planner.image_size import ImageSize
 from swarm.errors import SwarmError
+from swarm.local.files import TORCH_HEADS, check_checkpoint, check_weights, describe_file
 
 try:
     import fcntl
@@ -124,8 +124,7 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
 def load_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     remove_stale_temp_files(path)
-    if not path.is_file():
-        raise SwarmError(f"checkpoint {path} does not exist")
+    check_checkpoint(path)
     state = _torch_load(path, f"{path} is not a swarm checkpoint")
     if not isinstance(state, dict):
         raise SwarmError(f"{path} is not a swarm checkpoint: it is a torch file holding a {type(state).__name__}, "
@@ -184,61 +183,19 @@ def _describe_dict(state: dict) -> str:
     return f"a torch dictionary with keys {shown}" if keys else "an empty torch dictionary"
 
 
-def describe_file(path: Path, error: BaseException | None = None) -> str:
-    """What a file that torch cannot read as a checkpoint looks like, in a few words."""
-    from swarm.zoo.darknet_weights import looks_like_darknet
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-        size = path.stat().st_size
-    except OSError as exc:
-        return f"it cannot be read ({exc.strerror or exc})"
-    if not head:
-        return "it is an empty file"
-    if head.startswith(b"PK\x03\x04"):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
-        except (zipfile.BadZipFile, OSError):
-            return "it is a damaged or cut-short zip archive (torch's format), perhaps an interrupted copy"
-        if any(name.endswith("data.pkl") for name in names):
-            if error is not None and "weights only load failed" in str(error).lower():
-                return ("it is a torch file holding Python objects besides tensors (a whole pickled model?); "
-                        "swarm reads plain dictionaries of tensors")
-            return f"it is a damaged torch file ({type(error).__name__ if error else 'unreadable'})"
-        return f"it is a zip archive of {len(names)} file(s), not a torch file"
-    if head.startswith(b"\x80"):
-        return "it is a Python pickle that torch cannot read as tensors (an old-format or damaged torch file?)"
-    for magic, kind in ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"\x1f\x8b", "a gzip file")):
-        if head.startswith(magic):
-            return f"it is {kind}"
-    if looks_like_darknet(head, size):
-        return "it looks like darknet weights, not a torch file (give it to swarm train --weights)"
-    try:
-        text = head.decode("utf-8")
-    except UnicodeDecodeError as exc:  # a character cut at the end of `head` still reads as text
-        text = head[:exc.start].decode("utf-8") if exc.start >= len(head) - 3 else None
-    if text and all(c.isprintable() or c in "\r\n\t" for c in text):
-        first = text.strip().splitlines()[0][:40] if text.strip() else ""
-        return f"it is a text file (starting {first!r})"
-    return f"it is not a torch file (it starts with bytes {head[:8].hex(' ')})"
-
-
 def load_initial_weights(net, path: str | Path) -> str:
     """Load the weights a training run starts from into `net` (a zoo network): darknet
     .weights (a whole model, or a backbone's first layers) or a swarm checkpoint's model.
     Layers the file does not cover keep their initial weights. Returns what was loaded, in
     words; a file that does not fit is a SwarmError naming the layer and both shapes."""
-    from swarm.zoo.darknet_weights import looks_like_darknet, read_weights
+    from swarm.zoo.darknet_weights import read_weights
 
     path = Path(path)
-    if not path.is_file():
-        raise SwarmError(f"weights file {path} does not exist")
+    check_weights(path)
     with open(path, "rb") as f:
         head = f.read(16)
     own = net.state_dict()
-    if head.startswith((b"PK\x03\x04", b"\x80")):  # a torch file: zip, or the old pickle format
+    if head.startswith(TORCH_HEADS):
         state = load_checkpoint(path)
         tensors = state["model"]
         odd = [k for k in tensors if not re.fullmatch(r"layers\.\d+\..+", k)]
@@ -253,13 +210,11 @@ def load_initial_weights(net, path: str | Path) -> str:
                                  f"{_differences(theirs, mine)} (the file was saved from {state['model_name']})")
         layers = sorted({_layer_of(k) for k in tensors})
         seen = f"step {state['step']} of {state['model_name']}"
-    elif looks_like_darknet(head, path.stat().st_size):
+    else:  # darknet's (check_weights refused anything else)
         darknet = read_weights(path.read_bytes(), {k: tuple(v.shape) for k, v in own.items()}, net.desc, str(path))
         tensors = {k: torch.from_numpy(v) for k, v in darknet.tensors.items()}
         layers = darknet.layers
         seen = f"darknet {'.'.join(map(str, darknet.version))}, {darknet.seen} images seen"
-    else:
-        raise SwarmError(f"{path} is neither darknet weights nor a swarm checkpoint: {describe_file(path)}")
     with torch.no_grad():
         for key, value in tensors.items():
             own[key].copy_(value)

@@ -16,7 +16,6 @@ from swarm.errors import SwarmError
 from swarm.local.checkpoint import load_network
 from swarm.zoo.loss import make_loss
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 # one colour per class, in turn (Tableau's ten, then darker ones)
 PALETTE = ["#4E79A7", "#F28E2B", "#E15759", "#76B7B2", "#59A14F", "#EDC948", "#B07AA1", "#FF9DA7", "#9C755F",
            "#BAB0AC", "#1F77B4", "#D62728", "#2CA02C", "#9467BD", "#8C564B", "#E377C2", "#7F7F7F", "#BCBD22"]
@@ -37,23 +36,6 @@ class Prediction:
         else:
             d["boxes"] = self.boxes
         return d
-
-
-def find_images(paths: list[str]) -> list[Path]:
-    """The image files named, and those in the folders named (sorted, not recursing)."""
-    found: list[Path] = []
-    for text in paths:
-        path = Path(text)
-        if path.is_dir():
-            inside = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-            if not inside:
-                raise SwarmError(f"{path} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-            found += inside
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise SwarmError(f"{path}: no such file or folder")
-    return found
 
 
 class Detector:
