@@ -116,6 +116,7 @@ FILE_MISTAKES = [
     (["train", "--model", "yolov2-16", "--data", "nowhere"], "data folder nowhere does not exist"),
     (["train", "--model", "yolov2-16", "--data", "notes.txt"], "--data notes.txt is not a folder"),
     (["train", "--model", "yolov2-16", "--img-size", "40"], "yolov2-16 cannot take --img-size 40"),
+    (["train", "--img-size", "4096"], "yolov2-16 cannot take --img-size 4096"),  # the model trained without --model
 ]
 
 

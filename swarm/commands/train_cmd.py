@@ -202,7 +202,7 @@ def preflight(args: argparse.Namespace) -> None:
     would say them in later)."""
     from swarm.data.yolo_dir import data_folder
     from swarm.local.files import check_checkpoint, check_weights
-    from swarm.zoo import default_img_size, describe_model
+    from swarm.zoo import DEFAULT_MODEL, default_img_size, describe_model
 
     if args.resume and args.weights:
         raise SwarmError("--weights starts a new run; --resume continues one with its own weights: give one of them")
@@ -212,8 +212,9 @@ def preflight(args: argparse.Namespace) -> None:
         check_weights(args.weights)
     if args.data not in (None, "synthetic"):
         data_folder(args.data)
-    if args.model and not args.resume:  # a resumed run's model and size are its checkpoint's
-        describe_model(args.model, default_img_size(args.model, args.img_size))
+    if not args.resume:  # a resumed run's model and size are its checkpoint's
+        model = args.model or DEFAULT_MODEL
+        describe_model(model, default_img_size(model, args.img_size))
 
 
 def training_config(args: argparse.Namespace):

@@ -26,7 +26,7 @@ from swarm.data.augment import Augment, Augmenter
 from swarm.local.checkpoint import load_initial_weights, save_checkpoint
 from swarm.local.compute_device import compute_device
 from swarm.local.progress import Progress
-from swarm.zoo import BUILTIN, build_model
+from swarm.zoo import BUILTIN, DEFAULT_MODEL, build_model
 from swarm.zoo.loss import make_loss
 
 
@@ -34,7 +34,7 @@ from swarm.zoo.loss import make_loss
 class TrainConfig:
     """Everything that decides the trained weights (and a few things that do not)."""
 
-    model: str = "yolov2-16"
+    model: str = DEFAULT_MODEL
     img_size: ImageSize | None = None  # width x height; None: the model's own size ([net] width, height)
     data: str | None = None  # None: the built-in synthetic shapes
     batch_size: int = 16

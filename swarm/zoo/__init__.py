@@ -20,6 +20,7 @@ from swarm.zoo.heads import darknet_only, scale_anchors
 
 BUILTIN = ("yolov2-16", "yolov2", "yolov2-tiny", "yolov3-tiny", "yolov4-tiny", "yolov7-tiny", "darknet53", "resnet18",
            "resnet50", "mobilenetv2", "efficientnet-b0", "vgg16", "alexnet", "lenet5")
+DEFAULT_MODEL = "yolov2-16"  # what `swarm train` trains without --model
 # The input size a built-in model trains, plans and is evaluated at unless --img-size says
 # otherwise, whatever the data (a .cfg file's own [net] size for other models; lenet5's own 32):
 # small enough that the main job trains in minutes on one machine. yolov4-tiny's is 256: at
