@@ -50,6 +50,26 @@ def test_compare_lists_every_planner(tmp_path):
     assert "NO" in r.stdout  # a Pi alone cannot hold yolov2-16 at 416
 
 
+def test_planning_a_described_cluster_loads_neither_torch_nor_the_agent(tmp_path):
+    """`swarm plan --devices FILE` is arithmetic on the model's description and the file: it
+    answers without torch or the agent's code (seconds to import on a small device), and the
+    command line's help names the agent's port without importing the agent either."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom swarm.cli import build_parser, main\nbuild_parser()\n"
+             "print(sorted(m for m in ('torch', 'swarm.agent', 'trio') if m in sys.modules))\n"
+             "print(main(sys.argv[1:]))\nprint('torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", probe, "plan", "--model", "yolov2-16", "--img-size", "416", "--devices",
+                        str(EXAMPLES / "rama-pi-cluster.json"), "--strategy", "dp", "--microbatches", "4"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "SWARM_STATE_DIR": str(tmp_path / "state")})
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "[]", r.stdout  # the parser alone
+    assert lines[-2:] == ["0", "False"], (r.stdout, r.stderr)  # planned, and torch never loaded
+    assert "planner dp" in r.stdout and "predicted step" in r.stdout, r.stdout
+
+
 def test_a_plan_that_does_not_fit_says_where_and_by_how_much(tmp_path):
     r = plan("--model", "yolov2-16", "--img-size", "416", "--microbatches", "2", "--devices",
              EXAMPLES / "rama-pi-cluster.json", "--strategy", "local", "--out", "p.json", tmp_path=tmp_path)

@@ -48,6 +48,7 @@ from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection
 from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.net.peer import serve_peers
 from swarm.net.ratelimit import LogLimiter
+from swarm.ports import DEFAULT_PORT
 from swarm.wire import (PROTOCOL_VERSION, DetachAnswer, DetachChunk, DetachList, DetachRead, DetachStop, DetachSubmit,
                         Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobReplica, JobStart, JobState, JobStop,
                         LeaseAnswer, LeaseAsk, Limits, Ping, Pong, RemoteProtocolError, ReplicaQuery, ReplicaState,
@@ -55,7 +56,6 @@ from swarm.wire import (PROTOCOL_VERSION, DetachAnswer, DetachChunk, DetachList,
 
 log = logging.getLogger("swarm.agent")
 
-DEFAULT_PORT = 4750
 MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
 MAX_NAME = 128           # longest job id or job kind
 ELECTION_S = 2.0         # how long the other replica holders have to say which replica they hold, or vote

@@ -64,7 +64,7 @@ def run_client(args, main, *extra) -> int:
     """main(args, cluster, *extra) with a roster of the swarm's agents, as `swarm status` finds them."""
     import logging
 
-    from swarm.agent import DEFAULT_PORT
+    from swarm.ports import DEFAULT_PORT
     from swarm.host.state import find_token, process_id, state_dir_from
     from swarm.net import Credentials, parse_peers, resolve_network
 

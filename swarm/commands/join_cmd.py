@@ -14,7 +14,7 @@ log = logging.getLogger("swarm.agent")
 
 
 def add_parser(sub) -> None:
-    from swarm.agent import DEFAULT_PORT
+    from swarm.ports import DEFAULT_PORT
 
     p = sub.add_parser("join", help="offer this device to the swarm (runs the agent)", description=(
         "Run the agent: advertise this device on the local network, accept work from a coordinator, "

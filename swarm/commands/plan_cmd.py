@@ -120,7 +120,7 @@ class LocalProfiles:
 
 
 def describe(args: argparse.Namespace):
-    from swarm.profiling.profiler import default_classes
+    from swarm.data import default_classes
     from swarm.zoo import default_img_size, describe_model
 
     args.img_size = default_img_size(args.model, args.img_size)  # what swarm train trains at
@@ -173,7 +173,7 @@ def live_cluster(args: argparse.Namespace, desc, classes: int | None):
     (None, None, why not)."""
     import os
 
-    from swarm.agent import DEFAULT_PORT
+    from swarm.ports import DEFAULT_PORT
     from swarm.errors import run_trio
     from swarm.host.state import NoToken, find_token, process_id, state_dir_from
     from swarm.net import Credentials, parse_peers, resolve_network

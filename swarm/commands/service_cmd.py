@@ -153,7 +153,7 @@ def run(args) -> int:
 # -- install ----------------------------------------------------------------------------
 
 def install_steps(args, target: Target) -> tuple[list[Step], list[str]]:
-    from swarm.agent import DEFAULT_PORT
+    from swarm.ports import DEFAULT_PORT
     from swarm.host.config import JoinSettings, merged, read_settings, render_settings
     from swarm.host.state import read_token_file
     from swarm.service import unit as su

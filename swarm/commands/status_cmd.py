@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from swarm.agent import DEFAULT_PORT
+    from swarm.ports import DEFAULT_PORT
     from swarm.errors import SwarmError
     from swarm.host.state import find_token, process_id, state_dir_from
     from swarm.net import Credentials, parse_peers, resolve_network

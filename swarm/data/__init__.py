@@ -28,6 +28,17 @@ def open_datasets(data: str | None, img_size: ImageSize | int, channels: int):
     return open_yolo_directory(data, img_size, channels)
 
 
+def default_classes(model: str, img_size: ImageSize | int | None = None) -> int | None:
+    """The head's classes when none are given, as `swarm train` picks them: a built-in
+    model gets the built-in data's classes; a .cfg file keeps its own."""
+    from swarm.zoo import BUILTIN, describe_model
+
+    if model not in BUILTIN:
+        return None
+    desc = describe_model(model, img_size)
+    return open_datasets(None, desc.img_size, desc.in_channels)[0].num_classes
+
+
 def data_class_names(root: Path) -> list[str] | None:
     """The class names of the data set at `root`: a class-per-folder set's folder names, a YOLO
     set's names file (None: it has none)."""

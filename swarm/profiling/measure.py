@@ -15,6 +15,7 @@ import numpy as np
 from planner.costs import CostTable
 from planner.image_size import ImageSize
 from planner.profile import DeviceProfile
+from swarm.data import default_classes  # noqa: F401 (profile_model's; swarm.profiling.profiler's too)
 from swarm.errors import SwarmError
 from swarm.host.resources import compute_threads, cpu_quota
 from swarm.profiling.accelerator import AcceleratorMemory, accelerator_identity, copy_gbps
@@ -28,18 +29,6 @@ from swarm.profiling.saved_bytes import saved_bytes
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_REPEATS = 5
-
-
-def default_classes(model: str, img_size: ImageSize | int | None = None) -> int | None:
-    """The head's classes when none are given, as `swarm train` picks them: a built-in
-    model gets the built-in data's classes; a .cfg file keeps its own."""
-    from swarm.data import open_datasets
-    from swarm.zoo import BUILTIN, describe_model
-
-    if model not in BUILTIN:
-        return None
-    desc = describe_model(model, img_size)
-    return open_datasets(None, desc.img_size, desc.in_channels)[0].num_classes
 
 
 def profile_model(model: str = "yolov2-16", img_size: ImageSize | int | None = None, classes: int | None = None,
