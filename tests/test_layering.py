@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("swarm", "planner", "tiles")
 
 LAYERS = [  # lowest first; a module is in the layer of its longest matching prefix
-    ["swarm", "swarm.errors", "swarm.limits"],  # the package face: version, the user-error type, named bounds
+    # the package face: version, the user-error type, named bounds, the agent's default port
+    ["swarm", "swarm.errors", "swarm.limits", "swarm.ports"],
     ["tiles"],
     ["planner"],
     ["swarm.wire"],
