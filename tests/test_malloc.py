@@ -235,3 +235,35 @@ def test_a_reserved_heap_is_faulted_in_before_the_run_and_used_without_faults(en
     else:
         assert runs["reserve"][0] == 0 and runs["reserve"][1] < 16
         assert runs["reserve"][2] > 60000
+
+
+FROZEN = """
+import gc, weakref
+from swarm.agent.jobs import job_runner
+from swarm.host import malloc
+assert "torch" not in __import__("sys").modules
+job_runner("bandwidth")  # no torch: nothing frozen yet
+unfrozen = gc.get_freeze_count()
+job_runner("train")  # the first kind that imports torch
+import torch
+walked = len(gc.get_objects())  # what a full collection now walks
+# a job's model in a reference cycle, dropped, is still collected by release()
+net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+net.me = [net]
+gone = weakref.ref(net)
+del net
+malloc.release()
+print(unfrozen, gc.get_freeze_count(), walked, gone() is None)
+"""
+
+
+def test_an_agents_first_torch_job_sets_torchs_modules_out_of_the_collectors_walks():
+    """release()'s full collection (several a job) walked every object torch's import made,
+    0.1 CPU s each here; once an agent has imported torch for a job they are frozen, and what
+    a job leaves in reference cycles is still collected."""
+    out = subprocess.run([sys.executable, "-c", FROZEN], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    unfrozen, frozen, walked, collected = out.stdout.split()
+    assert int(unfrozen) == 0
+    assert int(frozen) > 100_000 and int(walked) < int(frozen) / 10, (frozen, walked)
+    assert collected == "True"

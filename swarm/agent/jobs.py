@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import importlib
 import math
+import sys
 import threading
 from typing import Awaitable, Callable, NamedTuple
 
 import trio
 
-from swarm.host import torch_libs
+from swarm.host import malloc, torch_libs
 from swarm.wire import JobData, channel_of
 
 JobRunner = Callable[["JobContext"], Awaitable[dict | None]]
@@ -62,8 +63,13 @@ def job_runner(kind: str) -> JobRunner | None:
         torch_libs.preload()
     if isinstance(runner, str):
         module, _, name = runner.partition(":")
+        first_torch = "torch" not in sys.modules
         runner = getattr(importlib.import_module(module), name)
         JOB_KINDS[kind] = runner
+        if first_torch and "torch" in sys.modules:
+            # torch's modules live as long as the agent; no job has held a tensor yet, so
+            # nothing a job drops later is frozen with them
+            malloc.freeze_imports()
     return runner
 
 
