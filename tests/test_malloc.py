@@ -244,7 +244,9 @@ from swarm.host import malloc
 assert "torch" not in __import__("sys").modules
 job_runner("bandwidth")  # no torch: nothing frozen yet
 unfrozen = gc.get_freeze_count()
-job_runner("train")  # the first kind that imports torch
+young = gc.get_stats()[0]["collections"]
+job_runner("train")  # the first kind that imports torch: no collections while it imports
+assert gc.get_stats()[0]["collections"] == young and gc.isenabled(), (young, gc.get_stats())
 import torch
 walked = len(gc.get_objects())  # what a full collection now walks
 # a job's model in a reference cycle, dropped, is still collected by release()
@@ -260,7 +262,8 @@ print(unfrozen, gc.get_freeze_count(), walked, gone() is None)
 def test_an_agents_first_torch_job_sets_torchs_modules_out_of_the_collectors_walks():
     """release()'s full collection (several a job) walked every object torch's import made,
     0.1 CPU s each here; once an agent has imported torch for a job they are frozen, and what
-    a job leaves in reference cycles is still collected."""
+    a job leaves in reference cycles is still collected. The import itself runs without
+    collections, and the collector is on again after it."""
     out = subprocess.run([sys.executable, "-c", FROZEN], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     unfrozen, frozen, walked, collected = out.stdout.split()

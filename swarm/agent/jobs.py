@@ -64,12 +64,13 @@ def job_runner(kind: str) -> JobRunner | None:
     if isinstance(runner, str):
         module, _, name = runner.partition(":")
         first_torch = "torch" not in sys.modules
-        runner = getattr(importlib.import_module(module), name)
+        with malloc.no_collections():  # an import makes few cycles and walks the rest many times
+            runner = getattr(importlib.import_module(module), name)
+            if first_torch and "torch" in sys.modules:
+                # torch's modules live as long as the agent; no job has held a tensor yet, so
+                # nothing a job drops later is frozen with them
+                malloc.freeze_imports()
         JOB_KINDS[kind] = runner
-        if first_torch and "torch" in sys.modules:
-            # torch's modules live as long as the agent; no job has held a tensor yet, so
-            # nothing a job drops later is frozen with them
-            malloc.freeze_imports()
     return runner
 
 
