@@ -37,6 +37,7 @@ os.environ["SWARM_CONFIG"] = os.devnull  # never the machine's own /etc/swarm/sw
 # busy process took 15.7-17.4 CPU-s on two threads with that short spin, 13.7-14.2 on one.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
@@ -51,7 +52,6 @@ def pytest_configure(config):
 
     for package in ("swarm", "planner", "tiles"):
         compileall.compile_dir(ROOT / package, quiet=1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The suite runs on three processes (pytest -n 3, the README's command). The modules below
