@@ -3,6 +3,11 @@ passes keeping every map, remaking (swarm.zoo.recompute) and in checkpointed seg
 (planner.checkpoint, Net.checkpoint), alternating in one process on one thread, medians.
 
     python bench/recompute_time.py [--models yolov2-16:416:2,yolov4-tiny:256:4,mobilenetv2:128:4 --rounds 5]
+                                   [--as-swarm]
+
+With --as-swarm the process runs on the allocator and settings a `swarm` command that trains
+would (swarm.host.malloc: jemalloc where installed, else glibc without its tcache and with
+swarm's heap settings; SWARM_MALLOC=glibc picks glibc where jemalloc is installed).
 
 Each entry is model:size:samples. Prints, per model, the median CPU seconds of a pass each way
 and their ratios to keeping.
@@ -20,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from planner.memory import recomputable  # noqa: E402
+from swarm.host import malloc  # noqa: E402
 from swarm.zoo import build_model  # noqa: E402
 
 
@@ -33,7 +39,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="yolov2-16:416:2,yolov4-tiny:256:4,mobilenetv2:128:4")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--as-swarm", action="store_true", help="the allocator and settings swarm trains on")
     args = parser.parse_args()
+    if args.as_swarm:
+        malloc.preload(["train"])  # starts this script again on them, the first time
+        malloc.tune()
+        print(f"allocator: {malloc.allocator()}")
     torch.set_num_threads(1)
     print("model        size samples  keeping s  remaking s  ratio  segments s  ratio")
     for entry in args.models.split(","):
