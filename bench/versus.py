@@ -44,6 +44,9 @@ faults (code and files read again from disk after the kernel reclaimed them); fo
 what the planner predicted for the plan the run started with (swarm train prints it under
 the plan), as samples/s; for a run that does not print it, what `swarm plan` on the same
 devices predicts afterwards, marked "(other plan)" when that is not the plan the run ran.
+Under the table, where `alone` or `ddp` ran, each run's rate against theirs: the ratio of the
+medians, and each round's (the runs of a round ran next to each other). Against `alone` it is
+the share of what the devices compute together on this host.
 """
 from __future__ import annotations
 
@@ -389,6 +392,31 @@ def header(args: argparse.Namespace) -> str:
             f"batch {args.batch_size} in {args.microbatches} micro-batches, {args.steps} steps, {args.repeat} rounds")
 
 
+def against(results: dict[str, list[dict]]) -> list[str]:
+    """Each run's rate over `alone`'s (the share of what the devices compute when nothing is
+    exchanged) and over `ddp`'s, where those ran: the ratio of the medians, and each round's,
+    whose runs ran next to each other."""
+    def rate(r: dict) -> float | None:
+        return None if "error" in r else r["samples_per_s"]
+
+    lines = []
+    for base in ("alone", "ddp"):
+        if base not in results or not any(rate(r) for r in results[base]):
+            continue
+        base_median = statistics.median(rate(r) for r in results[base] if rate(r))
+        parts = []
+        for run, rounds in results.items():
+            ok = [rate(r) for r in rounds if rate(r)]
+            if run == base or not ok:
+                continue
+            each = ", ".join(f"{rate(r) / rate(b):.2f}" if rate(r) and rate(b) else "-"
+                             for r, b in zip(rounds, results[base]))
+            parts.append(f"{run} {statistics.median(ok) / base_median:.2f}x ({each})")
+        if parts:
+            lines.append(f"against {base} (medians; each round): " + "; ".join(parts))
+    return lines
+
+
 def failures(results: dict[str, list[dict]]) -> list[str]:
     return [f"{r['label']}: {r['error']}" for rounds in results.values() for r in rounds if "error" in r]
 
@@ -412,6 +440,8 @@ def main() -> None:
         bench.swarm("testbed", "down", check=False)
     print(started)
     print(table([summarise(run, rounds) for run, rounds in results.items()]))
+    for line in against(results):
+        print(line)
     for line in failures(results):
         print(f"  {line}")
     if args.json:

@@ -285,3 +285,20 @@ def test_versus_reads_the_prediction_swarm_train_prints_under_its_plan(monkeypat
     plan.predicted = {}
     assert prediction_line(plan, True) is None
     assert "predicted_samples_per_s" not in versus.read_output(plan.describe())
+
+
+def test_versus_sets_each_run_against_alone_and_ddp_round_by_round(monkeypatch):
+    """The lines under the table: each run's median over alone's and ddp's, and each round's ratio
+    (its runs ran next to each other); a failed round is a dash and counts in no median."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import versus
+
+    def rounds(*rates):
+        return [{"error": "killed"} if r is None else {"samples_per_s": r} for r in rates]
+
+    results = {"alone": rounds(2.0, 1.6), "ddp": rounds(1.0, 0.8), "auto": rounds(1.2, None)}
+    assert versus.against(results) == [
+        "against alone (medians; each round): ddp 0.50x (0.50, 0.50); auto 0.67x (0.60, -)",
+        "against ddp (medians; each round): alone 2.00x (2.00, 2.00); auto 1.33x (1.20, -)"]
+    assert versus.against({"ddp": rounds(None), "auto": rounds(1.0)}) == []
+    assert versus.against({"auto": rounds(1.0)}) == []
