@@ -284,8 +284,8 @@ def test_a_checkpointed_share_fits_the_model_of_its_allocator(allocator):
     (planner.checkpoint): every run's peak is under the model's, and the model within 1.6x of
     it. (4 samples, three micro-batches, 2026-12-02: glibc 375 MiB against 440, jemalloc 367
     against 472; a fresh-clone CI run on 2026-12-04 measured glibc at 306 and 291, 1.44x and
-    1.51x under the model, where glibc placed the same blocks more tightly. The model charges every segment's kept inputs while the first is remade, the
-    later ones' freed by then; at 416 the allocators held 55-300 MiB beyond the live tensors,
+    1.51x under the model, where glibc placed the same blocks more tightly. The model charges
+    every segment's kept inputs while the first is remade, the later ones' freed by then; at 416 the allocators held 55-300 MiB beyond the live tensors,
     more than for a pass that keeps or remakes: bench/RESULTS.md, 2026-12-02 03:50-05:04 UTC.)"""
     from planner.checkpoint import checkpointing_model
 
