@@ -93,6 +93,12 @@ EARLY_BYTES = 256 * MiB
 # covers one device that never answers before ours. Older ones are dropped.
 EARLY_AGE = 60.0
 
+# Gradient-sum lanes (swarm/execution/lane.py) held for an assignment that has not arrived
+# yet, each an open connection. A run opens one to each other member of each group it sums
+# in, at its first sum: on 64 devices in groups of at most 8 a device is sent at most 7 per
+# stage it holds. They wait EARLY_AGE, as early messages do.
+EARLY_LANES = 64
+
 # Replies (Pong, Info, JobState) queued for one connection. A peer gets one reply per request
 # and a coordinator sends a few requests a second at most; 256 waiting means the peer has
 # not read for a long while (its socket buffers are full too), and it is disconnected

@@ -131,9 +131,10 @@ def test_replicas_of_dp_groups_on_the_testbed_equal_local(bed, local_runs, tmp_p
     assert "2 replicas taking 3,1 micro-batches" in r.stderr and "largest blocks mapped afresh" in r.stderr
     diff = worst(weights(out), local_runs(tuple(YOLO16), "float64").weights())
     assert diff[0] < 1e-9, diff
+    logs = [open(d.log, errors="replace").read() for d in bed.devices]
     if malloc.find_jemalloc() is None:  # the agents run on glibc, and mapped for the job
-        logs = [open(d.log, errors="replace").read() for d in bed.devices]
         assert all("mapped afresh" in log for log in logs), [log[-300:] for log in logs]
+    assert all("gradient sums on lanes of their own" in log for log in logs), [log[-300:] for log in logs]
 
 
 def test_a_classifier_on_an_image_folder_under_dp_equals_local(bed, tmp_path):

@@ -43,18 +43,21 @@ from swarm.agent.jobs import JobContext, job_runner
 from swarm.errors import SwarmError
 from swarm.host import malloc
 from swarm.host.accelerator import accelerator, accelerator_memory
-from swarm.limits import EARLY_AGE, EARLY_BYTES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX, REPLICA_BYTES, REPLICAS
+from swarm.limits import (EARLY_AGE, EARLY_BYTES, EARLY_LANES, EARLY_MESSAGES, LOG_INTERVAL, OUTBOX, REPLICA_BYTES,
+                          REPLICAS)
 from swarm.net import ConnectionLost, Credentials, NetworkChoice, PeerConnection, connect_peer, parse_endpoint
 from swarm.net.discovery import Advert, advertise, open_zeroconf
 from swarm.net.peer import serve_peers
 from swarm.net.ratelimit import LogLimiter
 from swarm.ports import DEFAULT_PORT
 from swarm.wire import (PROTOCOL_VERSION, DetachAnswer, DetachChunk, DetachList, DetachRead, DetachStop, DetachSubmit,
-                        Heartbeat, Info, InfoRequest, JobAssign, JobRelease, JobReplica, JobStart, JobState, JobStop,
-                        LeaseAnswer, LeaseAsk, Limits, Ping, Pong, RemoteProtocolError, ReplicaQuery, ReplicaState,
-                        VoteAsk, VoteReply, Watch)
+                        Heartbeat, Info, InfoRequest, JobAssign, JobData, JobRelease, JobReplica, JobStart, JobState,
+                        JobStop, LeaseAnswer, LeaseAsk, Limits, Ping, Pong, RemoteProtocolError, ReplicaQuery,
+                        ReplicaState, VoteAsk, VoteReply, Watch)
 
 log = logging.getLogger("swarm.agent")
+
+LANE = "lane"  # the job channel whose first message makes a connection a run's lane (swarm.execution.lane)
 
 MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
 MAX_NAME = 128           # longest job id or job kind
@@ -187,6 +190,7 @@ class Agent:
         # job messages that come before their assignment (a peer's may land a little before ours)
         self._early = EarlyMessages(config.early_messages, config.early_bytes, config.early_age, self._refuse,
                                     self._lines)
+        self._early_lanes: list[tuple[float, str, JobData, PeerConnection]] = []  # (arrived, sender, hello, lane)
         # training runs this agent coordinates for users who went away (`swarm train --detach`)
         self.replicas: dict[str, Replica] = {}  # job id -> the newest coordinator replica of that job
         self._replica_stored = trio.Event()  # set (and replaced) whenever one is stored
@@ -270,14 +274,20 @@ class Agent:
             await trio.sleep(period)
             if self._early.expire(trio.current_time()):
                 malloc.give_back()  # a flood of them may have grown the heap
+            due = trio.current_time() - self.config.early_age
+            for lane in [lane for lane in self._early_lanes if lane[0] < due]:
+                self._early_lanes.remove(lane)
+                self._nursery.start_soon(lane[3].aclose, "no such job here")
             self._lines.flush()
 
     async def _serve(self, conn: PeerConnection) -> None:
         self._lines.log(logging.INFO, "connection", "connection from %s (node %s)", conn.address, conn.peer_id)
-        await self._converse(conn)
+        if await self._converse(conn):  # a run's lane now: serve_peers closes it once we return
+            await conn.wait_released()
 
-    async def _converse(self, conn: PeerConnection, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Read one connection until it ends, dispatching each message."""
+    async def _converse(self, conn: PeerConnection, *, task_status=trio.TASK_STATUS_IGNORED) -> bool:
+        """Read one connection until it ends, dispatching each message, or until it turns out
+        to be a run's lane (True: handed over, not closed)."""
         peer = Peer(conn, self.config.outbox, self._outbox_full)
         conn.on_activity = lambda: setattr(peer, "last_heard", trio.current_time())  # bytes, not whole messages
         self._peers.setdefault(peer.node_id, []).append(peer)
@@ -285,11 +295,12 @@ class Agent:
         if job is not None and peer.node_id == job.coordinator_id:
             job.coordinator_changed.set()
         task_status.started()
+        handed_over = False
         try:
             async with trio.open_nursery() as nursery:
                 peer.scope = nursery.cancel_scope
                 nursery.start_soon(self._send_replies, peer, nursery.cancel_scope)
-                await self._read(peer, nursery)
+                handed_over = await self._read(peer, nursery)
                 nursery.cancel_scope.cancel()
         finally:
             self._peers[peer.node_id].remove(peer)
@@ -298,13 +309,18 @@ class Agent:
             job = self.job
             if job is not None and peer.node_id == job.coordinator_id:
                 job.coordinator_changed.set()
-            await conn.aclose()
+            if not handed_over:
+                await conn.aclose()
+        return handed_over
 
-    async def _read(self, peer: Peer, nursery: trio.Nursery) -> None:
-        """Dispatch the connection's messages until it ends; errors end only this connection."""
+    async def _read(self, peer: Peer, nursery: trio.Nursery) -> bool:
+        """Dispatch the connection's messages until it ends (errors end only this connection)
+        or it turns out to be a run's gradient-sum lane (True: handed over, not to be closed)."""
         conn = peer.conn
         try:
             async for message in conn:
+                if isinstance(message, JobData) and message.channel == LANE:
+                    return self._take_lane(peer, message)
                 await self._dispatch(peer, message, nursery)
         except RemoteProtocolError as exc:
             self._lines.log(logging.WARNING, "protocol", "closed connection with %s (node %s): %s", conn.address,
@@ -312,6 +328,27 @@ class Agent:
         except Exception:  # a bug must not take the agent down with it
             self._lines.log(logging.ERROR, "bug", "error on the connection with %s (node %s); closed", conn.address,
                             peer.node_id, exc_info=True)
+
+        return False
+
+    def _take_lane(self, peer: Peer, hello: JobData) -> bool:
+        """A run's lane to one of ours (swarm/execution/lane.py): hand the connection to our
+        run of that job and epoch, or hold it for an assignment not here yet (False: refused,
+        to be closed). Nothing else is sent or read on it here from now on."""
+        job = self.job
+        if job is None or hello.job_id != job.job_id or hello.epoch > job.epoch:
+            if len(self._early_lanes) >= EARLY_LANES:
+                self._lines.log(logging.WARNING, "refused lane", "refused a lane from node %s: %d are held for "
+                                "jobs not here yet", peer.node_id, EARLY_LANES)
+                return False
+            self._early_lanes.append((trio.current_time(), peer.node_id, hello, peer.conn))
+            return True
+        if hello.epoch < job.epoch:
+            self._refuse(peer.node_id, hello, "stale", f"epoch {hello.epoch} is older than the job's epoch {job.epoch}")
+            return False
+        job.links.append(peer.conn)  # (closed with the job at the latest)
+        job.ctx.deliver_lane(peer.node_id, hello, peer.conn)
+        return True
 
     def _outbox_full(self, peer: Peer) -> None:
         """A peer that leaves our replies unread: disconnect it rather than buffer for it."""
@@ -797,6 +834,22 @@ class Agent:
         await self._nursery.start(self._converse, conn)
         return conn
 
+    async def open_lane(self, address, node_id: str, hello: JobData) -> PeerConnection:
+        """A new authenticated connection to `node_id`'s agent that its first message, `hello`,
+        hands over to the run it names (swarm/execution/lane.py); not read here."""
+        host, port = parse_endpoint(address, DEFAULT_PORT) if isinstance(address, str) else address
+        conn = await connect_peer(host, port, self.credentials, source_address=self.config.network.source_address,
+                                  expected_peer_id=node_id)
+        if self.job is not None:
+            self.job.links = [link for link in self.job.links if not link.released] + [conn]
+        try:
+            await conn.send(hello)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+            raise
+        return conn
+
     # -- jobs -------------------------------------------------------------------------
 
     def _reply_state(self, peer: Peer | None, job_id: str, epoch: int, state: str, detail: str = "",
@@ -1006,6 +1059,14 @@ class Agent:
     # -- messages that came before their job (held by early.EarlyMessages) -------------
 
     def _release_early(self, job: AgentJob) -> None:
+        for lane in [lane for lane in self._early_lanes if lane[2].job_id == job.job_id and lane[2].epoch <= job.epoch]:
+            self._early_lanes.remove(lane)
+            _, sender, hello, conn = lane
+            if hello.epoch == job.epoch:
+                job.links.append(conn)
+                job.ctx.deliver_lane(sender, hello, conn)
+            else:
+                self._nursery.start_soon(conn.aclose, "stale")
         for early in self._early.keep(lambda e: e.message.job_id != job.job_id or e.message.epoch > job.epoch):
             if early.message.epoch == job.epoch:
                 job.ctx.deliver(early.sender, early.message)

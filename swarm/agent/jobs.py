@@ -136,6 +136,17 @@ class JobContext:
         `node_id` is open. Messages arriving on it go to this job's channel queues."""
         return await self._agent.open_link(address, node_id)
 
+    async def open_lane(self, address: str | tuple[str, int], node_id: str, body: dict):
+        """A new connection to `node_id`'s agent whose first message (on channel "lane", with
+        `body`) hands it to this job's run of this epoch there (deliver_lane); not read by our
+        agent. For the run's gradient-sum lanes (swarm/execution/lane.py)."""
+        return await self._agent.open_lane(address, node_id, self.data("lane", body))
+
+    def deliver_lane(self, sender: str, hello, conn) -> None:
+        """Called by the agent: a lane another run opened to this one, queued on channel
+        "lane" as an Inbound of (hello's body, connection)."""
+        self._queue("lane")[0].send_nowait(Inbound(sender, (hello.body, conn)))
+
     async def receive(self, channel: str) -> Inbound:
         """The next message on `channel` (waits). Use trio.fail_after for a deadline."""
         return await self._queue(channel)[1].receive()

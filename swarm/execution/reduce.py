@@ -2,7 +2,12 @@
 bucket of consecutive layers at a time, each as soon as it is final on this device: during
 the step's last backward the upper layers' sums travel while the lower layers are still
 being computed. The buckets are planner.stage_work.buckets_of's, which the cost model
-counts too."""
+counts too.
+
+Where the endpoint has gradient-sum lanes (a run over the network: swarm/execution/lane.py)
+and the group sums straight (up to DIRECT_REDUCE_MAX members), the sums go on the lanes, one
+bucket after another, top layer first, and their bytes never pass through the event loop;
+the result is the same bits."""
 from __future__ import annotations
 
 import math
@@ -10,14 +15,15 @@ import math
 import torch
 import trio
 
-from planner.stage_work import buckets_of
+from planner.stage_work import DIRECT_REDUCE_MAX, buckets_of
 from swarm.execution.collectives import allreduce_sum
 from swarm.local.compute_device import to_host
 
 
 class GradReducer:
     def __init__(self, endpoint, group: list[str], key: tuple, net: torch.nn.Module, first: int, last: int,
-                 nursery: trio.Nursery, timeout: float = math.inf, token=None, parts: int = 1):
+                 nursery: trio.Nursery, timeout: float = math.inf, token=None, parts: int = 1, lanes=None,
+                 stage: int = 0):
         self.ep = endpoint
         self.group = group
         self.key = key  # ("grads", step, stage)
@@ -35,6 +41,10 @@ class GradReducer:
         self.started: dict[int, trio.Event] = {}
         self.seconds = 0.0
         self.error: BaseException | None = None  # raised by a callback from the compute thread
+        self.lanes = lanes if lanes is not None and 1 < len(group) <= DIRECT_REDUCE_MAX else None
+        self.stage = stage
+        self.order = sorted(self.buckets, reverse=True)  # the lanes' order: top layer first
+        self.lane_done = {bucket: trio.Event() for bucket in self.buckets}
 
     # ---- from the compute thread ----------------------------------------------------------
     # A backward never waits for the event loop: what it reports is queued for the loop
@@ -91,7 +101,14 @@ class GradReducer:
         params = self.bucket_params(bucket)
         t0 = trio.current_time()
         flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params])
-        total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), to_host(flat), self.timeout)
+        if self.lanes is None:
+            total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), to_host(flat), self.timeout)
+        else:
+            turn = self.order.index(bucket)
+            if turn:
+                await self.lane_done[self.order[turn - 1]].wait()
+            total = await self.lanes.allreduce(self.stage, self.group, (*self.key, bucket), to_host(flat), self.timeout)
+            self.lane_done[bucket].set()
         offset = 0
         for q in params:  # the sum's own storage, a slice per parameter (the step sets grads to None)
             n = q.numel()

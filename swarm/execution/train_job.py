@@ -8,6 +8,7 @@ tensors that wrap the received buffers without a copy.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import fields
 
 import numpy as np
@@ -18,6 +19,7 @@ from planner.backups import Move
 from planner.plan import Plan
 from swarm.execution import channels
 from swarm.execution.channels import COORDINATOR
+from swarm.execution.lane import LANE, SumLanes
 from swarm.execution.links import LINK_ERRORS, RunLinks, quick_limit
 from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replay import DeviceStore
@@ -27,6 +29,9 @@ from swarm.host.resources import compute_threads
 from swarm.local.trainer import TrainConfig
 
 CHANNEL = "x"
+# Gradient sums on lanes of their own (swarm/execution/lane.py); SWARM_SUM_LANES=0 sums them
+# through the event loop as before (for comparisons).
+SUM_LANES = os.environ.get("SWARM_SUM_LANES", "1") != "0"
 
 log = logging.getLogger("swarm.execution")
 
@@ -70,6 +75,7 @@ class WireEndpoint:
         self.routes = routes or {}
         self.mailbox = Mailbox()
         self.bytes_sent = 0
+        self.lanes = None  # gradient-sum lanes (swarm.execution.lane.SumLanes), where the run has them
 
     async def send(self, dst: str, key: tuple, payload: dict) -> None:
         if dst == self.name:  # a stage handing to another stage on this device: no copy
@@ -161,6 +167,8 @@ async def run_train_job(ctx) -> dict:
                 log.warning("cannot reach the coordinator (%s); dropping what goes to it", exc)
 
     endpoint = WireEndpoint(me, node_of, send_to)
+    endpoint.lanes = SumLanes(me, devices, ctx.job_id, ctx.epoch, ctx.open_lane, lambda: ctx.receive(LANE), report) \
+        if SUM_LANES else None
     job = JobSpec(plan, cfg, spec.get("cfg_text"), timeout_s=float(spec.get("timeout_s", 120.0)),
                   threads=compute_threads(), epoch=int(spec.get("epoch", 0)), start_step=int(spec.get("start_step", 0)),
                   moves=[Move.from_dict(m) for m in spec.get("moves", [])])
@@ -182,10 +190,14 @@ async def run_train_job(ctx) -> dict:
             nursery.start_soon(endpoint.pump, lambda: ctx.receive(CHANNEL))
             nursery.start_soon(links.watch)
             nursery.start_soon(links.open_to, sorted(peers_of(plan, me) & set(devices)))
+            if endpoint.lanes is not None:
+                nursery.start_soon(endpoint.lanes.pump)
             await worker.run()
             nursery.cancel_scope.cancel()
     finally:
         malloc.map_large(False)
+        if endpoint.lanes is not None:
+            await endpoint.lanes.aclose()
         await links.aclose()
         endpoint.mailbox.close(Closed("the run ended"))
         trio.lowlevel.spawn_system_task(release_memory_soon)  # once this run's traceback lets go of it

@@ -86,6 +86,7 @@ class PeerConnection:
         self.address = address
         self.closed = False  # no more sends
         self._released = False  # the stream closed by aclose()
+        self._released_event = trio.Event()
         self.last_received = trio.current_time()
         self.last_sent = trio.current_time()  # when the last whole message went out
         self.on_activity: Callable[[], None] | None = None  # called whenever bytes arrive
@@ -99,6 +100,10 @@ class PeerConnection:
     def released(self) -> bool:
         """aclose() has closed the stream."""
         return self._released
+
+    async def wait_released(self) -> None:
+        """Until aclose() has closed the stream."""
+        await self._released_event.wait()
 
     @property
     def peer_id(self) -> str | None:
@@ -180,6 +185,7 @@ class PeerConnection:
         if self._released:
             return
         self._released = True
+        self._released_event.set()
         if not self.closed:
             self.closed = True
             with trio.CancelScope(shield=True), trio.move_on_after(1):
