@@ -1,16 +1,13 @@
-"""What summing yolov2-16's gradients would cost on a lane of blocking threads (root).
+"""What summing yolov2-16's gradients on swarm's gradient-sum lanes costs each testbed device (root).
 
     sudo python bench/ring_lane.py [--devices 8] [--cpu 0.2] [--bandwidth 100mbit] [--repeats 5]
 
-A measurement of the design in docs/architecture.md ("Gradient sums on a lane of their own"),
-not the runtime's code. Each device, in its namespace and CPU cgroup, opens authenticated,
-sealed connections to every other (connect_peer and serve_peers, as a run does). Then it
-leaves the event loop alone and sums yolov2-16's five gradient buckets (ring_swarm.BUCKETS)
-in a worker thread. For each bucket, in each of the g - 1 rounds of each phase, member i
-sends to member i + k and receives from member i - k. A second thread sends (the sans-IO
-connection's sealed records, blocking `sendall`), while the first receives straight into the
-records' buffers and opens them. The shares are summed in member order, as
-swarm.execution.collectives sums them, so every member ends with the same bits.
+The same measurement as bench/ring_swarm.py, through the lanes runs sum on
+(swarm/execution/lane.py) instead of the event loop: each device, in its namespace and CPU
+cgroup, opens a lane to every other (connect_peer and its hello, as JobContext.open_lane does;
+serve_peers hands the others' to it, as an agent does) and sums yolov2-16's five gradient
+buckets (ring_swarm.BUCKETS) with SumLanes.allreduce, top layer first, one after another, as
+GradReducer hands them over.
 
 It prints the same columns as bench/ring_swarm.py and bench/ring_floor.py: medians over the
 devices of each one's median over --repeats (the first is left out), CPU-s a sum, of them the
@@ -21,142 +18,83 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import socket
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ring_swarm import BUCKETS  # noqa: E402 - bench/ is not a package
+from ring_swarm import BUCKET_LAYERS, BUCKETS  # noqa: E402 - bench/ is not a package
 from testbed_group import run_on_devices  # noqa: E402
 
 PORT = 4763
 TOKEN = "lane-bench-token-0123456789abcdef"
-
-
-class Lane:
-    """One authenticated connection driven from threads with blocking calls."""
-
-    def __init__(self, conn):
-        self.conn = conn  # the PeerConnection: its event-loop side is not used while the lane is
-        self.protocol = conn.protocol
-        self.sock = socket.socket(fileno=os.dup(conn.stream.socket.fileno()))
-        self.sock.settimeout(60)
-
-    def send(self, array) -> None:
-        from swarm.wire import JobData
-
-        self.protocol.send(JobData("lane", 0, "share", [array]))
-        for buffer in self.protocol.data_to_send():  # sealed as they are taken
-            self.sock.sendall(buffer)
-
-    def receive(self):
-        """The next share's array, received into the records' buffers and opened there."""
-        from swarm.wire import NEED_DATA
-
-        while (event := self.protocol.next_event()) is NEED_DATA:
-            view = self.protocol.payload_buffer(more=True)
-            if view is not None:
-                count = self.sock.recv_into(view)
-                self.protocol.payload_received(count)
-            else:
-                data = self.sock.recv(256 * 1024)
-                count = len(data)
-                self.protocol.receive_data(data)
-            if count == 0:
-                raise ConnectionError("the peer closed the lane")
-        return event.body[0]
-
-    def close(self) -> None:
-        self.sock.setblocking(False)  # (the descriptor's flag, shared with the event loop's socket)
-        self.sock.close()
-
-
-def lane_sum(me: int, n: int, out: dict, into: dict, buckets, sender: ThreadPoolExecutor) -> None:
-    """All-reduce each bucket in place: reduce-scatter straight to each chunk's owner, then
-    all-gather, in rounds of one send and one receive."""
-    import numpy as np
-
-    for flat in buckets:
-        chunks = np.array_split(flat, n)
-        parts = {me: chunks[me].copy()}
-        for k in range(1, n):
-            sending = sender.submit(out[(me + k) % n].send, chunks[(me + k) % n])
-            parts[(me - k) % n] = into[(me - k) % n].receive()
-            sending.result()
-        total = parts[0].copy()
-        for j in range(1, n):  # member order, as collectives._direct
-            total += parts[j]
-        chunks[me][:] = total
-        for k in range(1, n):
-            sending = sender.submit(out[(me + k) % n].send, chunks[me])
-            src = (me - k) % n
-            chunks[src][:] = into[src].receive()
-            sending.result()
+JOB = "lane-bench"
 
 
 def lane_child(me: int, addresses: list[str], repeats: int) -> None:
-    import numpy as np
+    import torch
     import trio
 
+    from swarm.execution.lane import LANE, SumLanes
     from swarm.net import Credentials, connect_peer, serve_peers
+    from swarm.wire import JobData
 
+    torch.set_num_threads(1)
     n = len(addresses)
-    creds = Credentials(f"lane-node-{me}", TOKEN)
-    incoming: dict[int, object] = {}
+    names = [f"dev{k}" for k in range(n)]
+    creds = Credentials(f"{JOB}-node-{me}", TOKEN)
+    devices = {names[k]: {"node_id": f"{JOB}-node-{k}", "address": f"{addresses[k]}:{PORT}"} for k in range(n)}
+    offered, offers = trio.open_memory_channel(math.inf)
+
+    async def handler(conn) -> None:  # what an agent does with a lane's hello
+        message = await conn.receive()
+        if isinstance(message, JobData) and message.channel == LANE:
+            offered.send_nowait((conn.peer_id, (message.body, conn)))
+            await conn.wait_released()
+
+    async def open_lane(address: str, node_id: str, body: dict):
+        host, port = address.rsplit(":", 1)
+        deadline = time.monotonic() + 30
+        while True:  # the other device may not listen yet
+            try:
+                conn = await connect_peer(host, int(port), creds, expected_peer_id=node_id)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await trio.sleep(0.1)
+        await conn.send(JobData(JOB, 0, LANE, body))
+        return conn
+
+    async def report(name: str, why: str) -> None:
+        raise RuntimeError(f"lane to {name} broke: {why}")
 
     async def main() -> dict:
-        everyone = trio.Event()
-
-        async def handler(conn) -> None:
-            incoming[int(conn.peer_id.rsplit("-", 1)[1])] = conn
-            if len(incoming) == n - 1:
-                everyone.set()
-            await trio.sleep_forever()
-
-        async def connect(k: int):
-            deadline = time.monotonic() + 30
-            while True:  # the other device may not listen yet
-                try:
-                    return await connect_peer(addresses[k], PORT, creds)
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    await trio.sleep(0.1)
-
+        lanes = SumLanes(names[me], devices, JOB, 0, open_lane, offers.receive, report)
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_peers, handler, creds, [addresses[me]], PORT)
-            outgoing = {k: await connect(k) for k in range(n) if k != me}
-            await everyone.wait()
-            out = {k: Lane(c) for k, c in outgoing.items()}
-            into = {k: Lane(c) for k, c in incoming.items()}
-
-            def measure() -> dict:
-                cpu, wall, system = [], [], []
-                with ThreadPoolExecutor(1) as sender:
-                    for r in range(repeats + 1):
-                        buckets = [np.full(size // 4, float(me + 1), np.float32) for size in BUCKETS]
-                        c0, t0, s0 = time.process_time(), time.monotonic(), os.times().system
-                        lane_sum(me, n, out, into, buckets, sender)
-                        if r:
-                            cpu.append(time.process_time() - c0)
-                            wall.append(time.monotonic() - t0)
-                            system.append(os.times().system - s0)
-                        want = n * (n + 1) / 2
-                        assert all(bool((b == want).all()) for b in buckets), "wrong sum"
-                return {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
-                        "system_s": statistics.median(system), "cpus": cpu}
-
-            result = await trio.to_thread.run_sync(measure)
-            for lane in (*out.values(), *into.values()):
-                lane.close()
-            await trio.sleep(2.0)  # the others finish with our connections
+            nursery.start_soon(lanes.pump)
+            cpu, wall, system = [], [], []
+            for r in range(repeats + 1):
+                grads = [torch.full((size // 4,), float(me + 1)) for size in BUCKETS]
+                c0, t0, s0 = time.process_time(), time.monotonic(), os.times().system
+                for b, flat in enumerate(grads):
+                    await lanes.allreduce(0, names, ("grads", r, 0, BUCKET_LAYERS[b]), flat, 60.0)
+                if r:
+                    cpu.append(time.process_time() - c0)
+                    wall.append(time.monotonic() - t0)
+                    system.append(os.times().system - s0)
+                want = n * (n + 1) / 2
+                assert all(bool((g == want).all()) for g in grads), "wrong sum"
+            await trio.sleep(1.0)  # the others finish with our lanes
+            await lanes.aclose()
             nursery.cancel_scope.cancel()
-        return result
+        return {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
+                "system_s": statistics.median(system), "cpus": cpu}
 
     print(json.dumps(trio.run(main)), flush=True)
 

@@ -20,7 +20,9 @@ would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
 A swarm run's name may end in `@glibc`: the same run with every swarm process on glibc, as the
 README's set-up gives it (SWARM_MALLOC=glibc), where a run without it is on jemalloc (installed
 by hand: `deploy/install.sh` brings it). `--runs ddp,auto,auto@glibc` measures the gap between
-the two installs against each other and DDP in one run, alternating.
+the two installs against each other and DDP in one run, alternating. A name may end in
+`@inloop` instead: the same run with its gradient sums moved by the event loop rather than on
+lanes of their own (SWARM_SUM_LANES=0, swarm/execution/lane.py).
 
 (`fixed` is auto with `--recost off`: its first plan kept, never re-costed on the devices'
 measured speeds; its re-costing, when auto does it, is printed under the run and kept in
@@ -81,6 +83,8 @@ PREDICTED = re.compile(r"^predicted on [a-z ]+: ([0-9.]+) samples/s, ([0-9.]+) s
 # alone: every device trains its share of the batch by itself, all at once (no exchange): the ceiling on this host
 RUNS = (*SWARM_RUNS, "fixed", "plan", "ddp", "pipe", "alone")
 ON_GLIBC = "@glibc"  # a swarm run's suffix: every swarm process on glibc (SWARM_MALLOC=glibc)
+IN_LOOP = "@inloop"  # a swarm run's suffix: gradient sums through the event loop, no lanes (SWARM_SUM_LANES=0)
+SUFFIXES = {ON_GLIBC: ("SWARM_MALLOC", "glibc"), IN_LOOP: ("SWARM_SUM_LANES", "0")}
 
 
 class Parser(argparse.ArgumentParser):
@@ -111,25 +115,28 @@ def run_list(text: str) -> list[str]:
     unknown = [r for r in runs if base_run(r) not in RUNS or (r != base_run(r) and base_run(r) in ("ddp", "pipe"))]
     if unknown or not runs:
         raise argparse.ArgumentTypeError(f"'{','.join(unknown) or text}' is not a run; choose from {','.join(RUNS)} "
-                                         f"(a swarm run may end in {ON_GLIBC})")
+                                         f"(a swarm run may end in {ON_GLIBC} or {IN_LOOP})")
     if len(set(runs)) < len(runs):
         raise argparse.ArgumentTypeError(f"'{text}' names a run twice")
     return runs
 
 
 def base_run(run: str) -> str:
-    """The run a name measures, without its allocator (ON_GLIBC)."""
-    return run[:-len(ON_GLIBC)] if run.endswith(ON_GLIBC) else run
+    """The run a name measures, without its suffix (SUFFIXES)."""
+    suffix = next((s for s in SUFFIXES if run.endswith(s)), "")
+    return run[:-len(suffix)] if suffix else run
 
 
 def allocator_for(bench, run: str):
     """The environment the testbed's agents, their commands and `alone`'s trainings start with:
-    SWARM_MALLOC=glibc for a run ON_GLIBC (both put back after it), as it is otherwise."""
+    SWARM_MALLOC=glibc for a run ON_GLIBC, SWARM_SUM_LANES=0 for one IN_LOOP (both put back
+    after it), as it is otherwise."""
     if run == base_run(run):
         return contextlib.nullcontext()
+    name, value = SUFFIXES[run[len(base_run(run)):]]
     stack = contextlib.ExitStack()
     for env in (bench.ENV, os.environ):
-        stack.enter_context(mock.patch.dict(env, SWARM_MALLOC="glibc"))
+        stack.enter_context(mock.patch.dict(env, {name: value}))
     return stack
 
 
@@ -175,7 +182,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"no plan file {args.plan}")
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step, which starts everything up, is not counted)")
-    on_glibc = [r for r in args.runs if r != base_run(r)]
+    on_glibc = [r for r in args.runs if r.endswith(ON_GLIBC)]
     if on_glibc and (find_jemalloc() is None or os.environ.get("SWARM_MALLOC", "").lower() in ("glibc", "system")):
         p.error(f"'{on_glibc[0]}' would run on glibc as '{base_run(on_glibc[0])}' does: jemalloc is not installed "
                 "here, or SWARM_MALLOC keeps every run on glibc")
