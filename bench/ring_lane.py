@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ring_swarm import BUCKET_LAYERS, BUCKETS  # noqa: E402 - bench/ is not a package
+from ring_swarm import BUCKET_LAYERS, BUCKETS, timed_sums  # noqa: E402 - bench/ is not a package
 from testbed_group import run_on_devices  # noqa: E402
 
 PORT = 4763
@@ -78,23 +78,14 @@ def lane_child(me: int, addresses: list[str], repeats: int) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_peers, handler, creds, [addresses[me]], PORT)
             nursery.start_soon(lanes.pump)
-            cpu, wall, system = [], [], []
-            for r in range(repeats + 1):
-                grads = [torch.full((size // 4,), float(me + 1)) for size in BUCKETS]
-                c0, t0, s0 = time.process_time(), time.monotonic(), os.times().system
+            async def one_after_another(r: int, grads: list) -> None:  # top layer first, as GradReducer
                 for b, flat in enumerate(grads):
                     await lanes.allreduce(0, names, ("grads", r, 0, BUCKET_LAYERS[b]), flat, 60.0)
-                if r:
-                    cpu.append(time.process_time() - c0)
-                    wall.append(time.monotonic() - t0)
-                    system.append(os.times().system - s0)
-                want = n * (n + 1) / 2
-                assert all(bool((g == want).all()) for g in grads), "wrong sum"
+            result = await timed_sums(me, n, repeats, one_after_another)
             await trio.sleep(1.0)  # the others finish with our lanes
             await lanes.aclose()
             nursery.cancel_scope.cancel()
-        return {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
-                "system_s": statistics.median(system), "cpus": cpu}
+        return result
 
     print(json.dumps(trio.run(main)), flush=True)
 

@@ -50,21 +50,12 @@ def ring_child(me: int, addresses: list[str], repeats: int, algorithm: str) -> N
 
     async def main() -> None:
         async with group_endpoint(me, addresses, PORT, TOKEN, "ring") as (ep, names):
-            cpu, wall, system = [], [], []
-            for r in range(repeats + 1):
-                grads = [torch.full((size // 4,), float(me + 1)) for size in BUCKETS]
-                c0, t0, s0 = time.process_time(), time.monotonic(), os.times().system
+            async def all_at_once(r: int, grads: list) -> None:
                 async with trio.open_nursery() as ring:
                     for b, flat in enumerate(grads):
                         ring.start_soon(allreduce_sum, ep, names, ("grads", r, 0, BUCKET_LAYERS[b]), flat, 60.0)
-                if r:
-                    cpu.append(time.process_time() - c0)
-                    wall.append(time.monotonic() - t0)
-                    system.append(os.times().system - s0)
-                want = n * (n + 1) / 2
-                assert all(bool((g == want).all()) for g in grads), "wrong sum"
-        print(json.dumps({"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall), "cpus": cpu,
-                          "system_s": statistics.median(system)}), flush=True)
+            result = await timed_sums(me, n, repeats, all_at_once)
+        print(json.dumps(result), flush=True)
 
     if os.environ.get("RING_PROFILE") == str(me):  # CPU time by function, for one device
         import cProfile
@@ -73,6 +64,27 @@ def ring_child(me: int, addresses: list[str], repeats: int, algorithm: str) -> N
         profile.dump_stats(f"/tmp/ring_swarm_{me}.prof")
     else:
         trio.run(main)
+
+
+async def timed_sums(me: int, n: int, repeats: int, sum_buckets) -> dict:
+    """`await sum_buckets(r, grads)` for r = 0..repeats, each over fresh BUCKETS of member
+    `me`'s value (checked after); the medians of the CPU, system and wall seconds each took,
+    the first left out."""
+    import torch
+
+    cpu, wall, system = [], [], []
+    for r in range(repeats + 1):
+        grads = [torch.full((size // 4,), float(me + 1)) for size in BUCKETS]
+        c0, t0, s0 = time.process_time(), time.monotonic(), os.times().system
+        await sum_buckets(r, grads)
+        if r:
+            cpu.append(time.process_time() - c0)
+            wall.append(time.monotonic() - t0)
+            system.append(os.times().system - s0)
+        want = n * (n + 1) / 2
+        assert all(bool((g == want).all()) for g in grads), "wrong sum"
+    return {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall), "cpus": cpu,
+            "system_s": statistics.median(system)}
 
 
 def measure(n: int, args, algorithm: str = "") -> dict:
