@@ -283,6 +283,31 @@ async def test_early_messages_are_bounded_by_bytes_and_dropped_when_old(caplog):
 
 
 @pytest.mark.trio
+async def test_lanes_for_jobs_not_here_are_held_up_to_a_bound_and_closed_when_old():
+    """A lane's hello (swarm/execution/lane.py) for a job not assigned yet holds its connection
+    open: at most EARLY_LANES of them, each for early_age; one more is closed at once."""
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            agent = await one_agent(nursery, early_age=1.0)
+            lanes = []
+            for i in range(limits.EARLY_LANES + 1):
+                conn = await connect_peer("127.0.0.1", agent.port, Credentials(f"sender-{i}", TOKEN))
+                await conn.send(JobData("not-yet", 0, "lane", {"from": f"d{i}", "stage": 0}))
+                lanes.append(conn)
+            with trio.fail_after(2):  # the one over the bound: closed at once
+                with pytest.raises(ConnectionLost):
+                    await lanes[-1].receive()
+            assert len(agent._early_lanes) == limits.EARLY_LANES and not any(c.closed for c in lanes[:-1])
+            await trio.sleep(1.0 + 0.5)  # the sweep closes the rest
+            assert agent._early_lanes == []
+            for conn in lanes[:-1]:
+                with trio.fail_after(2):
+                    with pytest.raises(ConnectionLost):
+                        await conn.receive()
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.trio
 async def test_a_flood_of_unknown_job_ids_makes_a_few_log_lines_a_second(caplog):
     caplog.set_level(logging.DEBUG, logger="swarm")
     with trio.fail_after(30):
