@@ -39,7 +39,7 @@ from swarm.agent.detached import DetachedRun, DetachedRuns
 from swarm.agent.early import EarlyMessages
 from swarm.agent.failover import Replica, elect, term_of
 from swarm.agent.quorum import ELECTION_TIMEOUT_S, LEASE_ASK_S, Election, VoteAnswer, Voter, write_json
-from swarm.agent.jobs import JobContext, job_runner
+from swarm.agent.jobs import LANE, JobContext, job_runner
 from swarm.errors import SwarmError
 from swarm.host import malloc
 from swarm.host.accelerator import accelerator, accelerator_memory
@@ -56,8 +56,6 @@ from swarm.wire import (PROTOCOL_VERSION, DetachAnswer, DetachChunk, DetachList,
                         ReplicaState, VoteAsk, VoteReply, Watch)
 
 log = logging.getLogger("swarm.agent")
-
-LANE = "lane"  # the job channel whose first message makes a connection a run's lane (swarm.execution.lane)
 
 MIN_INTERVAL = 0.01      # fastest heartbeat a watcher may ask for
 MAX_NAME = 128           # longest job id or job kind
@@ -328,7 +326,6 @@ class Agent:
         except Exception:  # a bug must not take the agent down with it
             self._lines.log(logging.ERROR, "bug", "error on the connection with %s (node %s); closed", conn.address,
                             peer.node_id, exc_info=True)
-
         return False
 
     def _take_lane(self, peer: Peer, hello: JobData) -> bool:

@@ -29,6 +29,8 @@ from swarm.wire import JobData, channel_of
 
 JobRunner = Callable[["JobContext"], Awaitable[dict | None]]
 
+LANE = "lane"  # the job channel whose first message makes a connection a run's lane (swarm.execution.lane)
+
 # kind -> runner, or "module:function" imported when the kind is first run.
 JOB_KINDS: dict[str, JobRunner | str] = {
     "bandwidth": "swarm.profiling.bandwidth:run_bandwidth_job",
@@ -140,12 +142,12 @@ class JobContext:
         """A new connection to `node_id`'s agent whose first message (on channel "lane", with
         `body`) hands it to this job's run of this epoch there (deliver_lane); not read by our
         agent. For the run's gradient-sum lanes (swarm/execution/lane.py)."""
-        return await self._agent.open_lane(address, node_id, self.data("lane", body))
+        return await self._agent.open_lane(address, node_id, self.data(LANE, body))
 
     def deliver_lane(self, sender: str, hello, conn) -> None:
         """Called by the agent: a lane another run opened to this one, queued on channel
         "lane" as an Inbound of (hello's body, connection)."""
-        self._queue("lane")[0].send_nowait(Inbound(sender, (hello.body, conn)))
+        self._queue(LANE)[0].send_nowait(Inbound(sender, (hello.body, conn)))
 
     async def receive(self, channel: str) -> Inbound:
         """The next message on `channel` (waits). Use trio.fail_after for a deadline."""

@@ -41,13 +41,13 @@ import numpy as np
 import torch
 import trio
 
+from swarm.agent.jobs import LANE  # the job channel of a lane's hello and shares
 from swarm.execution.links import LINK_ERRORS
 from swarm.net.peer import _set_lowat
 from swarm.wire import NEED_DATA, Closed, JobData, ProtocolError
 
 log = logging.getLogger("swarm.execution")
 
-LANE = "lane"  # the job channel of a lane's hello and shares
 FOREVER_S = 7 * 24 * 3600.0  # a lane's socket timeout where the job has none
 
 
@@ -154,14 +154,11 @@ def direct_sum(me: int, outs: list[Lane | None], intos: list[Lane | None], key: 
     for k in range(1, n):
         src = (me - k) % n
         parts[src] = torch.from_numpy(intos[src].receive([*key, "ds", src], arrays[me], timeout))
-    wait(sends)  # (our own chunk went nowhere: it is summed below from a copy, as _direct sums it)
-    total = None  # member 0's share, then 1's added, and so on: the order collectives._direct keeps
-    for src in range(n):
-        part = mine.clone() if src == me else parts[src]
-        if total is None:
-            total = part if src == me else part.clone()
-        else:
-            total.add_(part)
+    wait(sends)
+    # member 0's share, then 1's added, and so on: the order collectives._direct keeps
+    total = (mine if me == 0 else parts[0]).clone()
+    for src in range(1, n):
+        total.add_(mine if src == me else parts[src])
     mine.copy_(total)
     sends = [sender.submit(outs[j].send, [*key, "dg", me], arrays[me], timeout) for j in order]
     for k in range(1, n):
