@@ -69,6 +69,13 @@ class Device:
     # kernel zeroes its pages): what a plan that maps its largest blocks costs it (planner.
     # mapping); 0: the device cannot map (its profile measures it on glibc as swarm starts it)
     map_s_per_byte: float = 0.0
+    # seconds of this device's time per byte, and per share, of a gradient sum it sends or
+    # receives on a lane of its own (swarm.execution.lane: groups of 2 to DIRECT_REDUCE_MAX
+    # members), in place of comm_s_per_byte, msg_s and reduce_msg_s; measured by the bandwidth
+    # probe (swarm.profiling.bandwidth). 0: not measured, and such sums are priced as the
+    # event loop's
+    lane_s_per_byte: float = 0.0
+    lane_msg_s: float = 0.0
     accelerator: Accelerator | None = None  # None: the device computes on its CPU
     # the CPU's own figures when an accelerator is given (None: `costs` and `memory` are the CPU's)
     cpu_costs: CostTable | None = None
@@ -180,6 +187,14 @@ class Cluster:
         handling and the sum's own work on it (0: not measured)."""
         return max((self.device(n).msg_s + self.device(n).reduce_msg_s for n in names), default=0.0)
 
+    def lane_cpu(self, names: list[str]) -> tuple[float, float] | None:
+        """(seconds per byte, per share) of a gradient sum on lanes among a group, the largest
+        of each; None where a member's lanes are not measured (its sums are the event loop's)."""
+        ends = [self.device(n) for n in names]
+        if not all(d.lane_s_per_byte > 0 for d in ends):
+            return None
+        return max(d.lane_s_per_byte for d in ends), max(d.lane_msg_s for d in ends)
+
     def min_bw(self, names: list[str]) -> float:
         """The slowest link among a group: what a ring all-reduce runs at (Asteroid eq. 5)."""
         idx = [self._index[n] for n in names]
@@ -220,7 +235,8 @@ class Cluster:
 # ---- the JSON description -------------------------------------------------------------
 
 DEVICE_KEYS = {"name", "memory", "speed", "gflops", "mem_gbps", "profile", "tier", "power_w", "radio", "link_mbps",
-               "cores", "note", "comm_ns_per_byte", "msg_us", "reduce_msg_us", "map_ns_per_byte", "accelerator", "allocator"}
+               "cores", "note", "comm_ns_per_byte", "msg_us", "reduce_msg_us", "map_ns_per_byte", "lane_ns_per_byte", "lane_us", "accelerator",
+               "allocator"}
 ACCELERATOR_KEYS = {"kind", "speed", "gflops", "mem_gbps", "profile", "copy_gbps", "memory", "shared_memory", "note"}
 CLUSTER_KEYS = {"name", "description", "reference", "data_source", "bandwidth_mbps", "latency_ms", "links", "devices",
                 "note"}
@@ -303,9 +319,11 @@ def _device_from_dict(i: int, spec, desc, reference, resolve_profile) -> Device:
     msg = _non_negative(spec, "msg_us", "microseconds", where)
     reduce_msg = _non_negative(spec, "reduce_msg_us", "microseconds", where)
     map_cost = _non_negative(spec, "map_ns_per_byte", "nanoseconds", where)
+    lane, lane_msg = _non_negative(spec, "lane_ns_per_byte", "nanoseconds", where), _non_negative(spec, "lane_us",
+                                                                                                 "microseconds", where)
     device = Device(name, costs, memory, spec.get("tier"), spec.get("power_w"), spec.get("radio"), facts,
                     comm_s_per_byte=comm * 1e-9, msg_s=msg * 1e-6, reduce_msg_s=reduce_msg * 1e-6,
-                    map_s_per_byte=map_cost * 1e-9)
+                    map_s_per_byte=map_cost * 1e-9, lane_s_per_byte=lane * 1e-9, lane_msg_s=lane_msg * 1e-6)
     if "accelerator" in spec:
         accelerator, acc_costs, acc_memory = _accelerator_from_dict(spec["accelerator"], memory, where, desc, reference,
                                                                     resolve_profile)

@@ -67,12 +67,16 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
     overlap, but every member handles each of its messages out and in (allreduce_messages),
     each a message's handling and the sum's own work on it (Cluster.reduce_msg_cpu). A
     member computing on an accelerator copies its gradients to the host and the sums back:
-    twice the bytes at the slowest member's copy rate."""
+    twice the bytes at the slowest member's copy rate. Groups that sum on lanes of their own
+    (_lane_cost) move their bytes and shares at the lanes' measured costs instead, with no
+    reduce_msg_s: the event loop's per-message work is not on a lane."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0
-    per_byte = max(1 / cluster.min_bw(group), 2 * cluster.comm_cpu(group))
-    messages = max(1, buckets) * allreduce_messages(g) * 2 * cluster.reduce_msg_cpu(group)
+    lane = _lane_cost(group, cluster)
+    cpu, message = lane if lane else (cluster.comm_cpu(group), cluster.reduce_msg_cpu(group))
+    per_byte = max(1 / cluster.min_bw(group), 2 * cpu)
+    messages = max(1, buckets) * allreduce_messages(g) * 2 * message
     copies = 2 * nbytes * cluster.copy_per_byte(group)
     return allreduce_rounds(g) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
 
@@ -82,14 +86,23 @@ def allreduce_cpu(nbytes: float, group: list[str], cluster: Cluster, buckets: in
     bytes it sends and as many it receives, at its comm_s_per_byte, and its messages out and
     in (allreduce_messages, per bucket), at its msg_s + reduce_msg_s. ring_allreduce_time
     takes the slowest member's for the sum's wall time; this is what the sum takes from each
-    member's CPU, where its computation also runs (under a CPU quota, the same quota)."""
+    member's CPU, where its computation also runs (under a CPU quota, the same quota); on
+    lanes (_lane_cost), at lane_s_per_byte and lane_msg_s."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return {}
     moved = 2 * 2 * (g - 1) / g * nbytes
     messages = max(1, buckets) * allreduce_messages(g) * 2
+    if _lane_cost(group, cluster):
+        return {d: moved * cluster.device(d).lane_s_per_byte + messages * cluster.device(d).lane_msg_s for d in group}
     return {d: moved * cluster.device(d).comm_s_per_byte
             + messages * (cluster.device(d).msg_s + cluster.device(d).reduce_msg_s) for d in group}
+
+
+def _lane_cost(group: list[str], cluster: Cluster) -> tuple[float, float] | None:
+    """(seconds per byte, per share) of a sum over `group` on lanes of its own (swarm.execution.
+    lane: groups of up to DIRECT_REDUCE_MAX, where every member's lanes were measured), else None."""
+    return cluster.lane_cpu(group) if len(group) <= DIRECT_REDUCE_MAX else None
 
 
 DIRECT_GATHER_MAX = 4  # groups up to this size all-gather in one round, each member to every other

@@ -85,8 +85,22 @@ async def test_bandwidth_job_measures_both_directions_peer_to_peer():
         assert set(results) == set(itertools.permutations(ids, 2))
         for r in results.values():
             assert r["nbytes"] == 1 << 20 and r["seconds"] > 0 and r["latency"] > 0 and r["bytes_per_second"] > 0
+            # each end's cost of a gradient share on a lane of its own (swarm.execution.lane): a
+            # byte's under the event loop's, as the lanes are built to be, and a share's ms or less
+            for end in ("from", "to"):
+                assert 0 < r["lane_s_per_byte"][end] < r["comm_s_per_byte"][end]
+                assert 0 <= r["lane_msg_s"][end] < 1e-3
         await trio.sleep(0.05)
         assert all(a.job is None for a in agents)  # released
+        assert not any(a._early_lanes for a in agents)  # every probe's lane went to its job
+
+
+async def test_bandwidth_job_leaves_the_lanes_unmeasured_where_runs_do_not_sum_on_them(monkeypatch):
+    monkeypatch.setenv("SWARM_SUM_LANES", "0")
+    async with swarm_of(2) as (agents, cluster):
+        results = await measure_bandwidth(cluster, [a.node_id for a in agents], nbytes=1 << 18)
+        assert all(r["lane_s_per_byte"] == {"from": 0.0, "to": 0.0} and r["comm_s_per_byte"]["from"] > 0
+                   for r in results.values())
 
 
 @pytest.mark.parametrize("n", range(1, 10))

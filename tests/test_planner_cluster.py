@@ -194,3 +194,39 @@ def test_one_device_is_planned_whole_never_as_one_tile(desc):
         make_plan("tiles", inputs)
     plan = make_plan("auto", inputs)
     assert [s.mode for s in plan.stages] == ["single"] and plan.used_devices() == ["a"]
+
+
+def test_sums_on_lanes_are_priced_at_the_lanes_costs_from_the_file(desc):
+    """Where every member of a group of up to DIRECT_REDUCE_MAX measured its lanes
+    (lane_ns_per_byte, lane_us), its gradient sums are priced at them, without the event loop's
+    per-byte, per-message and sum's own costs; a larger group, or one with a member whose lanes
+    were not measured, sums through the event loop and is priced as before."""
+    from planner.stage_work import DIRECT_REDUCE_MAX, allreduce_cpu, allreduce_messages, ring_allreduce_time
+
+    def device(name, **lane):
+        return {"name": name, "memory": "1 GiB", "gflops": 1, "comm_ns_per_byte": 30, "msg_us": 300,
+                "reduce_msg_us": 50, **lane}
+
+    names = [f"d{i}" for i in range(DIRECT_REDUCE_MAX + 1)]
+    lanes = cluster_from_dict({"bandwidth_mbps": 1000, "devices": [device(n, lane_ns_per_byte=4, lane_us=150)
+                                                                   for n in names]}, desc, no_profiles)
+    assert lanes.device("d0").lane_s_per_byte == pytest.approx(4e-9) and lanes.device("d0").lane_msg_s == pytest.approx(150e-6)
+    nbytes, buckets = 8e6, 3
+    for g in (2, DIRECT_REDUCE_MAX):
+        group = names[:g]
+        moved = 2 * 2 * (g - 1) / g * nbytes
+        messages = buckets * allreduce_messages(g) * 2
+        assert allreduce_cpu(nbytes, group, lanes, buckets) == pytest.approx(
+            {d: moved * 4e-9 + messages * 150e-6 for d in group})
+        link = 2 * (g - 1) / g * nbytes * max(8 / 1e9, 2 * 4e-9)
+        assert ring_allreduce_time(nbytes, group, lanes, buckets) == pytest.approx(link + messages * 150e-6)
+    loop = cluster_from_dict({"bandwidth_mbps": 1000, "devices": [device(n) for n in names]}, desc, no_profiles)
+    assert allreduce_cpu(nbytes, names[:2], lanes, buckets)["d0"] < allreduce_cpu(nbytes, names[:2], loop, buckets)["d0"]
+    # DIRECT_REDUCE_MAX + 1 members sum through the event loop
+    assert allreduce_cpu(nbytes, names, lanes, buckets) == pytest.approx(allreduce_cpu(nbytes, names, loop, buckets))
+    one_unmeasured = cluster_from_dict({"bandwidth_mbps": 1000, "devices": [
+        device("d0", lane_ns_per_byte=4, lane_us=150), device("d1")]}, desc, no_profiles)
+    assert ring_allreduce_time(nbytes, ["d0", "d1"], one_unmeasured, buckets) == pytest.approx(
+        ring_allreduce_time(nbytes, ["d0", "d1"], loop, buckets))
+    with pytest.raises(ClusterError, match="lane_us"):
+        cluster_from_dict({"devices": [device("d0", lane_us=-1)]}, desc, no_profiles)

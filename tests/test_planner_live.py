@@ -48,6 +48,8 @@ async def test_live_swarm_is_profiled_and_planned(tmp_path, monkeypatch):
     # each end's CPU per byte moved, without the bursts' work: 4.4-6.4 ns here (2026-11-30), 83 ns
     # with it (it was counted in the process's CPU over the probe bytes)
     assert all(0 < d.comm_s_per_byte < 3e-8 for d in cluster.devices)
+    # and a gradient share's on a lane of its own, where the runs' sums go: under the event loop's a byte
+    assert all(0 < d.lane_s_per_byte < d.comm_s_per_byte and 0 <= d.lane_msg_s < 1e-3 for d in cluster.devices)
     quota = min(1.0, cpu_quota() or 1.0)
     for r in live["links"].values():  # CPU per message; what it adds to the latency under a quota
         # (timed with the sender's thread working MESSAGE_GAP_S between round trips, which is

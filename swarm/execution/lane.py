@@ -35,10 +35,9 @@ import math
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable, NamedTuple
+from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
 
 import numpy as np
-import torch
 import trio
 
 from swarm.agent.jobs import LANE  # the job channel of a lane's hello and shares
@@ -46,9 +45,18 @@ from swarm.execution.links import LINK_ERRORS
 from swarm.net.peer import _set_lowat
 from swarm.wire import NEED_DATA, Closed, JobData, ProtocolError
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("swarm.execution")
 
 FOREVER_S = 7 * 24 * 3600.0  # a lane's socket timeout where the job has none
+
+
+def sum_lanes_on() -> bool:
+    """Whether this process's runs sum on lanes: SWARM_SUM_LANES=0 sums through the event loop
+    as before (for comparisons), and the bandwidth probe then leaves the lanes unmeasured."""
+    return os.environ.get("SWARM_SUM_LANES", "1") != "0"
 
 
 class LaneOffer(NamedTuple):
@@ -137,6 +145,8 @@ def direct_sum(me: int, outs: list[Lane | None], intos: list[Lane | None], key: 
     """collectives._direct on lanes, in the calling thread (receiving) and `sender`'s: the
     sum of `flat` over the group, made in `flat`. outs[j] and intos[j]: the lanes to and from
     member j (None for ourselves)."""
+    import torch  # (here: the bandwidth probe uses lanes without loading torch)
+
     n = len(outs)
     data = flat.numpy()
     bounds = [round(i * flat.numel() / n) for i in range(n + 1)]

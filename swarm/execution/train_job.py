@@ -8,7 +8,6 @@ tensors that wrap the received buffers without a copy.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import fields
 
 import numpy as np
@@ -19,7 +18,7 @@ from planner.backups import Move
 from planner.plan import Plan
 from swarm.execution import channels
 from swarm.execution.channels import COORDINATOR
-from swarm.execution.lane import LANE, SumLanes
+from swarm.execution.lane import LANE, SumLanes, sum_lanes_on
 from swarm.execution.links import LINK_ERRORS, RunLinks, quick_limit
 from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replay import DeviceStore
@@ -29,9 +28,6 @@ from swarm.host.resources import compute_threads
 from swarm.local.trainer import TrainConfig
 
 CHANNEL = "x"
-# Gradient sums on lanes of their own (swarm/execution/lane.py); SWARM_SUM_LANES=0 sums them
-# through the event loop as before (for comparisons).
-SUM_LANES = os.environ.get("SWARM_SUM_LANES", "1") != "0"
 
 log = logging.getLogger("swarm.execution")
 
@@ -168,7 +164,7 @@ async def run_train_job(ctx) -> dict:
 
     endpoint = WireEndpoint(me, node_of, send_to)
     endpoint.lanes = SumLanes(me, devices, ctx.job_id, ctx.epoch, ctx.open_lane, lambda: ctx.receive(LANE), report) \
-        if SUM_LANES else None
+        if sum_lanes_on() else None
     job = JobSpec(plan, cfg, spec.get("cfg_text"), timeout_s=float(spec.get("timeout_s", 120.0)),
                   threads=compute_threads(), epoch=int(spec.get("epoch", 0)), start_step=int(spec.get("start_step", 0)),
                   moves=[Move.from_dict(m) for m in spec.get("moves", [])])

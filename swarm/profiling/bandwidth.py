@@ -16,7 +16,13 @@ message costs beyond the latency the round trips measure. {"msg_cpu_s"}, the CPU
 message handled (sent or received) in round trips of a small array asked for from a worker
 thread that computes between them, as training's BatchNorm exchanges are, is in that latency
 once, at full speed; under a quota of q cores it takes msg_cpu_s / q, so msg_s is
-msg_cpu_s * (1/q - 1), and 0 without a quota.
+msg_cpu_s * (1/q - 1), and 0 without a quota. {"lane_s_per_byte", "lane_msg_s"}: what a
+gradient share costs the device on a lane of its own (swarm.execution.lane), where the runs'
+sums go: after each peer's probes the prober opens a lane to it and sends shares of two sizes
+(LANE_SHARES) from a sending thread as a sum does, the peer receiving them in a thread; the
+threads' CPU per share at each size, sent and received, gives a share's and a byte's cost
+(lane_costs), each over the CPU quota. Absent where the runs sum through the event loop
+(SWARM_SUM_LANES=0).
 
 Coordinator side (measure_bandwidth): runs every ordered pair, in rounds of disjoint pairs
 (`probe_rounds`): the pairs of a round probe at once, and no device is in two probes at a
@@ -26,6 +32,7 @@ byte). Six devices take 10 rounds instead of 30 probes one after another.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -35,7 +42,10 @@ import trio
 
 from swarm.agent.jobs import JobContext
 
+log = logging.getLogger("swarm.profiling")
+
 KIND = "bandwidth"
+END_COSTS = ("comm_s_per_byte", "msg_s", "msg_cpu_s", "lane_s_per_byte", "lane_msg_s")  # each device's, from its job's result
 DEFAULT_PROBE_BYTES = 4 * 1024 * 1024
 MESSAGE_BURST = 24  # round trips per peer, timed together for the CPU a message costs
 # ... with this much of the worker thread's CPU spent between them, in memory of this size: in
@@ -49,19 +59,27 @@ MESSAGE_BURST = 24  # round trips per peer, timed together for the CPU a message
 MESSAGE_GAP_S, MESSAGE_GAP_BYTES = 0.004, 4 << 20
 MESSAGE_GAPPED_PEERS = 2  # peers each device measures it with (the first it probes)
 ECHO_BURST, ECHO_BYTES = 8, 256 * 1024  # echoed messages of an activation's size, for the CPU per byte
+# gradient shares sent on a lane to each peer: (bytes, shares) at two sizes, for what a share
+# costs beyond its bytes and what a byte costs (a sum's shares are a bucket over its group)
+LANE_SHARES = ((32 * 1024, 8), (512 * 1024, 4))
+LANE_TIMEOUT_S = 60.0
 
 
 async def run_bandwidth_job(ctx: JobContext) -> dict:
+    from swarm.execution.lane import sum_lanes_on
     from swarm.host.resources import cpu_quota
 
     measured = 0
     moved = [0]  # probe bytes sent and received
     per_message = []  # CPU seconds per message handled, one burst per peer
     per_byte = []  # CPU seconds per byte sent and received in messages of ECHO_BYTES, one burst per peer
+    per_share: list[tuple[int, float]] = []  # (bytes, CPU seconds) of each size of share sent or received on a lane
+    lanes = sum_lanes_on()
     cpu0, burst0 = time.process_time(), _bursts_cpu()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_answer_probes, ctx, moved)
         nursery.start_soon(_echo_messages, ctx)
+        nursery.start_soon(_answer_lanes, ctx, per_share)
         seq = 0
         while True:
             _, command = await ctx.receive("probe")
@@ -69,8 +87,9 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
             if body.get("done"):
                 nursery.cancel_scope.cancel()
                 cpu = time.process_time() - cpu0 - (_bursts_cpu() - burst0)
-                return {"probes": measured, **link_costs(cpu, moved[0], per_byte, per_message,
-                                                         min(1.0, cpu_quota() or 1.0))}
+                share = min(1.0, cpu_quota() or 1.0)
+                return {"probes": measured, **link_costs(cpu, moved[0], per_byte, per_message, share),
+                        **(lane_costs(per_share, share) if lanes else {})}
             peer, nbytes, rounds = body["to"], int(body["nbytes"]), int(body.get("rounds", 3))
             await ctx.connect(body["address"], peer)
             empty, full = [], []
@@ -93,6 +112,9 @@ async def run_bandwidth_job(ctx: JobContext) -> dict:
                 await _ack(ctx, peer, seq)
             # the burst's 16 messages are in it too: a few percent of moving 4 MiB
             per_byte.append((time.process_time() - echo0) / (2 * ECHO_BURST * ECHO_BYTES))
+            if lanes:
+                seq += 1
+                per_share += await _lane_probe(ctx, peer, body["address"], seq)
             measured += 1
             await ctx.send_to_coordinator(ctx.data("probe-result", {"to": peer, "nbytes": nbytes,
                                                                     "latency": min(empty), "seconds": min(full)}))
@@ -109,14 +131,113 @@ def link_costs(cpu: float, moved: int, per_byte: list[float], per_message: list[
     return {"comm_s_per_byte": byte / share, "msg_s": msg * (1 / share - 1), "msg_cpu_s": msg}
 
 
+def lane_costs(per_share: list[tuple[int, float]], share: float) -> dict:
+    """{"lane_s_per_byte", "lane_msg_s"}, a byte's and a share's device time on a lane, from
+    the CPU seconds of shares sent and received (`per_share`: (bytes, seconds) each), the
+    median at each of the smallest and largest size making a line; each over the CPU `share`.
+    Where noise tilts the line below zero, all of the larger shares' cost is their bytes'.
+    Empty without two sizes."""
+    sizes = sorted({size for size, _ in per_share})
+    if len(sizes) < 2:
+        return {}
+    small, large = (float(np.median([cpu for size, cpu in per_share if size == s])) for s in (sizes[0], sizes[-1]))
+    byte = (large - small) / (sizes[-1] - sizes[0])
+    message = small - byte * sizes[0]
+    if byte <= 0 or message < 0:
+        byte, message = (large / sizes[-1], 0.0) if byte <= 0 else (small / sizes[0], 0.0)
+    return {"lane_s_per_byte": byte / share, "lane_msg_s": message / share}
+
+
+async def _lane_probe(ctx: JobContext, peer: str, address: str, seq: int) -> list[tuple[int, float]]:
+    """Shares of LANE_SHARES sent to `peer` on a lane of their own, from a sending thread as a
+    sum sends them; once the peer has them all (it acknowledges `seq`), [(bytes, CPU seconds a
+    share)] for each size: the sending thread's and the hand-off's."""
+    from swarm.execution.lane import Lane
+
+    conn = await ctx.open_lane(address, peer, {"seq": seq})
+    lane = Lane(conn, peer, ctx.job_id, ctx.epoch)
+    try:
+        costs = await trio.to_thread.run_sync(_send_shares, lane)
+        with trio.fail_after(LANE_TIMEOUT_S):
+            await _ack(ctx, peer, seq)
+    finally:
+        lane.shutdown()
+        lane.sock.close()
+        with trio.CancelScope(shield=True):
+            await conn.aclose("probed")
+    return costs
+
+
+def _send_shares(lane) -> list[tuple[int, float]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def send(key, share) -> float:
+        start = time.thread_time()
+        lane.send(key, share, LANE_TIMEOUT_S)
+        return time.thread_time() - start
+
+    costs, spent = [], 0.0
+    with ThreadPoolExecutor(1, thread_name_prefix="lane-probe") as sender:
+        for n, (nbytes, count) in enumerate(LANE_SHARES):
+            share = np.ones(nbytes // 4, np.float32)
+            own0 = time.thread_time()
+            sent = sum(sender.submit(send, ["probe", n, i], share).result() for i in range(count))
+            cpu = sent + time.thread_time() - own0
+            costs += [(nbytes, cpu / count)]
+            spent += cpu
+    _count_burst(spent)
+    return costs
+
+
+async def _answer_lanes(ctx: JobContext, per_share: list[tuple[int, float]]) -> None:
+    """The far end of _lane_probe: each lane's shares received in a thread, their CPU a share
+    kept, the prober told, the lane closed."""
+    from swarm.agent.jobs import LANE
+    from swarm.execution.lane import Lane, LaneBroken
+
+    while True:
+        sender, (body, conn) = await ctx.receive(LANE)
+        lane = Lane(conn, sender, ctx.job_id, ctx.epoch)
+        try:
+            per_share += await trio.to_thread.run_sync(_receive_shares, lane)
+            await ctx.send(sender, ctx.data("probe-ack", {"seq": body.get("seq")}))
+        except (LaneBroken, TimeoutError) as exc:
+            log.warning("a lane probe from %s failed: %s", sender, exc)
+        finally:
+            lane.shutdown()
+            lane.sock.close()
+            with trio.CancelScope(shield=True):
+                await conn.aclose("probed")
+
+
+def _receive_shares(lane) -> list[tuple[int, float]]:
+    costs, spent = [], 0.0
+    for n, (nbytes, count) in enumerate(LANE_SHARES):
+        like = np.empty(nbytes // 4, np.float32)
+        start = time.thread_time()
+        for i in range(count):
+            lane.receive(["probe", n, i], like, LANE_TIMEOUT_S)
+        cpu = time.thread_time() - start
+        costs += [(nbytes, cpu / count)]
+        spent += cpu
+    _count_burst(spent)
+    return costs
+
+
 _BURSTS = {"cpu": 0.0, "lock": threading.Lock()}
 
 
 def _bursts_cpu() -> float:
-    """CPU seconds the threads of every message burst in this process have used so far (an
-    agent's own, and where several agents share a process, as in tests, theirs too)."""
+    """CPU seconds the threads of every message burst and lane probe in this process have used
+    so far (an agent's own, and where several agents share a process, as in tests, theirs too):
+    none of it moves the probe bytes the CPU per byte is over."""
     with _BURSTS["lock"]:
         return _BURSTS["cpu"]
+
+
+def _count_burst(cpu: float) -> None:
+    with _BURSTS["lock"]:
+        _BURSTS["cpu"] += cpu
 
 
 async def _message_burst(ctx: JobContext, peer: str) -> float:
@@ -152,8 +273,7 @@ async def _message_burst(ctx: JobContext, peer: str) -> float:
             worked += work()
             trio.from_thread.run(exchange, k, trio_token=token)
         per_message = max(0.0, time.process_time() - cpu0 - worked) / (2 * MESSAGE_BURST)
-        with _BURSTS["lock"]:
-            _BURSTS["cpu"] += time.thread_time() - own0
+        _count_burst(time.thread_time() - own0)
         return per_message
 
     return await trio.to_thread.run_sync(burst)
@@ -184,9 +304,8 @@ async def _answer_probes(ctx: JobContext, moved: list[int]) -> None:
 
 async def measure_bandwidth(cluster, node_ids: list[str], *, nbytes: int = DEFAULT_PROBE_BYTES,
                             timeout: float = 60.0) -> dict[tuple[str, str], dict]:
-    """{(sender, receiver): {"bytes_per_second", "latency", "seconds", "nbytes",
-    "comm_s_per_byte": {"from", "to"}, "msg_s": {"from", "to"}, "msg_cpu_s": {"from", "to"}}}
-    for every ordered pair of `node_ids` (devices of `cluster`, alive)."""
+    """{(sender, receiver): {"bytes_per_second", "latency", "seconds", "nbytes", and for each
+    of END_COSTS {"from", "to"}: the two ends' figures}} for every ordered pair of `node_ids` (devices of `cluster`, alive)."""
     job = cluster.job(f"bandwidth-{secrets.token_hex(4)}", 0)
     results: dict[tuple[str, str], dict] = {}
     try:
@@ -209,9 +328,9 @@ async def measure_bandwidth(cluster, node_ids: list[str], *, nbytes: int = DEFAU
         for node in node_ids:
             with trio.fail_after(timeout):
                 done = await job.wait_done(node) or {}
-            ends[node] = {k: float(done.get(k, 0.0)) for k in ("comm_s_per_byte", "msg_s", "msg_cpu_s")}
+            ends[node] = {k: float(done.get(k, 0.0)) for k in END_COSTS}
         for (src, dst), r in results.items():
-            for k in ("comm_s_per_byte", "msg_s", "msg_cpu_s"):
+            for k in END_COSTS:
                 r[k] = {"from": ends[src][k], "to": ends[dst][k]}
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(10):

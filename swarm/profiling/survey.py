@@ -52,7 +52,7 @@ def offered_accelerators(devices, use: bool = True) -> dict[str, str]:
 
 
 def _end_cost(node: str, links: dict, key: str) -> float:
-    """A device's cost `key` (comm_s_per_byte, msg_s), as its end of the link measurements
+    """A device's cost `key` (comm_s_per_byte, msg_s, lane_s_per_byte, ...), as its end of the link measurements
     found it."""
     for (a, b), r in links.items():
         ends = r.get(key) or {}
@@ -142,7 +142,9 @@ def cluster_from_live(live: dict, desc):
         device = Device(name, with_runtime(profile.costs, profile.device), budget, facts=facts,
                         comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
                         msg_s=_end_cost(d["node_id"], live["links"], "msg_s"),
-                        reduce_msg_s=reduce_msg_time(profile.device), map_s_per_byte=map_time(profile.device))
+                        reduce_msg_s=reduce_msg_time(profile.device), map_s_per_byte=map_time(profile.device),
+                        lane_s_per_byte=_end_cost(d["node_id"], live["links"], "lane_s_per_byte"),
+                        lane_msg_s=_end_cost(d["node_id"], live["links"], "lane_msg_s"))
         entry = profile.device.get("accelerator")
         if entry:
             try:
