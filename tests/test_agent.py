@@ -95,6 +95,20 @@ async def test_bandwidth_job_measures_both_directions_peer_to_peer():
         assert not any(a._early_lanes for a in agents)  # every probe's lane went to its job
 
 
+async def test_a_lane_probe_that_fails_leaves_the_lanes_unmeasured_and_the_links_measured(monkeypatch):
+    from swarm.execution import lane
+
+    def broken(self, key, array, timeout):
+        raise lane.LaneBroken(self.name, "send failed: the test's", report=False)
+
+    monkeypatch.setattr(lane.Lane, "send", broken)
+    async with swarm_of(2) as (agents, cluster):
+        with trio.fail_after(20):  # the far end, left waiting for shares, is woken when the lane closes
+            results = await measure_bandwidth(cluster, [a.node_id for a in agents], nbytes=1 << 18)
+        assert all(r["lane_s_per_byte"] == {"from": 0.0, "to": 0.0} and r["comm_s_per_byte"]["from"] > 0
+                   for r in results.values())
+
+
 async def test_bandwidth_job_leaves_the_lanes_unmeasured_where_runs_do_not_sum_on_them(monkeypatch):
     monkeypatch.setenv("SWARM_SUM_LANES", "0")
     async with swarm_of(2) as (agents, cluster):

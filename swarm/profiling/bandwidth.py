@@ -151,15 +151,24 @@ def lane_costs(per_share: list[tuple[int, float]], share: float) -> dict:
 async def _lane_probe(ctx: JobContext, peer: str, address: str, seq: int) -> list[tuple[int, float]]:
     """Shares of LANE_SHARES sent to `peer` on a lane of their own, from a sending thread as a
     sum sends them; once the peer has them all (it acknowledges `seq`), [(bytes, CPU seconds a
-    share)] for each size: the sending thread's and the hand-off's."""
-    from swarm.execution.lane import Lane
+    share)] for each size: the sending thread's and the hand-off's. A lane that fails is
+    logged and measures nothing (the sums are then priced as the event loop's)."""
+    from swarm.execution.lane import Lane, LaneBroken
+    from swarm.execution.links import LINK_ERRORS
 
-    conn = await ctx.open_lane(address, peer, {"seq": seq})
+    try:
+        conn = await ctx.open_lane(address, peer, {"seq": seq})
+    except LINK_ERRORS as exc:
+        log.warning("cannot open a lane to %s to probe it: %s", peer, exc)
+        return []
     lane = Lane(conn, peer, ctx.job_id, ctx.epoch)
     try:
         costs = await trio.to_thread.run_sync(_send_shares, lane)
         with trio.fail_after(LANE_TIMEOUT_S):
             await _ack(ctx, peer, seq)
+    except (LaneBroken, TimeoutError, trio.TooSlowError) as exc:
+        log.warning("a lane probe to %s failed: %s", peer, exc)
+        return []
     finally:
         lane.shutdown()
         lane.sock.close()
@@ -191,7 +200,7 @@ def _send_shares(lane) -> list[tuple[int, float]]:
 
 async def _answer_lanes(ctx: JobContext, per_share: list[tuple[int, float]]) -> None:
     """The far end of _lane_probe: each lane's shares received in a thread, their CPU a share
-    kept, the prober told, the lane closed."""
+    kept (unless the lane failed, which is logged), the lane closed, the prober told."""
     from swarm.agent.jobs import LANE
     from swarm.execution.lane import Lane, LaneBroken
 
@@ -200,7 +209,6 @@ async def _answer_lanes(ctx: JobContext, per_share: list[tuple[int, float]]) -> 
         lane = Lane(conn, sender, ctx.job_id, ctx.epoch)
         try:
             per_share += await trio.to_thread.run_sync(_receive_shares, lane)
-            await ctx.send(sender, ctx.data("probe-ack", {"seq": body.get("seq")}))
         except (LaneBroken, TimeoutError) as exc:
             log.warning("a lane probe from %s failed: %s", sender, exc)
         finally:
@@ -208,6 +216,7 @@ async def _answer_lanes(ctx: JobContext, per_share: list[tuple[int, float]]) -> 
             lane.sock.close()
             with trio.CancelScope(shield=True):
                 await conn.aclose("probed")
+        await ctx.send(sender, ctx.data("probe-ack", {"seq": body.get("seq")}))  # (the prober goes on either way)
 
 
 def _receive_shares(lane) -> list[tuple[int, float]]:
