@@ -96,7 +96,7 @@ async def test_bandwidth_job_measures_both_directions_peer_to_peer():
 
 
 async def test_a_lane_probe_that_fails_leaves_the_lanes_unmeasured_and_the_links_measured(monkeypatch):
-    from swarm.execution import lane
+    from swarm.agent import lane
 
     def broken(self, key, array, timeout):
         raise lane.LaneBroken(self.name, "send failed: the test's", report=False)

@@ -16,9 +16,10 @@ import trio
 
 from planner.backups import Move
 from planner.plan import Plan
+from swarm.agent.lane import sum_lanes_on
 from swarm.execution import channels
 from swarm.execution.channels import COORDINATOR
-from swarm.execution.lane import LANE, SumLanes, sum_lanes_on
+from swarm.execution.lane import LANE, SumLanes
 from swarm.execution.links import LINK_ERRORS, RunLinks, quick_limit
 from swarm.execution.mailbox import Closed, Mailbox
 from swarm.execution.replay import DeviceStore

@@ -66,7 +66,7 @@ LANE_TIMEOUT_S = 60.0
 
 
 async def run_bandwidth_job(ctx: JobContext) -> dict:
-    from swarm.execution.lane import sum_lanes_on
+    from swarm.agent.lane import sum_lanes_on
     from swarm.host.resources import cpu_quota
 
     measured = 0
@@ -153,12 +153,13 @@ async def _lane_probe(ctx: JobContext, peer: str, address: str, seq: int) -> lis
     sum sends them; once the peer has them all (it acknowledges `seq`), [(bytes, CPU seconds a
     share)] for each size: the sending thread's and the hand-off's. A lane that fails is
     logged and measures nothing (the sums are then priced as the event loop's)."""
-    from swarm.execution.lane import Lane, LaneBroken
-    from swarm.execution.links import LINK_ERRORS
+    from swarm.agent.lane import Lane, LaneBroken
+    from swarm.errors import SwarmError
+    from swarm.net import ConnectionLost
 
     try:
         conn = await ctx.open_lane(address, peer, {"seq": seq})
-    except LINK_ERRORS as exc:
+    except (ConnectionLost, SwarmError, OSError) as exc:
         log.warning("cannot open a lane to %s to probe it: %s", peer, exc)
         return []
     lane = Lane(conn, peer, ctx.job_id, ctx.epoch)
@@ -202,7 +203,7 @@ async def _answer_lanes(ctx: JobContext, per_share: list[tuple[int, float]]) -> 
     """The far end of _lane_probe: each lane's shares received in a thread, their CPU a share
     kept (unless the lane failed, which is logged), the lane closed, the prober told."""
     from swarm.agent.jobs import LANE
-    from swarm.execution.lane import Lane, LaneBroken
+    from swarm.agent.lane import Lane, LaneBroken
 
     while True:
         sender, (body, conn) = await ctx.receive(LANE)
