@@ -95,6 +95,18 @@ async def test_bandwidth_job_measures_both_directions_peer_to_peer():
         assert not any(a._early_lanes for a in agents)  # every probe's lane went to its job
 
 
+async def test_lane_costs_are_the_line_through_the_two_sizes_over_the_cpu_share():
+    from swarm.profiling.bandwidth import lane_costs
+
+    # 100 us a share and 2 ns a byte, measured three times at each size (the median is taken)
+    shares = [(size, 100e-6 + 2e-9 * size + noise) for size in (32768, 524288) for noise in (-1e-6, 0.0, 5e-6)]
+    costs = lane_costs(shares, 0.5)
+    assert costs["lane_s_per_byte"] == pytest.approx(4e-9) and costs["lane_msg_s"] == pytest.approx(200e-6)
+    # a line that starts below zero: all of the larger shares' cost is their bytes'
+    assert lane_costs([(1000, 1e-6), (2000, 5e-6)], 1.0) == {"lane_s_per_byte": 2.5e-9, "lane_msg_s": 0.0}
+    assert lane_costs([(1000, 1e-6)], 1.0) == {}  # one size gives no line
+
+
 async def test_a_lane_probe_that_fails_leaves_the_lanes_unmeasured_and_the_links_measured(monkeypatch):
     from swarm.agent import lane
 

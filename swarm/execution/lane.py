@@ -9,9 +9,10 @@ blocking calls pays for none of that.
 
 - **The lanes.** For each stage it sums, a run opens one connection to each other member of
   the stage's group (JobContext.open_lane: the agents' handshake and sealed records; the
-  blocking end of one is swarm.agent.lane.Lane) and sends its shares on it; the member at the far end receives them on it. The first message
-  on a lane, its hello, names the job, the epoch, the stage and the sender; the far end's
-  agent hands the connection to that run (SumLanes.pump) instead of reading it.
+  blocking end of one is swarm.agent.lane.Lane) and sends its shares on it; the member at
+  the far end receives them on it. The first message on a lane, its hello, names the job,
+  the epoch, the stage and the sender; the far end's agent hands the connection to that run
+  (SumLanes.pump) instead of reading it.
 - **The sum** is collectives._direct's: member i sends chunk j to member j, sums its own
   chunk from every member's in member order, and sends the sum to every other. In round k
   member i sends to member i + k and receives from member i - k, so each lane's shares come

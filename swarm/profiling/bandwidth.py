@@ -135,7 +135,8 @@ def lane_costs(per_share: list[tuple[int, float]], share: float) -> dict:
     """{"lane_s_per_byte", "lane_msg_s"}, a byte's and a share's device time on a lane, from
     the CPU seconds of shares sent and received (`per_share`: (bytes, seconds) each), the
     median at each of the smallest and largest size making a line; each over the CPU `share`.
-    Where noise tilts the line below zero, all of the larger shares' cost is their bytes'.
+    Where noise puts the line's slope or its start below zero, all of the larger shares' cost
+    is their bytes'.
     Empty without two sizes."""
     sizes = sorted({size for size, _ in per_share})
     if len(sizes) < 2:
@@ -144,7 +145,7 @@ def lane_costs(per_share: list[tuple[int, float]], share: float) -> dict:
     byte = (large - small) / (sizes[-1] - sizes[0])
     message = small - byte * sizes[0]
     if byte <= 0 or message < 0:
-        byte, message = (large / sizes[-1], 0.0) if byte <= 0 else (small / sizes[0], 0.0)
+        byte, message = large / sizes[-1], 0.0
     return {"lane_s_per_byte": byte / share, "lane_msg_s": message / share}
 
 
