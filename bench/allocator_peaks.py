@@ -2,7 +2,7 @@
 
     python bench/allocator_peaks.py [--model yolov2-16 --img-size 416 --samples 4 --iterations 6
         --rounds 3 --settings default,heap,mapped,mapped-small,mmap,jemalloc,tbb,pinned:32 --jemalloc PATH --tbb PATH
-        --recompute off,on,segments --cpu 0.2 --mem 1G]
+        --recompute off,on,segments --cpu 0.2 --mem 1G --layouts]
 
 One process per setting and round (alternating: round 1 runs every setting, then round 2),
 each training the whole model on one thread, `--iterations` forward-backward passes of
@@ -48,6 +48,16 @@ and remaking BatchNorm's output and its activation's result in the backward (swa
 for every layer that has BatchNorm; the rows say `+rc`. The CPU time is then the passes' cost of
 remaking them. `--recompute segments` runs the net in checkpointed segments instead
 (planner.checkpoint; rows `+ck`): the passes' CPU is then a second forward.
+
+The peaks are the kernel's high-water mark (swarm.profiling.memory_guard.PeakRSS), reset at the
+start. On glibc, where the small blocks of the process land moves where the large ones can go:
+the same passes peak differently from one process to the next with nothing but the order of
+Python's dicts and sets (its hash seed) and the addresses the kernel chose changed. With
+`--layouts` round r runs with PYTHONHASHSEED=r, so each round is another layout, the same one
+in every setting and again in a later run. The `model` column is what the planner's memory
+model (planner.memory: the allocator's model, with the form's) says the last pass holds above
+the start, as tests/test_memory_model.py checks it: for the heap and mapped-small settings
+glibc's, jemalloc's for jemalloc.
 """
 from __future__ import annotations
 
@@ -161,6 +171,29 @@ def environment(setting: str, jemalloc: str | None, tbb: str | None = None) -> d
     return env
 
 
+def model_peak(args, row: str, allocator: str) -> str:
+    """What the memory model says the last pass holds above the settled start, in MiB, for a
+    row's allocator and form (as tests/test_memory_model.py predicts it); "-" where it has none."""
+    from planner.checkpoint import checkpointing_model
+    from planner.mapping import mapped_model
+    from planner.memory import STAGE_SCRATCH_BYTES, MemoryModel
+    from swarm.zoo import describe_model
+
+    setting = row.split("+")[0]
+    if allocator not in ("glibc", "jemalloc") or setting not in ("heap", "swarm", "mapped-small", "jemalloc"):
+        return "-"  # (mapped-small:N maps from another size than the planner's MAPPED_FROM)
+    desc = describe_model(args.model, args.img_size, 5)
+    model, n = MemoryModel.for_devices(desc, allocator=allocator), len(desc.layers)
+    if setting == "mapped-small":
+        model = mapped_model(model)
+    if row.endswith("+rc"):
+        model = model.recomputing()
+    elif row.endswith("+ck"):
+        model = checkpointing_model(model)
+    b = int(args.samples.split(",")[(args.iterations - 1) % len(args.samples.split(","))])
+    return f"{(model.stage(0, n, b, 1) - model.weights(0, n) + STAGE_SCRATCH_BYTES) / 2**20:.0f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="yolov2-16")
@@ -175,6 +208,8 @@ def main() -> int:
                         "and activation remade in the backward (on), or checkpointed segments")
     parser.add_argument("--live", action="store_true", help="also the most bytes torch's allocator holds at once in "
                         "a pass of the first sample count (torch.profiler), beside the resident peak")
+    parser.add_argument("--layouts", action="store_true", help="round r with PYTHONHASHSEED=r: another layout of "
+                        "the process's small blocks each round, the same in every setting")
     parser.add_argument("--cpu", type=float, help="each process in a cgroup of this many cores (root)")
     parser.add_argument("--mem", type=memory_size, help="... and this much memory (1G, 800M)")
     args = parser.parse_args()
@@ -200,11 +235,13 @@ def main() -> int:
     suffix = {"off": "", "on": "+rc", "segments": "+ck"}
     runs: dict[str, list[dict]] = {s + suffix[m]: [] for s, m in rows}
     killed: dict[str, int] = {}
-    for _ in range(args.rounds):
+    for round_ in range(1, args.rounds + 1):
         for setting, mode in rows:
             env = environment(setting, args.jemalloc, args.tbb)
             if env is None:
                 continue  # jemalloc (or tbb) not here
+            if args.layouts:
+                env["PYTHONHASHSEED"] = str(round_)
             out = subprocess.run([sys.executable, "-c", PASSES, setting, args.samples, str(args.img_size),
                                   str(args.iterations), args.model, mode, *(["live"] if args.live else [])],
                                  capture_output=True, text=True, env=env, cwd=ROOT, preexec_fn=in_cgroup)
@@ -223,7 +260,7 @@ def main() -> int:
           f"{args.rounds} rounds; resident peak above the settled start, MiB (median; range of the last pass); "
           f"VmHWM: the process's own peak, its start included, MiB")
     print(f"{'setting':12} {'allocator':9} {'peak after each pass':48} {'last: min-max':14} {'user s':>7} "
-          f"{'sys s':>6} {'faults':>8} {'wall s':>7} {'VmHWM':>6}")
+          f"{'sys s':>6} {'faults':>8} {'wall s':>7} {'VmHWM':>6} {'model':>6}")
     for setting, done in runs.items():
         if not done:
             print(f"{setting:12} " + (f"ended early in all {killed[setting]} runs" if setting in killed else
@@ -235,6 +272,7 @@ def main() -> int:
               f"{last[0]:.0f}-{last[-1]:.0f}{'':6} {statistics.median(r['user'] for r in done):7.2f} "
               f"{statistics.median(r['sys'] for r in done):6.2f} {statistics.median(r['faults'] for r in done):8.0f} "
               f"{statistics.median(r['wall'] for r in done):7.1f} {statistics.median(r['hwm'] for r in done):6.0f}"
+              f" {model_peak(args, setting, done[0]['allocator']):>6}"
               + (f"  live {statistics.median(r['live'] for r in done):.0f}" if args.live else "")
               + (f"  ({killed[setting]} ended early)" if setting in killed else ""))
     return 0

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
+
 from planner.cluster import Cluster
 from planner.costs import CostTable
 from planner.memory import MemoryModel, estimate_activation_bytes
@@ -61,14 +63,24 @@ def kept_bytes(desc: ModelDesc, first: int, last: int) -> int:
     until its backward: each segment's inputs from outside it (maps made before the segment
     that a layer of it reads; the stage's own inputs for its first), each map once however
     many segments read it."""
+    return sum(kept_by_segment(desc, first, last))
+
+
+def kept_by_segment(desc: ModelDesc, first: int, last: int) -> list[int]:
+    """kept_bytes by the first of the stage's segments that reads each map: the backward, last
+    segment first, frees a kept map once that segment is back-propagated, so while segment k
+    is remade the maps counted at 0..k are alive and the rest freed."""
     segments = stage_segments(desc, first, last)
     segment_of = {i: k for k, (a, b) in enumerate(segments) for i in range(a, b)}
-    kept = set()
+    reader: dict[int, int] = {}  # each kept map: the first segment that reads it
     for j in range(first, last):
         for src in desc.layers[j].inputs:
             if segment_of.get(src) != segment_of[j]:
-                kept.add(src)
-    return sum(desc.input_bytes if src < 0 else desc.layers[src].out_bytes for src in kept)
+                reader[src] = min(reader.get(src, segment_of[j]), segment_of[j])
+    by_segment = [0] * len(segments)
+    for src, k in reader.items():
+        by_segment[k] += desc.input_bytes if src < 0 else desc.layers[src].out_bytes
+    return by_segment
 
 
 @dataclass
@@ -85,11 +97,14 @@ class CheckpointingModel(MemoryModel):
     measured/estimated ratio is about what autograd saves inside layers, which a checkpointed
     segment does not keep; the segment being remade is charged its measured bytes.
 
-    While the worst segment is remade, every segment's kept inputs stay charged, though the
-    later segments' are freed by then, and the segment's own inputs are also among its saved
-    bytes (yolov2-16 at 416, slack 1: 138 MiB a sample where those would make it 112). Against
-    peaks measured in one process (bench/PLANNER_RESULTS.md, 2026-11-29): yolov2-16's on glibc
-    to 0.4%, over jemalloc's by 2%; darknet53's at 1.55x, something not modelled. What reads
+    While a segment is remade, the maps kept only for the segments behind it have been freed
+    (kept_by_segment). Where the allocator reuses freed room (`reuse`: jemalloc, a mapped heap)
+    they are not charged; on glibc's heap, which does not hand that room to maps of other sizes,
+    they stay charged. The segment's own inputs are also among its saved bytes, charged twice.
+    yolov2-16, 4 samples, one process above its start (bench/RESULTS.md, 2026-12-04 15:53-16:16
+    UTC): at 320 jemalloc 365-366 MiB against 394 with the stage scratch (472 charging every
+    kept map), glibc's heap 309-400 over eight layouts against 440, mapped 260-292 against 328;
+    at 416 jemalloc 540-542 against 622, mapped 412-419 against 510. What reads
     act_bytes or transient_table directly (planner.asteroid_tables) sees the plain model's:
     Asteroid's search plans no such stage."""
 
@@ -110,9 +125,11 @@ class CheckpointingModel(MemoryModel):
         if key not in self._per_stage:
             segments = stage_segments(self.desc, first, last)
             saved = [float(self._cum_act[b] - self._cum_act[a]) for a, b in segments]
-            held = max(float(self.transient_table[a, b]) + s for (a, b), s in zip(segments, saved))
+            kept = np.cumsum(kept_by_segment(self.desc, first, last), dtype=float)  # alive while k is remade
+            freed = kept[-1] - kept if self.reuse else np.zeros(len(segments))
+            held = max(float(self.transient_table[a, b]) + s - f for (a, b), s, f in zip(segments, saved, freed))
             bound = max(float(self.grad_bytes[a:b].max()) + s for (a, b), s in zip(segments, saved))
-            self._per_stage[key] = (float(kept_bytes(self.desc, first, last)), held, bound)
+            self._per_stage[key] = (float(kept[-1]), held, bound)
         return self._per_stage[key]
 
     def activations(self, first: int, last: int, batch: float) -> float:

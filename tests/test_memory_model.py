@@ -281,16 +281,18 @@ def allocator_environment(allocator: str) -> dict[str, str]:
 @pytest.mark.parametrize("allocator", ["glibc", "jemalloc"])
 def test_a_checkpointed_share_fits_the_model_of_its_allocator(allocator):
     """A whole micro-batch of yolov2-16 at 320 that runs in checkpointed segments
-    (planner.checkpoint): every run's peak is under the model's, and the model within 1.6x of
-    it. (4 samples, three micro-batches, 2026-12-02: glibc 375 MiB against 440, jemalloc 367
-    against 472; a fresh-clone CI run on 2026-12-04 measured glibc at 306 and 291, 1.44x and
-    1.51x under the model, where glibc placed the same blocks more tightly. The model charges
-    every segment's kept inputs while the first is remade, the later ones' freed by then; at 416 the allocators held 55-300 MiB beyond the live tensors,
-    more than for a pass that keeps or remakes: bench/RESULTS.md, 2026-12-02 03:50-05:04 UTC.)"""
+    (planner.checkpoint): every run's peak is under the model's, and the model within 1.2x of
+    it on jemalloc, 1.6x on glibc's heap. (4 samples, three micro-batches, 2026-12-04: jemalloc
+    365-366 MiB over four layouts of the process against 394; glibc 309-400 over eight against
+    440, the same passes peaking up to 29% apart with nothing but the layout changed. Where the
+    allocator reuses freed room (jemalloc) the model frees the later segments' kept inputs once
+    they are back-propagated; on glibc's heap it charges them all the way: bench/RESULTS.md,
+    2026-12-04 15:53-16:16 UTC.)"""
     from planner.checkpoint import checkpointing_model
 
     env = allocator_environment(allocator)
     desc = describe_model("yolov2-16", 320, 5)
     model, n = checkpointing_model(MemoryModel.for_devices(desc, allocator=allocator)), len(desc.layers)
     predicted = model.stage(0, n, 4, 1) - model.weights(0, n) + STAGE_SCRATCH_BYTES
-    assert_share_fits(predicted, 4, 320, env, allocator, within=1.6, checkpointed=True)
+    assert_share_fits(predicted, 4, 320, env, allocator, within={"glibc": 1.6, "jemalloc": 1.2}[allocator],
+                      checkpointed=True)

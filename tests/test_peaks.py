@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from swarm.host.peaks import Peaks
 
 
@@ -26,3 +28,29 @@ def test_a_number_is_read_on_entry_and_exit_however_short_the_run():
     with Peaks(lambda: next(values), 3600) as peaks:
         pass
     assert peaks.peak == 9.0
+
+
+def test_a_resident_peak_is_the_kernels_high_water_mark_however_short_it_was():
+    """PeakRSS on Linux reads the high-water mark it reset on entry: a block touched and freed
+    between two samples counts whole, and what was resident before entry does not."""
+    import mmap
+
+    from swarm.profiling import memory_guard
+    from swarm.profiling.memory_guard import PeakRSS
+
+    size = 64 << 20
+
+    def touched_and_freed():
+        block = mmap.mmap(-1, size)
+        for page in range(0, size, mmap.PAGESIZE):
+            block[page] = 1
+        block.close()
+
+    touched_and_freed()  # a peak before the measurement: not counted
+    if memory_guard._high_water() is None:
+        pytest.skip("no /proc/self/status here: PeakRSS samples")
+    with PeakRSS(interval=3600) as rss:  # sampling would read only on entry and exit, missing the block
+        start = memory_guard._high_water()
+        touched_and_freed()
+    assert rss.peak - start >= 0.95 * size
+    assert rss.peak - start < size + (32 << 20)
