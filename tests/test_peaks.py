@@ -54,3 +54,23 @@ def test_a_resident_peak_is_the_kernels_high_water_mark_however_short_it_was():
         touched_and_freed()
     assert rss.peak - start >= 0.95 * size
     assert rss.peak - start < size + (32 << 20)
+
+
+def test_where_the_high_water_mark_cannot_be_reset_the_resident_size_is_sampled(monkeypatch, tmp_path):
+    import mmap
+
+    from swarm.profiling import memory_guard
+    from swarm.profiling.memory_guard import PeakRSS
+
+    import psutil
+
+    monkeypatch.setattr(memory_guard, "HIGH_WATER", str(tmp_path / "absent" / "clear_refs"))
+    size = 64 << 20
+    start = psutil.Process().memory_info().rss
+    with PeakRSS(interval=0.001) as rss:
+        block = mmap.mmap(-1, size)
+        for page in range(0, size, mmap.PAGESIZE):
+            block[page] = 1
+        time.sleep(0.05)  # held long enough for the sampler to see it
+        block.close()
+    assert rss._sampled is not None and rss.peak - start >= 0.95 * size
