@@ -101,7 +101,7 @@ class CheckpointingModel(MemoryModel):
     (kept_by_segment). Where the allocator reuses freed room (`reuse`: jemalloc, a mapped heap)
     they are not charged; on glibc's heap, which does not hand that room to maps of other sizes,
     they stay charged. The segment's own inputs are also among its saved bytes, charged twice.
-    yolov2-16, 4 samples, one process above its start (bench/RESULTS.md, 2026-12-04 15:53-16:16
+    yolov2-16, 4 samples, one process above its start (bench/RESULTS.md, 2026-12-04 15:53-16:30
     UTC): at 320 jemalloc 365-366 MiB against 394 with the stage scratch (472 charging every
     kept map), glibc's heap 309-400 over eight layouts against 440, mapped 260-292 against 328;
     at 416 jemalloc 540-542 against 622, mapped 412-419 against 510. What reads

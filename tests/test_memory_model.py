@@ -287,7 +287,7 @@ def test_a_checkpointed_share_fits_the_model_of_its_allocator(allocator):
     440, the same passes peaking up to 29% apart with nothing but the layout changed. Where the
     allocator reuses freed room (jemalloc) the model frees the later segments' kept inputs once
     they are back-propagated; on glibc's heap it charges them all the way: bench/RESULTS.md,
-    2026-12-04 15:53-16:16 UTC.)"""
+    2026-12-04 15:53-16:30 UTC.)"""
     from planner.checkpoint import checkpointing_model
 
     env = allocator_environment(allocator)

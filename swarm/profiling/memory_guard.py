@@ -42,9 +42,7 @@ class PeakRSS:
     """This process's largest resident size while open (`peak`, in bytes, also read inside the
     block). On Linux it is the kernel's own high-water mark, reset on entry: exact, at no cost.
     Elsewhere, or where /proc will not reset it, a thread samples the resident size every
-    `interval` seconds (Peaks), which can miss a peak between readings; and its readings
-    allocate beside the measured work, in glibc's one heap as swarm tunes it, moving where that
-    work's blocks land."""
+    `interval` seconds (Peaks), which can miss a peak between readings."""
 
     def __init__(self, interval: float = 0.001):
         self.interval, self._sampled, self._last = interval, None, None
@@ -58,7 +56,7 @@ class PeakRSS:
         return _high_water()
 
     def __enter__(self):
-        self._last = None
+        self._last, self._sampled = None, None
         try:
             with open(HIGH_WATER, "w") as marks:
                 marks.write("5")
