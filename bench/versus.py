@@ -17,9 +17,9 @@ would type, inside dev0's namespace (as bench/swarm_bench.py runs it):
 
 (without augmentation, as the peers train: the runs compare training, not the data pipeline)
 
-A swarm run's name may end in `@glibc`: the same run with every swarm process on glibc, as the
-README's set-up gives it (SWARM_MALLOC=glibc), where a run without it is on jemalloc (installed
-by hand: `deploy/install.sh` brings it). `--runs ddp,auto,auto@glibc` measures the gap between
+A swarm run's name may end in `@glibc`: the same run with every swarm process on glibc
+(SWARM_MALLOC=glibc), as a system without jemalloc and without apt runs it, where a run without it
+is on jemalloc (installed by `deploy/install.sh`, or fetched by swarm: swarm.host.malloc). `--runs ddp,auto,auto@glibc` measures the gap between
 the two installs against each other and DDP in one run, alternating. A name may end in
 `@inloop` instead: the same run with its gradient sums moved by the event loop rather than on
 lanes of their own (SWARM_SUM_LANES=0, swarm/execution/lane.py).
@@ -72,7 +72,7 @@ from peers.run_ddp import PIPE, last_error, out_of_memory, run_ddp, run_peer  # 
 from planner.plan import Plan
 from swarm.commands.flags import positive_float, positive_int
 from swarm.commands.testbed_cmd import bandwidth_rate, each, memory_size
-from swarm.host.malloc import find_jemalloc
+from swarm.host.malloc import jemalloc_library
 from swarm.host.peaks import Peaks
 from swarm.testbed import testbed
 
@@ -183,9 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 2:
         p.error("--steps must be at least 2 (the first step, which starts everything up, is not counted)")
     on_glibc = [r for r in args.runs if r.endswith(ON_GLIBC)]
-    if on_glibc and (find_jemalloc() is None or os.environ.get("SWARM_MALLOC", "").lower() in ("glibc", "system")):
-        p.error(f"'{on_glibc[0]}' would run on glibc as '{base_run(on_glibc[0])}' does: jemalloc is not installed "
-                "here, or SWARM_MALLOC keeps every run on glibc")
+    if on_glibc and (os.environ.get("SWARM_MALLOC", "").lower() in ("glibc", "system")
+                     or jemalloc_library(fetch=True) is None):
+        p.error(f"'{on_glibc[0]}' would run on glibc as '{base_run(on_glibc[0])}' does: jemalloc is neither installed "
+                "nor fetched here (swarm.host.malloc), or SWARM_MALLOC keeps every run on glibc")
     return args
 
 

@@ -27,6 +27,10 @@ ALLOWED_SKIPS = (
 # every subprocess a test starts) sees this unless a test pins another interface itself.
 os.environ["SWARM_INTERFACE"] = "lo"
 os.environ["SWARM_CONFIG"] = os.devnull  # never the machine's own /etc/swarm/swarm.toml
+# The suite runs on glibc where jemalloc is not installed: a `swarm` command it starts neither
+# fetches Debian's jemalloc nor runs on one fetched before (swarm.host.malloc; the allocator tests
+# preload jemalloc themselves, and tests/test_malloc_fetch.py fetches from a fake apt).
+os.environ["SWARM_FETCH_JEMALLOC"] = "0"
 
 # On several workers (below) tests compute beside each other, and an OpenMP team that spins while
 # it waits, as libgomp's does by default, takes the core from the test beside it: two

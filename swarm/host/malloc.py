@@ -2,7 +2,8 @@
 
 Where jemalloc is installed (`libjemalloc2` on Debian and Raspberry Pi OS), the `swarm`
 command runs itself on it (`preload`: it starts again at once with LD_PRELOAD, keeping its
-process id). Training's large activations of varying sizes fragment glibc's one heap: one
+process id); where it is not but apt is, on Debian's package, which the first command that
+trains fetches into this install without installing it (fetch_jemalloc). Training's large activations of varying sizes fragment glibc's one heap: one
 process training yolov2-16 at 416 on micro-batches of 4 samples peaked at 1703 MiB resident
 (VmHWM, torch's libraries included) with the glibc settings below and at 992 MiB on jemalloc
 (1 sample 659 against 560 MiB, 2 samples 1088 against 705), at the same CPU time and with
@@ -57,10 +58,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import gc
 import glob
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 M_MXFAST, M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = 1, -1, -3, -4, -8
 # glibc: no per-thread cache of small freed chunks (what mallopt cannot change once running)
@@ -89,6 +96,107 @@ def find_jemalloc() -> str | None:
             if os.path.isfile(path):
                 return path
     return None
+
+
+# ---- jemalloc where it is not installed: Debian's package, fetched without installing it --------
+# On Debian and the systems built on it (Ubuntu, Raspberry Pi OS, NVIDIA's Jetson Linux) a `swarm`
+# set up with pip alone fetches Debian's libjemalloc2 the first time a command that trains starts:
+# `apt-get download` (which checks the package against the system's signed package lists; no root)
+# and `dpkg-deb -x` (which only unpacks: no package scripts run), into a folder of this install,
+# and runs on it from then on, as where it is installed. SWARM_FETCH_JEMALLOC=0 neither fetches
+# nor runs on one fetched before; SWARM_MALLOC=glibc keeps glibc's malloc either way.
+JEMALLOC_PACKAGE = "libjemalloc2"
+JEMALLOC_FILE = "libjemalloc.so.2"
+FETCH = "SWARM_FETCH_JEMALLOC"
+FETCH_TIMEOUT_S = 30.0  # each of the two commands (an offline device: its package lists' mirror unreachable)
+FETCH_RETRY_S = 24 * 3600.0  # after a failed fetch, the next try
+
+
+def fetched_dirs() -> list[Path]:
+    """Where a fetched jemalloc is kept: SWARM_JEMALLOC_DIR where set, else in this install (its
+    virtual environment), or where that cannot be written, the user's cache."""
+    if os.environ.get("SWARM_JEMALLOC_DIR"):
+        return [Path(os.environ["SWARM_JEMALLOC_DIR"])]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return [Path(sys.prefix) / "lib" / "swarm-jemalloc", cache / "swarm" / "jemalloc"]
+
+
+def fetched_jemalloc() -> str | None:
+    """The jemalloc library fetched before, if any."""
+    for folder in fetched_dirs():
+        if (folder / JEMALLOC_FILE).is_file():
+            return str(folder / JEMALLOC_FILE)
+    return None
+
+
+def may_fetch(environ) -> bool:
+    """Whether a command may fetch jemalloc: on Linux, unless the environment says not to, keeps
+    glibc (SWARM_MALLOC) or sets the allocator itself."""
+    return (sys.platform.startswith("linux") and environ.get(FETCH, "1") != "0"
+            and environ.get("SWARM_MALLOC", "").lower() not in ("glibc", "system") and not _users_choice(environ))
+
+
+def fetch_jemalloc(timeout: float = FETCH_TIMEOUT_S) -> str | None:
+    """Debian's jemalloc, fetched and unpacked into the first of fetched_dirs() that can be
+    written (once: processes starting together wait for one fetch); its path, or None where
+    there is no apt-get and dpkg-deb, the fetch fails (then not tried again for FETCH_RETRY_S),
+    or the folder cannot be written. Says so on stderr when it fetched."""
+    apt, unpack = shutil.which("apt-get"), shutil.which("dpkg-deb")
+    if apt is None or unpack is None:
+        return None
+    for folder in fetched_dirs():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = open(folder / ".lock", "a")
+        except OSError:
+            continue
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return _fetch_into(folder, apt, unpack, timeout)
+    return None
+
+
+def _fetch_into(folder: Path, apt: str, unpack: str, timeout: float) -> str | None:
+    library, failed = folder / JEMALLOC_FILE, folder / "failed"
+    if library.is_file():
+        return str(library)  # another process fetched it meanwhile
+    with contextlib.suppress(OSError):
+        if time.time() - failed.stat().st_mtime < FETCH_RETRY_S:
+            return None
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL,
+             "timeout": timeout, "check": True}
+    try:
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            subprocess.run([apt, "download", "-q", "-o", "Acquire::Retries=0", "-o", f"Acquire::http::Timeout={timeout:.0f}",
+                            JEMALLOC_PACKAGE], cwd=tmp, **quiet)
+            (package,) = Path(tmp).glob(f"{JEMALLOC_PACKAGE}_*.deb")
+            root = Path(tmp) / "root"
+            subprocess.run([unpack, "-x", str(package), str(root)], **quiet)
+            found = sorted(p.resolve() for p in root.rglob(JEMALLOC_FILE) if p.is_file())
+            if not found or not found[0].is_relative_to(root.resolve()):
+                raise ValueError(f"{package.name} has no {JEMALLOC_FILE}")
+            part = folder / (JEMALLOC_FILE + ".part")
+            shutil.copyfile(found[0], part)
+            os.replace(part, library)
+            (folder / "SOURCE").write_text(package.name + "\n")
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        with contextlib.suppress(OSError):
+            failed.touch()
+        print(f"swarm: could not fetch jemalloc ({type(exc).__name__}); training runs on glibc's malloc, "
+              f"and the fetch is tried again in a day", file=sys.stderr)
+        return None
+    print(f"swarm: jemalloc is not installed here; fetched Debian's {package.name} into {folder} and runs on it "
+          f"from now on (SWARM_MALLOC=glibc keeps glibc's malloc)", file=sys.stderr)
+    return str(library)
+
+
+def jemalloc_library(environ=os.environ, fetch: bool = False) -> str | None:
+    """The jemalloc a `swarm` command runs on: the installed one, else the one fetched before,
+    else (with `fetch`, where may_fetch) one fetched now."""
+    found = find_jemalloc()
+    if found is None and may_fetch(environ):
+        found = fetched_jemalloc() or (fetch_jemalloc() if fetch else None)
+    return found
 
 
 def _users_choice(environ) -> bool:
@@ -123,13 +231,15 @@ def _swarm_glibc(environ=os.environ) -> bool:
 
 
 def preload(argv: list[str] | None = None) -> None:
-    """Start this command again on jemalloc when it is installed, or with glibc's tunables
+    """Start this command again on jemalloc when it is installed or fetched (a command that
+    trains fetches it where it may: jemalloc_library), or with glibc's tunables
     when a command that trains runs on glibc (the first thing the `swarm` command does,
     before torch is loaded). Same process, same arguments; on any failure it just goes on
     with the allocator it has."""
     args = sys.argv[1:] if argv is None else argv
     computing = any(a in COMPUTING for a in args[:1])
-    env = preload_environment(dict(os.environ), find_jemalloc(), glibc=computing and _libc() is not None)
+    library = jemalloc_library(fetch=computing and PRELOADED not in os.environ)
+    env = preload_environment(dict(os.environ), library, glibc=computing and _libc() is not None)
     argv = getattr(sys, "orig_argv", None)
     if env is None or not argv or not sys.executable:
         return

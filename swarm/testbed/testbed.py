@@ -218,6 +218,9 @@ def up(count: int, *, cpu: float | list[float] | None = None, memory: int | list
                              "for cgroup2 with cpu+memory, or cgroup v1 cpu and memory)")
     if load() is not None or (not loopback and (netns.namespaces() or netns.links())):
         raise SwarmError("a testbed is already up (or left over from a crash); run `swarm testbed down` first")
+    # the devices run the swarm set up here, which fetches jemalloc where it is not installed
+    # (swarm.host.malloc): fetch it now, on this host's network, not from a namespace with none
+    malloc.jemalloc_library(fetch=True)
 
     directory = state_dir()
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
