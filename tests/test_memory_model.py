@@ -199,8 +199,8 @@ MARGIN = {"glibc": 1.6, "glibc+mapped": 1.3, "jemalloc": 1.8}
 @pytest.mark.parametrize("allocator", ["glibc", "glibc+mapped", "jemalloc"])
 def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
     """Each allocator a `swarm` command may run a training on: glibc with every block in its
-    heap (what the README's set-up gives), and on it a plan that maps its largest blocks afresh
-    (planner.mapping), and jemalloc (the install script's)."""
+    heap (where jemalloc is neither installed nor fetched), and on it a plan that maps its largest
+    blocks afresh (planner.mapping), and jemalloc (installed, or fetched by swarm.host.malloc)."""
     env = allocator_environment(allocator.split("+")[0])  # as the swarm command runs on it
     how = "map" if allocator.endswith("+mapped") else "heap"
     size = 320
