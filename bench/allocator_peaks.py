@@ -158,7 +158,7 @@ def environment(setting: str, jemalloc: str | None, tbb: str | None = None) -> d
     elif setting.startswith("mapped"):  # as it did until 2026-12, in huge pages
         env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES + ":glibc.malloc.hugetlb=1")
     elif setting == "jemalloc":
-        library = jemalloc or malloc.find_jemalloc()
+        library = jemalloc or malloc.jemalloc_library(fetch=True)
         if library is None:
             return None
         env.update(LD_PRELOAD=library, MALLOC_CONF=malloc.JEMALLOC_CONF)

@@ -6,7 +6,7 @@ passes keeping every map, remaking (swarm.zoo.recompute) and in checkpointed seg
                                    [--as-swarm]
 
 With --as-swarm the process runs on the allocator and settings a `swarm` command that trains
-would (swarm.host.malloc: jemalloc where installed, else glibc without its tcache and with
+would (swarm.host.malloc: jemalloc where installed or fetched, else glibc without its tcache and with
 swarm's heap settings; SWARM_MALLOC=glibc picks glibc where jemalloc is installed).
 
 Each entry is model:size:samples. Prints, per model, the median CPU seconds of a pass each way
