@@ -3,14 +3,14 @@
 Where jemalloc is installed (`libjemalloc2` on Debian and Raspberry Pi OS), the `swarm`
 command runs itself on it (`preload`: it starts again at once with LD_PRELOAD, keeping its
 process id); where it is not but apt is, on Debian's package, which the first command that
-trains fetches into this install without installing it (fetch_jemalloc). Training's large activations of varying sizes fragment glibc's one heap: one
-process training yolov2-16 at 416 on micro-batches of 4 samples peaked at 1703 MiB resident
-(VmHWM, torch's libraries included) with the glibc settings below and at 992 MiB on jemalloc
-(1 sample 659 against 560 MiB, 2 samples 1088 against 705), at the same CPU time and with
-no page faults once warm, since jemalloc keeps freed pages for reuse too (JEMALLOC_CONF). A
-device that holds more samples of a micro-batch needs fewer partners and fewer BatchNorm
-exchanges; the planner's memory model knows which allocator each device's profile ran on
-(planner.memory.ALLOCATORS).
+trains fetches into this install without installing it (fetch_jemalloc). Training's large
+activations of varying sizes fragment glibc's one heap: one process training yolov2-16 at 416
+on micro-batches of 4 samples peaked at 1703 MiB resident (VmHWM, torch's libraries included)
+with the glibc settings below and at 992 MiB on jemalloc (1 sample 659 against 560 MiB, 2
+samples 1088 against 705), at the same CPU time and with no page faults once warm, since
+jemalloc keeps freed pages for reuse too (JEMALLOC_CONF). A device that holds more samples of
+a micro-batch needs fewer partners and fewer BatchNorm exchanges; the planner's memory model
+knows which allocator each device's profile ran on (planner.memory.ALLOCATORS).
 
 Training allocates and frees the same large activations every micro-batch. By default glibc
 serves each block above its mmap threshold with a fresh mapping and unmaps it on free, so the
@@ -117,8 +117,12 @@ def fetched_dirs() -> list[Path]:
     virtual environment), or where that cannot be written, the user's cache."""
     if os.environ.get("SWARM_JEMALLOC_DIR"):
         return [Path(os.environ["SWARM_JEMALLOC_DIR"])]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return [Path(sys.prefix) / "lib" / "swarm-jemalloc", cache / "swarm" / "jemalloc"]
+    install = Path(sys.prefix) / "lib" / "swarm-jemalloc"
+    try:
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no home directory to be found
+        return [install]
+    return [install, cache / "swarm" / "jemalloc"]
 
 
 def fetched_jemalloc() -> str | None:
@@ -151,7 +155,10 @@ def fetch_jemalloc(timeout: float = FETCH_TIMEOUT_S) -> str | None:
         except OSError:
             continue
         with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError:  # a file system without locks
+                continue
             return _fetch_into(folder, apt, unpack, timeout)
     return None
 
@@ -238,7 +245,10 @@ def preload(argv: list[str] | None = None) -> None:
     with the allocator it has."""
     args = sys.argv[1:] if argv is None else argv
     computing = any(a in COMPUTING for a in args[:1])
-    library = jemalloc_library(fetch=computing and PRELOADED not in os.environ)
+    try:
+        library = jemalloc_library(fetch=computing and PRELOADED not in os.environ)
+    except Exception:  # noqa: BLE001 (the allocator is an optimisation: the command runs either way)
+        library = find_jemalloc()
     env = preload_environment(dict(os.environ), library, glibc=computing and _libc() is not None)
     argv = getattr(sys, "orig_argv", None)
     if env is None or not argv or not sys.executable:
