@@ -166,3 +166,27 @@ def test_a_command_that_trains_fetches_a_real_package_and_runs_on_it(tmp_path):
         assert out.stdout.split() == ["jemalloc", str(tmp_path / "fetched" / "libjemalloc.so.2")], out
         assert ("fetched Debian's libjemalloc2_5.3.0-1_all.deb" in out.stderr) == (attempt == 0)
     assert (tmp_path / "fetched" / "SOURCE").read_text() == "libjemalloc2_5.3.0-1_all.deb\n"
+
+
+def test_without_a_home_the_install_is_the_one_place(monkeypatch):
+    monkeypatch.delenv("SWARM_JEMALLOC_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert malloc.fetched_dirs() == [Path(sys.prefix) / "lib" / "swarm-jemalloc"]
+
+
+def test_a_failure_while_looking_for_jemalloc_leaves_the_command_as_it_is(monkeypatch):
+    def broken(*args, **kwargs):
+        raise PermissionError("a folder it may not read")
+
+    started = []
+    monkeypatch.setattr(malloc, "jemalloc_library", broken)
+    monkeypatch.setattr(malloc, "find_jemalloc", lambda: None)
+    monkeypatch.setattr(malloc.os, "execve", lambda *a: started.append(a))
+    monkeypatch.setenv(malloc.PRELOADED, "glibc")  # started again already: nothing to change
+    malloc.preload(["train"])
+    assert started == []
