@@ -193,7 +193,7 @@ def share_peak(b: int, size: int, env_extra: dict, how: str = "heap", remade: bo
 
 
 # how far above a share's peak the model of each allocator may be (see the test below)
-MARGIN = {"glibc": 1.6, "glibc+mapped": 1.3, "jemalloc": 1.8}
+MARGIN = {"glibc": 1.6, "glibc+mapped": 1.3, "jemalloc": 1.2}
 
 
 @pytest.mark.parametrize("allocator", ["glibc", "glibc+mapped", "jemalloc"])
@@ -227,7 +227,9 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
         # once its small-chunk caches were off: planner/memory.py) is within 1.6x a 2-sample
         # share, where the fixed stage scratch is a large part (213-249 MiB against 324), and
         # within 1.25x at 4 samples (479-520 against 583), in its heap in huge pages or not;
-        # jemalloc's within 1.8x; a mapped
+        # jemalloc's within 1.2x (at 320, 2 and 4 samples 231 and 404 MiB against 254 and 444,
+        # the same to the MiB in every run: 1.10x; at 416, 4 samples 611 against 707, 1.16x:
+        # its slack is set from a testbed device's job, 2-4% under the model); a mapped
         # heap's, fitted (planner.mapping.MAPPED_SLACK), within 30% (at 320 px the stage
         # scratch, a fixed 64 MiB, is a larger part: at 416, 4 samples 520-526 MiB against 578,
         # 2 samples 275-281 against 321; at 320, 2 samples 172-203 MiB against 216 over nine
@@ -241,7 +243,8 @@ def test_a_whole_model_share_fits_the_model_of_its_allocator(allocator):
 def test_a_remade_share_that_streams_fits_the_model_of_its_allocator(allocator):
     """A whole micro-batch of yolov2-16 at 416 that remakes BatchNorm, whose two largest layers
     back-propagate a few channels at a time (swarm.zoo.recompute): every run's peak is under the
-    model's, and the model within 1.4x of it. (On glibc 441-471 MiB in three runs against 589:
+    model's, and the model within 1.4x of it on glibc, 1.2x on jemalloc (405 MiB in every run
+    against 467). (On glibc 441-471 MiB in three runs against 589:
     the model charges the largest layer's backward buffers on top of every layer's saved maps,
     where by then the later layers' are freed and some of their room reused.)"""
     env = allocator_environment(allocator)
@@ -249,7 +252,8 @@ def test_a_remade_share_that_streams_fits_the_model_of_its_allocator(allocator):
     model, n = MemoryModel.for_devices(desc, allocator=allocator).recomputing(), len(desc.layers)
     assert streamed(desc, model.remade) == {0, 2}
     predicted = model.stage(0, n, 4, 1) - model.weights(0, n) + STAGE_SCRATCH_BYTES
-    assert_share_fits(predicted, 4, 416, env, allocator, remade=True)
+    assert_share_fits(predicted, 4, 416, env, allocator, within={"glibc": 1.4, "jemalloc": 1.2}[allocator],
+                      remade=True)
 
 
 def assert_share_fits(predicted: float, b: int, size: int, env: dict, allocator: str, within: float = 1.4,
