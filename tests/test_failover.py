@@ -172,9 +172,10 @@ async def test_the_holders_elect_a_successor_when_the_coordinator_goes(tmp_path)
                 real = agent._run_command
 
                 def recorded(run, real=real):  # the command the agent would run, written down instead
-                    argv, env = real(run)
-                    return [sys.executable, "-c", "import sys; open('argv', 'w').write(' '.join(sys.argv[1:]))",
-                            *argv[4:]], env
+                    argv, env = real(run)  # (and alive a while, as a successor starting: while it lives its
+                    # agent asks the lease in its name, and the other holder does not stand again)
+                    return [sys.executable, "-c", "import sys, time; open('argv', 'w').write(' '.join(sys.argv[1:])); "
+                            "time.sleep(10)", *argv[4:]], env
                 agent.detached.command_for = recorded
                 agents.append(agent)
             devices = {"a0": {"node_id": "node0", "address": "127.0.0.1:9"}}
