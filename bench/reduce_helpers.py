@@ -7,7 +7,7 @@ On the mixed swarm (six devices of 0.1, 0.1, 0.2, 0.2, 0.4 and 0.6 core, 1 GiB, 
 24.2 MB move 36 MB each way a step on every replica's link while the two 0.1-core
 devices' links stay idle. Each device here, in its namespace and CPU cgroup, over the
 endpoint training uses (bench/testbed_group.py), sums yolov4-tiny's seven gradient buckets
-(planner.stage_work.buckets_of's, all under way at once) among the four replicas (dev2-dev5),
+(planner.buckets.buckets_of's, all under way at once) among the four replicas (dev2-dev5),
 in turns:
   - straight to each replica's chunk (swarm.execution.collectives._direct, what training does);
   - with the two idle devices owning a share H each of every bucket and the replicas the rest
@@ -37,7 +37,7 @@ from testbed_group import group_endpoint, run_on_devices  # noqa: E402 - bench/ 
 PORT = 4763
 TOKEN = "helpers-bench-token-0123456789abcdef"
 CPU = "0.1,0.1,0.2,0.2,0.4,0.6"
-# yolov4-tiny's gradient buckets in bytes (planner.stage_work.buckets_of), in backward order, by top layer
+# yolov4-tiny's gradient buckets in bytes (planner.buckets.buckets_of), in backward order, by top layer
 BUCKETS = (3803132, 5378044, 9967616, 1445888, 2361344, 1192448, 77952)
 BUCKET_LAYERS = (36, 32, 27, 23, 18, 15, 1)
 REPLICAS = (5, 4, 3, 2)  # device indices, in summing order

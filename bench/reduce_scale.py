@@ -6,7 +6,7 @@ against the planner's reduction cost.
 
 Measured: the wall time of swarm.execution.collectives.allreduce_sum over g endpoints of one
 in-memory network (swarm.execution.endpoint.LocalNetwork), summing the model's gradient
-buckets (planner.stage_work.buckets_of over its float32 parameters, every bucket under way at
+buckets (planner.buckets.buckets_of over its float32 parameters, every bucket under way at
 once, as GradReducer starts them during the last backward), the median of --repeats after
 one left out (it warms the allocator), on the allocator settings the `swarm` command gives
 every process (swarm.host.malloc.tune).

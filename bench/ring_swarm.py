@@ -32,7 +32,7 @@ from testbed_group import group_endpoint, run_on_devices  # noqa: E402 - bench/ 
 
 PORT = 4762
 TOKEN = "ring-bench-token-0123456789abcdef"
-# yolov2-16's gradient buckets in bytes (planner.stage_work.buckets_of), in backward order
+# yolov2-16's gradient buckets in bytes (planner.buckets.buckets_of), in backward order
 BUCKETS = (5300424, 5249024, 1181696, 1313792, 703104)
 BUCKET_LAYERS = (16, 13, 10, 9, 6)  # each bucket's name: its top layer (the key the send order reads)
 

@@ -368,7 +368,7 @@ def plan_asteroid(inputs: PlanInputs, max_stages: int | None = None, bound: floa
     (plan, timeline), pipelines = found[-1] if found[-1][0][1].fits else found[0]
     plan.predicted = timeline.summary()
     plan.predicted["asteroid_estimate_s"] = min(p.estimate for p in pipelines)
-    return inputs.with_overlap(plan)
+    return inputs.with_overlap(inputs.with_sum_orders(plan, timeline))
 
 
 def _fastest(inputs: PlanInputs, dp: AsteroidDP, pipelines: list[Pipeline], bound: float | None = None

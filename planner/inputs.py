@@ -74,11 +74,31 @@ class PlanInputs:
         return timeline
 
     def finish(self, plan: Plan) -> Plan:
-        """Simulate the plan and record the prediction in it; or the same plan with its gangs
-        overlapping, where that is better (with_overlap)."""
+        """Simulate the plan and record the prediction in it, with its gradient sums in the
+        order that starts each step soonest (with_sum_orders); or the same plan with its
+        gangs overlapping, where that is better (with_overlap)."""
         timeline = self.simulate(plan)
         plan.predicted = timeline.summary()
-        return self.with_overlap(plan)
+        return self.with_overlap(self.with_sum_orders(plan, timeline))
+
+    def with_sum_orders(self, plan: Plan, timeline: Timeline | None = None) -> Plan:
+        """`plan` with each single or dp stage that sums over several devices summing its
+        buckets in the order its times favour (Timeline.best_sum_orders: what the next
+        forward needs first, where the backward has made it final), its prediction made
+        again; the plan as it was where no order is faster."""
+        timeline = timeline or self.simulate(plan)
+        orders = {p: order for p, order in timeline.best_sum_orders().items()
+                  if order != (plan.stages[p].sum_order or sorted(order, reverse=True))}
+        if not orders:
+            return plan
+        trial = Plan.from_dict(plan.to_dict())
+        for p, order in orders.items():
+            trial.stages[p].sum_order = None if order == sorted(order, reverse=True) else order
+        other = self.simulate(trial)
+        if not other.fits and timeline.fits or other.step_time >= timeline.step_time:
+            return plan
+        trial.predicted = {**(plan.predicted or {}), **other.summary()}
+        return trial
 
     def with_overlap(self, plan: Plan) -> Plan:
         """`plan`, or the same plan with its gangs overlapping each backward with the next

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace, asdict, dataclass, field
 
+from planner.buckets import buckets_of
 from planner.image_size import ImageSize
 from planner.model_desc import ModelDesc
 from planner.schedule import asteroid_warmup, check_warmups
@@ -97,6 +98,11 @@ class Stage:
             back-propagating through it, one segment's maps at a time. The gradients are the
             same, bit for bit. Not with recompute (a remade segment keeps everything while it
             is remade). Default off.
+    sum_order: (single, dp) the order in which the group's gradient-sum lanes sum the stage's
+            buckets (planner.buckets.buckets_of, each named by its top layer): the cost model
+            puts first what the next step's forward needs first where the backward allows
+            (best_sum_order). A bucket's sum gives the same bits whenever it runs, so the result
+            does not change. Default: top layer first, the order the backward makes them final.
     """
 
     first: int
@@ -117,6 +123,7 @@ class Stage:
     recompute: bool | None = None
     checkpoint: bool | None = None
     deal: str | None = None
+    sum_order: list[int] | None = None
 
     @property
     def layers(self) -> range:
@@ -309,6 +316,8 @@ class Plan:
                 how += ", BatchNorm remade in the backward"
             if s.checkpoint:
                 how += ", in checkpointed segments"
+            if s.sum_order:
+                how += f", gradients summed in the order {','.join(map(str, s.sum_order))} (buckets by top layer)"
             on = ", ".join(f"{d} ({self.devices[d]['accelerator']})" if (self.devices.get(d) or {}).get("accelerator")
                            else d for d in s.devices)
             lines.append(f"  stage {i}: layers {s.first}-{s.last - 1} {how} on {on}")
@@ -391,6 +400,8 @@ class Plan:
                 raise PlanError(f"{where}: deal is 'runs' or 'turns', not {s.deal!r}")
             if s.deal == "turns" and (s.replicas in (None, 1) or s.mode == "tiles"):
                 raise PlanError(f"{where}: micro-batches are dealt in turns only to the replicas of a single or dp stage")
+            if s.sum_order is not None:
+                self._check_sum_order(s, where, desc)
             getattr(self, f"_check_{s.mode}")(i, s, where, desc)
         if expect != n_layers:
             raise PlanError(f"the stages end at layer {expect - 1}, but the model has {n_layers} layers (0-{n_layers - 1})")
@@ -403,6 +414,22 @@ class Plan:
                 raise PlanError(f"backup for stage {idx}, which does not exist")
             if self.devices and dev not in self.devices:
                 raise PlanError(f"backup of stage {idx} on unknown device {dev}")
+
+    @staticmethod
+    def _check_sum_order(s: Stage, where: str, desc) -> None:
+        order = s.sum_order
+        if s.mode == "tiles":
+            raise PlanError(f"{where}: sum_order is for single and dp stages (a tiles stage ends every step settled)")
+        if (not isinstance(order, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in order)
+                or len(set(order)) != len(order) or not all(s.first <= t < s.last for t in order)):
+            raise PlanError(f"{where}: sum_order {order!r} must list distinct layers of the stage")
+        if desc is None:
+            return
+        tops = [b[0] for b in buckets_of({i: desc.layers[i].param_bytes for i in s.layers
+                                          if desc.layers[i].param_bytes > 0})]
+        if sorted(order) != sorted(tops):
+            raise PlanError(f"{where}: sum_order {order} must order the stage's gradient buckets, named by their "
+                            f"top layers: {', '.join(map(str, tops))}")
 
     def _check_single(self, i: int, s: Stage, where: str, desc) -> None:
         if s.replica_count() > 1:

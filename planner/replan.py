@@ -171,10 +171,11 @@ def lightweight(plan: Plan, desc: ModelDesc, dead: set[str], speed: dict[str, fl
                 if best is None or t < best[0]:
                     best = (t, c)
             cut = best[1]
+        # a stage that takes layers takes their buckets: its sums go top layer first again
         if before is not None and cut > lo:
-            stages[i - 1] = replace(before, last=cut)
+            stages[i - 1] = replace(before, last=cut, sum_order=None)
         if after is not None and cut < hi:
-            stages[j + 1] = replace(after, first=cut)
+            stages[j + 1] = replace(after, first=cut, sum_order=None)
         for k in range(i, j + 1):
             stages[k] = "gone"  # type: ignore[assignment]
     new_stages = [s for s in stages if s != "gone"]

@@ -42,8 +42,9 @@ from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError
 from planner.recompute import recomputing
 from planner.schedule import stage_schedule
-from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, allreduce_cpu, buckets_of, gradient_buckets,
-                                microbatch_sizes, ring_allreduce_time, split_stage_work)
+from planner.buckets import buckets_of, sum_sequence
+from planner.stage_work import (IMAGE_BYTES_PER_VALUE, StageWork, allreduce_cpu, best_sum_order, gate_wait,
+                                gradient_buckets, microbatch_sizes, ring_allreduce_time, split_stage_work)
 from planner.tiles_work import tiles_stage_work
 from planner.units import format_bytes
 
@@ -90,6 +91,16 @@ class Timeline:
     busy: dict[str, float]  # seconds of computation per device
     works: list[StageWork] = field(default_factory=list, repr=False)
     settled_s: float = 0.0  # a step that waits for its own sums and updates (the first, the last, one with a backup)
+    # per stage that sums: its buckets, when each is final, its sum's seconds, each device's
+    # updates and reach (_Run.gate_ahead); and the commit
+    gates: dict = field(default_factory=dict, repr=False)
+    commit: float = 0.0
+
+    def best_sum_orders(self) -> dict[int, list[int]]:
+        """For each stage summing more than one bucket, the order of its sums that starts the
+        next step soonest on this step's times (stage_work.best_sum_order)."""
+        return {p: best_sum_order(buckets, final, seconds, self.commit, ahead)
+                for p, (buckets, final, seconds, ahead) in self.gates.items() if len(buckets) > 1}
 
     @property
     def throughput(self) -> float:
@@ -233,6 +244,9 @@ class _Run:
         self.t_end = 0.0
         self.debt: dict[str, float] = defaultdict(float)  # CPU seconds transfers took, not yet paid
         self.free_at: dict[str, float] = defaultdict(float)  # when each device's last computation ended
+        self.gates: dict[int, tuple] = {}  # what overlapped found of each summing stage's gates
+        self.first_forward: dict[tuple[int, str], Event] = {}  # (stage, device) -> its first forward in the step
+        self.commit = 0.0
 
     # ---- set-up ----------------------------------------------------------------------
     def op_devices(self, op) -> list[str]:
@@ -458,68 +472,98 @@ class _Run:
         step = self.overlapped(settled)
         self.events.sort(key=lambda e: (e.start, e.device))
         return Timeline(self.events, step, self.plan.batch_size, peak, eq3, budgets, dict(busy), self.works,
-                        settled_s=settled)
+                        settled_s=settled, gates=self.gates, commit=self.commit)
 
     def overlapped(self, settled: float) -> float:
         """The step time once each step runs over the step before's sums, as the workers do
         (swarm/execution/worker.py, Tail): a device reports the step ready after its last
         backward and the commit comes back while the sums travel; each bucket's update is
         applied once its sum and the commit are in, and the next forward waits layer by
-        layer for its own layers' updates. The sums start bucket by bucket during the last
-        backward (sums_done); the front layers' bucket, final last, is sent first and holds
-        few weights, so what is left of a step's sums and updates can hide behind the next
-        step's first forward on each device. The step is then the latest of: the
-        commit; each update's end less the first forward it must be in for; and each
-        device's CPU (its computations, its share of the gradient sums' work, and whatever its
-        transfers took that idle time did not cover). A device with a tiles stage ends every
-        step settled, and so does this."""
+        layer for its own layers' updates (DeviceWorker.gate_hook). The sums start bucket by
+        bucket during the last backward, in the stage's sum_order (bucket_sums); what is left
+        of them and of the updates hides behind the next step's forward up to where it
+        reaches each bucket's lowest layer (gate_wait). The step is then the latest of: the
+        commit; each stage's gates; and each device's CPU (its computations, its share of
+        the gradient sums' work, and whatever its transfers took that idle time did not
+        cover). A stage that sums nothing updates all at once after the commit, before its
+        first forward's end. A device with a tiles stage ends every step settled, and so
+        does this."""
         if any(w.stage.mode == "tiles" for w in self.works):
             return settled
         computed = [e for e in self.events if e.kind in ("F", "B")]
         if not computed:
             return settled
-        commit = max(e.end for e in computed) + 2 * self.cluster.latency
-        first_forward: dict[tuple[int, str], float] = {}
+        self.commit = max(e.end for e in computed) + 2 * self.cluster.latency
         cpu: dict[str, float] = defaultdict(float, self.debt)
         for e in self.events:
             if e.kind in ("F", "B", "update"):
                 cpu[e.device] += e.end - e.start
-            if e.kind == "F" and first_forward.get((e.stage, e.device), float("inf")) > e.end:
-                first_forward[(e.stage, e.device)] = e.end
+            if e.kind == "F" and e.start < getattr(self.first_forward.get((e.stage, e.device)), "start", float("inf")):
+                self.first_forward[(e.stage, e.device)] = e
         for w in self.works:  # the sums' own time on each device comes out of the same CPU
             for d, seconds in w.reduce_cpu.items():
                 cpu[d] += seconds
-        step = max(commit, *cpu.values())
+        step = max(self.commit, *cpu.values())
         for p, w in enumerate(self.works):
-            summed = self.sums_done(p)
-            for d in w.devices:
-                applied = max(summed, commit) + w.update[d]
-                step = max(step, applied - first_forward.get((p, d), 0.0))
+            sums = self.bucket_sums(p)
+            if sums is None:
+                for d in w.devices:
+                    forward = self.first_forward.get((p, d))
+                    step = max(step, self.commit + w.update[d] - (forward.end if forward else 0.0))
+                continue
+            tops = [b[0] for b in sums[0]]
+            self.gates[p] = (*sums, self.gate_ahead(p, sums[0]))
+            order = [tops.index(top) for top in sum_sequence(tops, w.stage.sum_order)]
+            _, final, seconds, ahead = self.gates[p]
+            step = max(step, gate_wait(final, seconds, ahead, self.commit, order))
         return min(step, settled)
 
-    def sums_done(self, p: int) -> float:
-        """When stage p's gradient sums are in, as the workers sum them (swarm.execution.reduce):
-        a bucket of layers (buckets_of, the top layers' first) goes once the stage's last
-        backward has passed its lowest layer and the buckets before it have gone, each taking
-        the sum's time in proportion to its bytes. The last backward's time is spread over its
-        layers as its device's costs spread a backward."""
+    def bucket_sums(self, p: int) -> tuple[list[list[int]], list[float], list[float]] | None:
+        """Stage p's gradient buckets (buckets_of, top layers' first), when each is final and
+        how long its sum takes, as the workers sum them (swarm.execution.reduce): a bucket is
+        final once the stage's last backward has passed its lowest layer, the last backward's
+        time spread over its layers as its device's costs spread a backward, and its sum takes
+        the group's sum time in proportion to its bytes. None where the stage sums nothing."""
         w = self.works[p]
         end = self.last_b_end[p]
         if w.allreduce <= 0:
-            return end
+            return None
         first, last = w.stage.first, w.stage.last
         sizes = {i: int(self.mem.param_bytes[i]) for i in range(first, last) if self.mem.param_bytes[i] > 0}
         ends = [e for e in self.events if e.kind == "B" and e.stage == p and e.end >= end - EPS]
-        if not sizes or not ends:
-            return end + w.allreduce
+        if not sizes:
+            return None
+        buckets = buckets_of(sizes)
+        held = sum(sizes.values())
+        seconds = [w.allreduce * sum(sizes[i] for i in bucket) / held for bucket in buckets]
+        if not ends:
+            return buckets, [end] * len(buckets), seconds
         start = max(e.start for e in ends)
         layer_s = self.cluster.device(ends[0].device).costs.bwd[first:last, 0]
         behind = np.cumsum(layer_s[::-1])[::-1] / max(float(layer_s.sum()), EPS)  # done once layer first + k is
-        held, t = sum(sizes.values()), start
-        for bucket in buckets_of(sizes):
-            final = start + (end - start) * float(behind[min(bucket) - first])
-            t = max(t, final) + w.allreduce * sum(sizes[i] for i in bucket) / held
-        return t
+        return buckets, [start + (end - start) * float(behind[min(b) - first]) for b in buckets], seconds
+
+    def gate_ahead(self, p: int, buckets: list[list[int]]) -> list[tuple[list[float], list[float]]]:
+        """For each device of stage p, per bucket: its update's seconds (the device's update by
+        the bucket's bytes) and how far into the next step the device's forward reaches the
+        bucket's lowest layer (its first forward's start, and that forward's time spread over
+        its layers as the device's costs spread a forward)."""
+        w = self.works[p]
+        first, last = w.stage.first, w.stage.last
+        sizes = self.mem.param_bytes
+        held = max(float(sum(sizes[i] for b in buckets for i in b)), EPS)
+        out = []
+        for d in w.devices:
+            forward = self.first_forward.get((p, d))
+            layer_s = self.cluster.device(d).costs.fwd[first:last, 0]
+            before = np.concatenate([[0.0], np.cumsum(layer_s)]) / max(float(layer_s.sum()), EPS)
+            update = [w.update[d] * float(sum(sizes[i] for i in b)) / held for b in buckets]
+            if forward is None:
+                reach = [0.0] * len(buckets)
+            else:
+                reach = [forward.start + (forward.end - forward.start) * float(before[min(b) - first]) for b in buckets]
+            out.append((update, reach))
+        return out
 
     def _budget(self, device: str) -> float:
         """The device's memory for its stages (MemoryModel.budget: more for the whole model

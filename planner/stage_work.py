@@ -17,7 +17,9 @@ applies the optimizer to the stage's layers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import permutations
 
+from planner.buckets import buckets_of
 from planner.cluster import Cluster
 from planner.memory import MemoryModel
 from planner.model_desc import ModelDesc
@@ -136,24 +138,47 @@ def allgather_cpu(nbytes: float, group: list[str], cluster: Cluster) -> float:
     return 2 * _gather_messages(g) * cluster.msg_cpu(group) + (g - 1) * nbytes * 2 * cluster.comm_cpu(group)
 
 
-BUCKET_BYTES = 1 << 20
+SUM_ORDER_TRIALS = 7  # up to this many buckets every order is tried (7! = 5040)
 
 
-def buckets_of(sizes: dict[int, int], least: int = BUCKET_BYTES) -> list[list[int]]:
-    """The layers whose gradients a group sums together, by their parameter bytes (layers
-    without parameters left out): from the last layer down, in the order the backward
-    finishes them, each bucket closes once it holds `least` bytes. Every ring message costs
-    the devices' CPU whatever its size, and most layers of a CNN are small."""
-    buckets, current, held = [], [], 0
-    for layer in sorted(sizes, reverse=True):
-        current.append(layer)
-        held += sizes[layer]
-        if held >= least:
-            buckets.append(current)
-            current, held = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+def gate_wait(final: list[float], seconds: list[float], ahead: list[tuple[list[float], list[float]]],
+              commit: float, order: list[int]) -> float:
+    """How long after a step's start the next step may start for one stage's gates. Bucket k
+    is final at final[k] and its sum takes seconds[k] on a lane that sums one bucket at a
+    time, in `order`; its update follows its sum and the step's commit. For each device,
+    ahead holds per bucket what its update takes and how far into the next step's forward
+    the device reaches the bucket's lowest layer (simulator._Run.gate_ahead): the forward
+    starts late by whatever bucket would not be in before it is reached."""
+    t, worst = 0.0, 0.0
+    for k in order:
+        t = max(t, final[k]) + seconds[k]
+        for update, reach in ahead:
+            worst = max(worst, max(t, commit) + update[k] - reach[k])
+    return worst
+
+
+def best_sum_order(buckets: list[list[int]], final: list[float], seconds: list[float], commit: float,
+                   ahead: list[tuple[list[float], list[float]]]) -> list[int]:
+    """The order of a stage's bucket sums (buckets top layer first, as buckets_of gives them;
+    the rest as gate_wait takes them) that lets the next step's forward start soonest. Every
+    order is tried up to SUM_ORDER_TRIALS buckets; beyond, top layer first with the largest
+    sums moved to the end one by one while that helps. Returns the buckets' top layers in
+    the order found: top layer first unless another order is faster by more than a
+    millisecond."""
+    plain = list(range(len(buckets)))
+    best, best_wait = plain, gate_wait(final, seconds, ahead, commit, plain)
+    if len(buckets) <= SUM_ORDER_TRIALS:
+        candidates = permutations(plain)
+    else:
+        candidates, order = [], plain
+        for k in sorted(plain, key=lambda k: -seconds[k]):
+            order = [j for j in order if j != k] + [k]
+            candidates.append(order)
+    for order in candidates:
+        wait = gate_wait(final, seconds, ahead, commit, order)
+        if wait < best_wait - 1e-3:
+            best, best_wait = list(order), wait
+    return [buckets[k][0] for k in best]
 
 
 def gradient_buckets(mem: MemoryModel, first: int, last: int) -> int:

@@ -522,12 +522,39 @@ def test_1f1b_holds_at_most_k_p_microbatches(monkeypatch, gpipe):
 
 
 def test_gradient_buckets_gather_small_layers_from_the_top():
-    from planner.stage_work import buckets_of
+    from planner.buckets import buckets_of
 
     sizes = {0: 10, 2: 600, 3: 500, 5: 2000, 6: 100, 7: 950}
     assert buckets_of(sizes, least=1000) == [[7, 6], [5], [3, 2], [0]]
     assert buckets_of({}, least=1000) == []
     assert buckets_of(sizes, least=1) == [[7], [6], [5], [3], [2], [0]]
+
+
+def test_the_lanes_sum_in_the_plans_order_whatever_the_precision():
+    """A plan names its stage's float32 buckets (Stage.sum_order); a float64 run cuts them
+    finer, and each of its buckets takes the turn of the plan's bucket that holds its top
+    layer, the same on every member."""
+    import trio
+
+    from planner.buckets import sum_sequence
+    from swarm.execution.endpoint import LocalNetwork
+    from swarm.execution.reduce import GradReducer
+    from swarm.zoo import build_model
+
+    assert sum_sequence([16, 13, 10, 9, 6], None) == [16, 13, 10, 9, 6]
+    assert sum_sequence([16, 13, 10, 9, 6], [16, 10, 9, 6, 13]) == [16, 10, 9, 6, 13]
+    net = build_model("yolov2-16", 64, seed=1)[0].double()
+    orders = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for sum_order in (None, [16, 10, 9, 6, 13]):
+                reducer = GradReducer(LocalNetwork().endpoint("a"), ["a", "b"], ("grads", 0, 0), net, 0, 17, nursery,
+                                      sum_order=sum_order)
+                orders.append((list(reducer.buckets.values()), reducer.order))
+    trio.run(main)
+    buckets = [[16, 15], [14], [13], [12], [10], [9, 8], [6, 5, 4], [2, 0]]
+    assert orders == [(buckets, [16, 14, 13, 12, 10, 9, 6, 2]), (buckets, [16, 14, 10, 9, 6, 2, 13, 12])]
 
 
 def test_a_runs_plan_line_names_each_replicas_share():

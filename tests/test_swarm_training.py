@@ -116,19 +116,22 @@ def test_pipeline_is_bit_exact_in_float32(bed, local_runs, tmp_path):
 def test_replicas_of_dp_groups_on_the_testbed_equal_local(bed, local_runs, tmp_path):
     """A plan file whose dp stage has two replicas of unequal groups (dev0 alone with whole
     micro-batches of 4 | dev1, dev2 and dev3 sharing theirs 2, 1, 1), taking 3 and 1 of the
-    4 micro-batches, its devices mapping their largest blocks afresh (Plan.mapped, on glibc):
-    over real connections, the local trainer's weights."""
+    4 micro-batches, its devices mapping their largest blocks afresh (Plan.mapped, on glibc),
+    its gradients summed on the lanes in an order of the plan's (Stage.sum_order, over the
+    finer buckets of float64 weights): over real connections, the local trainer's weights."""
     from planner.plan import Plan, Stage
     from swarm.host import malloc
 
     plan = Plan("yolov2-16", 64, 16, 4, [Stage(0, 17, "dp", ["dev0", "dev1", "dev2", "dev3"],
                                                 allocation={"dev0": 4, "dev1": 2, "dev2": 1, "dev3": 1},
-                                                replicas=2, groups=[1, 3], shares=[3, 1])], mapped=True)
+                                                replicas=2, groups=[1, 3], shares=[3, 1],
+                                                sum_order=[16, 10, 9, 6, 13])], mapped=True)
     path, out = tmp_path / "plan.json", tmp_path / "swarm.pt"
     path.write_text(plan.to_json())
     r = swarm_in("dev0", "train", *YOLO16, "--plan", path, "--devices", "4", "--dtype", "float64", "--save", out)
     assert r.returncode == 0, r.stderr
     assert "2 replicas taking 3,1 micro-batches" in r.stderr and "largest blocks mapped afresh" in r.stderr
+    assert "gradients summed in the order 16,10,9,6,13" in r.stderr
     diff = worst(weights(out), local_runs(tuple(YOLO16), "float64").weights())
     assert diff[0] < 1e-9, diff
     logs = [open(d.log, errors="replace").read() for d in bed.devices]

@@ -1,13 +1,13 @@
 """Summing a stage's gradients over its group (dp replicas, tiles on several devices), one
 bucket of consecutive layers at a time, each as soon as it is final on this device: during
 the step's last backward the upper layers' sums travel while the lower layers are still
-being computed. The buckets are planner.stage_work.buckets_of's, which the cost model
+being computed. The buckets are planner.buckets.buckets_of's, which the cost model
 counts too.
 
 Where the endpoint has gradient-sum lanes (a run over the network: swarm/execution/lane.py)
 and the group sums straight (up to DIRECT_REDUCE_MAX members), the sums go on the lanes, one
-bucket after another, top layer first, and their bytes never pass through the event loop;
-the result is the same bits."""
+bucket after another in the plan's order (Stage.sum_order: by default top layer first), and
+their bytes never pass through the event loop; the result is the same bits."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,8 @@ import math
 import torch
 import trio
 
-from planner.stage_work import DIRECT_REDUCE_MAX, buckets_of
+from planner.buckets import buckets_of, sum_sequence
+from planner.stage_work import DIRECT_REDUCE_MAX
 from swarm.execution.collectives import allreduce_sum
 from swarm.local.compute_device import to_host
 
@@ -23,7 +24,7 @@ from swarm.local.compute_device import to_host
 class GradReducer:
     def __init__(self, endpoint, group: list[str], key: tuple, net: torch.nn.Module, first: int, last: int,
                  nursery: trio.Nursery, timeout: float = math.inf, token=None, parts: int = 1, lanes=None,
-                 stage: int = 0):
+                 stage: int = 0, sum_order: list[int] | None = None):
         self.ep = endpoint
         self.group = group
         self.key = key  # ("grads", step, stage)
@@ -43,7 +44,7 @@ class GradReducer:
         self.error: BaseException | None = None  # raised by a callback from the compute thread
         self.lanes = lanes if lanes is not None and 1 < len(group) <= DIRECT_REDUCE_MAX else None
         self.stage = stage
-        self.order = sorted(self.buckets, reverse=True)  # the lanes' order: top layer first
+        self.order = sum_sequence(list(self.buckets), sum_order)  # the lanes' order, the same on every member
         self.lane_done = {bucket: trio.Event() for bucket in self.buckets}
 
     # ---- from the compute thread ----------------------------------------------------------
