@@ -19,9 +19,10 @@ blocking calls pays for none of that.
   in the order they are read; one thread sends (a pool of one per stage) while the calling
   thread receives, each share straight into the records' buffers, opened there. Every
   member ends with the bits collectives.allreduce_sum gives.
-- **Order.** A stage's buckets go on its lanes one after another, top layer first
-  (GradReducer waits for each turn), and steps follow each other, so every share's key is
-  known before it comes: it is checked, not looked up.
+- **Order.** A stage's buckets go on its lanes one after another in the plan's order
+  (Stage.sum_order, by default top layer first; GradReducer waits for each turn), and steps
+  follow each other, so every share's key is known before it comes: it is checked, not
+  looked up.
 - **Failures.** A share whose key, shape or seal is wrong breaks the lane: it is reported
   like a broken link (the coordinator handles it as the loss of the far end) and the sum
   waits for the re-plan. A lane closed by the far end (its run ended, or it died, which the
