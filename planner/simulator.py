@@ -550,14 +550,14 @@ class _Run:
         its layers as the device's costs spread a forward)."""
         w = self.works[p]
         first, last = w.stage.first, w.stage.last
-        sizes = self.mem.param_bytes
-        held = max(float(sum(sizes[i] for b in buckets for i in b)), EPS)
+        nbytes = [float(sum(self.mem.param_bytes[i] for i in b)) for b in buckets]
+        shares = [b / max(sum(nbytes), EPS) for b in nbytes]
         out = []
         for d in w.devices:
             forward = self.first_forward.get((p, d))
             layer_s = self.cluster.device(d).costs.fwd[first:last, 0]
             before = np.concatenate([[0.0], np.cumsum(layer_s)]) / max(float(layer_s.sum()), EPS)
-            update = [w.update[d] * float(sum(sizes[i] for i in b)) / held for b in buckets]
+            update = [w.update[d] * share for share in shares]
             if forward is None:
                 reach = [0.0] * len(buckets)
             else:

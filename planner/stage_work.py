@@ -162,7 +162,7 @@ def best_sum_order(buckets: list[list[int]], final: list[float], seconds: list[f
     """The order of a stage's bucket sums (buckets top layer first, as buckets_of gives them;
     the rest as gate_wait takes them) that lets the next step's forward start soonest. Every
     order is tried up to SUM_ORDER_TRIALS buckets; beyond, top layer first with the largest
-    sums moved to the end one by one while that helps. Returns the buckets' top layers in
+    sums moved to the end one by one, the best of those. Returns the buckets' top layers in
     the order found: top layer first unless another order is faster by more than a
     millisecond."""
     plain = list(range(len(buckets)))
