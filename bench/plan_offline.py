@@ -19,8 +19,10 @@ the profile's saved bytes), prints `auto`'s plan, and for each PLAN.json (as `sw
 writes, or planner.plan.Plan(...).to_json()) its predicted samples/s and step, whether it fits,
 and each device's peak against its budget and its busy time. Before them, the compute floor:
 each device's time for one micro-batch through the whole model (keeping its maps, and remaking
-BatchNorm: planner.recompute), and the step the devices' summed rates would take with the batch
-divided perfectly and nothing exchanged, over every device and over those `auto` uses.
+BatchNorm: planner.recompute), the step the devices' summed rates would take with the batch
+divided perfectly and nothing exchanged, over every device and over those `auto` uses, and the
+least step of any plan of whole-model replicas, where devices take whole micro-batches or split
+them in groups (planner.bounds.replica_floor: what whole micro-batches leave of that rate).
 """
 from __future__ import annotations
 
@@ -96,6 +98,7 @@ def plans(args) -> None:
 
 def floor(inputs, used: list[str]) -> None:
     """What the devices' compute alone allows (module docstring)."""
+    from planner.bounds import replica_floor
     from planner.recompute import recomputing
 
     _, remaking = recomputing(inputs.mem, inputs.cluster, inputs.desc)
@@ -111,6 +114,11 @@ def floor(inputs, used: list[str]) -> None:
         for i, form in enumerate(("keeping maps", "remaking")):
             rate = sum(rates[d][i] for d in names)
             print(f"  the floor over {what}, {form}: {rate:.3f} samples/s, {inputs.batch_size / rate:.2f} s a step")
+    best = replica_floor(inputs)
+    if best is not None:
+        groups = "; ".join(f"{'+'.join(f'{d}:{s}' for d, s in zip(g, split))} {k}" for g, k, split in best.groups)
+        print(f"  the floor of whole-model replicas, keeping maps: {inputs.batch_size / best.step:.3f} samples/s, "
+              f"{best.step:.2f} s a step (groups, samples of a micro-batch each, micro-batches: {groups})")
 
 
 def show(name: str, plan, inputs) -> None:

@@ -9,10 +9,15 @@ groups, Asteroid's pipelines, auto's planners one after another) simulate the mo
 promising first and stop at the first whose floor is no better than the best so far.
 
     floor = compute_floor(plan, inputs)    # seconds; simulate(plan).step_time >= floor
+
+And for a whole cluster, the least step any plan of whole-model replicas can take
+(replica_floor): what whole micro-batches leave of the devices' summed rate.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
+from typing import NamedTuple
 
 from planner.inputs import PlanInputs
 from planner.plan import Plan
@@ -107,3 +112,96 @@ def samples_floor(inputs: PlanInputs, rate: float) -> float:
     """The least step any plan computing whole samples of the whole model can take on
     devices of summed `rate` (sample_rate): the batch at that rate."""
     return inputs.batch_size / rate * (1 - FLOOR_SLACK)
+
+
+MAX_FLOOR_DEVICES = 8  # replica_floor goes through every partition: 4,140 of 8 devices, 21,147 of 9
+
+
+class ReplicaFloor(NamedTuple):
+    """replica_floor's answer: the step, and the groups that give it: each a tuple of device
+    names, its whole micro-batches in a step, and each member's samples of a micro-batch."""
+    step: float
+    groups: list[tuple[tuple[str, ...], int, tuple[int, ...]]]
+
+
+def replica_floor(inputs: PlanInputs, limit: int = MAX_FLOOR_DEVICES) -> ReplicaFloor | None:
+    """The least step of any one-stage plan of whole-model replicas on the cluster, computing
+    only: the devices in groups (any partition of them; a group may take nothing), a group
+    splitting each of its micro-batches among its members (a dp replica; one device alone is
+    a single replica), each member holding its samples (the memory model's share of the
+    whole model), the groups taking whole micro-batches, each device busy for its forwards,
+    backwards and update. Nothing exchanged, nothing waited for: a plan's predicted step is
+    never shorter, and the gap between it and samples_floor is what whole micro-batches cost
+    (the samples of one share BatchNorm's statistics, so a device takes part of one only in a
+    group that exchanges them at every layer). None for more than `limit` devices."""
+    cl, L, B, M, mem = inputs.cluster, inputs.num_layers, inputs.microbatch, inputs.microbatches, inputs.mem
+    names = cl.names
+    if len(names) > limit:
+        return None
+    held = {d: min(B, mem.max_batch(0, L, 1, cl.device(d).memory)) for d in names}
+    timed: dict[tuple[str, ...], tuple[float, float, tuple[int, ...]] | None] = {}
+
+    def group_time(group: tuple[str, ...]) -> tuple[float, float, tuple[int, ...]] | None:
+        """A micro-batch's time on `group`'s slowest member at its best split, its members'
+        longest update, and the split; None where no split fits."""
+        if group not in timed:
+            best = None
+            for split in _compositions(B, len(group)):
+                if any(s > held[d] for s, d in zip(split, group)):
+                    continue
+                t = max(cl.device(d).costs.range_time(0, L, s, with_loss=True) for s, d in zip(split, group))
+                if best is None or t < best[0]:
+                    best = (t, max(cl.device(d).costs.update_range(0, L) for d in group), split)
+            timed[group] = best
+        return timed[group]
+
+    best: ReplicaFloor | None = None
+    for part in _partitions(names):
+        able = [(g, gt) for g in part if (gt := group_time(tuple(g))) is not None]
+        if not able:
+            continue
+        step, shares = _least_makespan([(t, u) for _, (t, u, _) in able], M)
+        if step is not None and (best is None or step < best.step):
+            best = ReplicaFloor(step, [(tuple(g), k, split) for (g, (_, _, split)), k in zip(able, shares) if k])
+    return best if best is None else best._replace(step=best.step * (1 - FLOOR_SLACK))
+
+
+def _least_makespan(groups: list[tuple[float, float]], microbatches: int) -> tuple[float | None, list[int]]:
+    """For groups taking t seconds a micro-batch and u for their update (once, if they take
+    any), the least step over whole shares summing to `microbatches`, and the shares: the
+    least of the steps k t + u at which the groups can take them all."""
+    def shares(step: float) -> list[int]:
+        return [max(0, math.floor((step - u) / t + 1e-9)) if t > 0 else microbatches for t, u in groups]
+
+    candidates = sorted({k * t + u for t, u in groups for k in range(1, microbatches + 1)})
+    for step in candidates:
+        taken = shares(step)
+        if sum(taken) >= microbatches:
+            out, left = [], microbatches
+            for k in taken:
+                out.append(min(k, left))
+                left -= out[-1]
+            return step, out
+    return None, []
+
+
+def _compositions(total: int, parts: int):
+    """Every way to write `total` as `parts` positive whole numbers, in order."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+def _partitions(items: list):
+    """Every partition of `items` into non-empty groups (each once, groups in no order)."""
+    if not items:
+        yield []
+        return
+    head, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[head], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [head, *part[i]], *part[i + 1:]]

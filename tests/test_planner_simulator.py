@@ -746,3 +746,89 @@ def test_a_sum_order_that_is_not_the_stages_buckets_is_one_line(order, message):
                                                           "grid": [1, 1], "tile_devices": ["a"], "sum_order": [16]}]})
     with pytest.raises(PlanError, match="sum_order is for single and dp stages"):
         tiles.validate(desc)
+
+
+def swarm_like_testbed(speeds: dict[str, float], memory: dict[str, float] | None = None, batch: int = 32):
+    """Devices `speeds` times the 0.2-core testbed device above (yolov2-16 at 416, 100 Mbit),
+    each with 1 GiB or `memory` bytes, planned with the papers' memory model."""
+    from planner.inputs import PlanInputs
+    desc = describe_model("yolov2-16", 416)
+    table = CostTable((1,), np.array(TESTBED_FWD), np.array(TESTBED_BWD), np.array(TESTBED_UPDATE), [0.012], [0.004])
+    devices = [Device(d, table.scaled(s), (memory or {}).get(d, 2**30), lane_s_per_byte=6.04e-9 / s,
+                      lane_msg_s=7.4e-4 / s) for d, s in speeds.items()]
+    n = len(devices)
+    return PlanInputs(desc, MemoryModel.estimated(desc), Cluster(devices, np.full((n, n), 12.0e6), 7e-4), batch, 8)
+
+
+def test_whole_micro_batches_set_the_mixed_swarms_floor_and_auto_plans_at_it():
+    """The mixed testbed (0.1, 0.1, 0.2, 0.2, 0.4 and 0.6 core) at batch 32 in 8. No device
+    takes part of a micro-batch of 4 without a group that exchanges BatchNorm sums, so the
+    least step of any plan of whole-model replicas, computing only, lies above the summed
+    rates' (where the batch divides perfectly, as with speeds in proportion to the cores, the
+    two the same). With those speeds, the two 0.1-core devices split one micro-batch while
+    the 0.6-core device runs three. As the testbed measured them (a
+    micro-batch of 4 took the 0.1-core devices 28.3-29.1 s, the 0.2-core ones 11.3-11.6, the
+    0.4 and 0.6-core ones 5.0 and 3.4: bench/RESULTS.md, 2026-12-05), the 0.1-core devices
+    would take longer even split between the two than the 0.6-core device for four, and they
+    are left out. `auto` plans the floor's groups both times, its step over the floor by
+    what the sums add."""
+    from planner.bounds import replica_floor, sample_rate, samples_floor
+    from planner.planners import make_plan
+    cases = [({"dev0": 0.5, "dev1": 0.5, "dev2": 1, "dev3": 1, "dev4": 2, "dev5": 3},
+              [(("dev0", "dev1"), 1, (2, 2)), (("dev2",), 1, (4,)), (("dev3",), 1, (4,)), (("dev4",), 2, (4,)),
+               (("dev5",), 3, (4,))]),
+             ({"dev0": 0.394, "dev1": 0.405, "dev2": 0.984, "dev3": 1.016, "dev4": 2.27, "dev5": 3.35},
+              [(("dev2",), 1, (4,)), (("dev3",), 1, (4,)), (("dev4",), 2, (4,)), (("dev5",), 4, (4,))])]
+    for speeds, groups in cases:
+        inputs = swarm_like_testbed(speeds)
+        n = inputs.num_layers
+        costs = {d.name: d.costs for d in inputs.cluster.devices}
+        floor = replica_floor(inputs)
+        assert sorted(floor.groups) == groups
+        busiest = max(k * max(costs[d].range_time(0, n, s, True) for d, s in zip(g, split))
+                      + max(costs[d].update_range(0, n) for d in g) for g, k, split in groups)
+        assert floor.step == pytest.approx(busiest)
+        everyone = samples_floor(inputs, sum(sample_rate(inputs, d) for d in costs))
+        assert everyone <= floor.step
+        if "dev0" not in auto_devices(groups):  # what whole micro-batches cost as measured
+            assert everyone < 0.93 * floor.step
+        auto = make_plan("auto", inputs)
+        stage = auto.stages[0]
+        assert len(auto.stages) == 1 and sorted(auto.used_devices()) == auto_devices(groups)
+        assert sorted(stage.replica_shares(8)) == sorted(k for _, k, _ in groups)
+        assert floor.step <= auto.predicted["step_time_s"] <= 1.08 * floor.step
+    # the 0.1-core devices as measured, splitting one micro-batch: longer than the floor's step
+    assert costs["dev0"].range_time(0, n, 2, True) > floor.step
+
+
+def auto_devices(groups) -> list[str]:
+    return sorted(d for g, _, _ in groups for d in g)
+
+
+def test_the_replica_floor_splits_micro_batches_where_no_device_holds_one():
+    """Four equal devices that each hold 2 samples of the whole model, not 4: every plan of
+    whole-model replicas puts them in pairs, each pair splitting its micro-batches 2 and 2,
+    and the floor is a pair's four micro-batches. With room for 4 each, every device runs two
+    micro-batches alone. With room for 1, the four run every micro-batch together, a sample
+    each; three such devices cannot hold one."""
+    from planner.bounds import replica_floor
+    probe = swarm_like_testbed({"a": 1})
+    n, mem = probe.num_layers, probe.mem
+    two = mem.stage(0, n, 2, 1) * 1.01
+    assert mem.max_batch(0, n, 1, two) == 2
+    inputs = swarm_like_testbed({d: 1 for d in "abcd"}, {d: two for d in "abcd"})
+    costs = inputs.cluster.device("a").costs
+    floor = replica_floor(inputs)
+    assert sorted(split for _, _, split in floor.groups) == [(2, 2), (2, 2)]
+    assert sorted(k for _, k, _ in floor.groups) == [4, 4]
+    assert floor.step == pytest.approx(4 * costs.range_time(0, n, 2, True) + costs.update_range(0, n))
+    roomy = replica_floor(swarm_like_testbed({d: 1 for d in "abcd"}))
+    assert [(k, split) for _, k, split in roomy.groups] == [(2, (4,))] * 4
+    assert roomy.step == pytest.approx(2 * costs.range_time(0, n, 4, True) + costs.update_range(0, n))
+    one = mem.stage(0, n, 1, 1) * 1.01
+    single = replica_floor(swarm_like_testbed({d: 1 for d in "abcd"}, {d: one for d in "abcd"}))
+    assert single.groups == [(("a", "b", "c", "d"), 8, (1, 1, 1, 1))]
+    assert single.step == pytest.approx(8 * costs.range_time(0, n, 1, True) + costs.update_range(0, n))
+    assert replica_floor(swarm_like_testbed({d: 1 for d in "abc"}, {d: one for d in "abc"})) is None
+    # more devices than the search goes through: no floor
+    assert replica_floor(swarm_like_testbed({f"d{i}": 1 for i in range(9)})) is None
