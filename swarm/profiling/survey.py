@@ -62,15 +62,17 @@ def _end_cost(node: str, links: dict, key: str) -> float:
 
 
 # The CPU a device's own runtime spends during a run beyond what the measured per-message
-# and per-byte costs charge (msg_s, comm_s_per_byte): the event loop's scheduling, timers,
-# heartbeats and each step's bookkeeping, in the same process as the computation and so out
-# of the same CPU quota. Measured on the testbed (8 devices of 0.2 core, yolov2-16 at 416,
-# batch 32, four 2-device dp groups): the process took 0.43-0.50 CPU-s a step beyond its
-# compute thread's (cpu_s less compute_cpu_s in the run's metrics). The measured link costs
-# charge, by estimate, about 0.16 of it (24 MB of gradients at the measured 30 ns a byte of
-# device time, 0.72 s at 0.2 core, and ~160 messages at 1.1 ms); the rest, 0.3 CPU-s of a
-# 13.5 s step, is 0.022 cores. A device planned on its CPU computes in what is left.
-RUNTIME_CORES = 0.022
+# and per-byte costs charge (msg_s, comm_s_per_byte; a gradient sum's on lanes: lane_s_per_byte,
+# lane_msg_s): the event loop's scheduling, timers, heartbeats and each step's bookkeeping, in
+# the same process as the computation and so out of the same CPU quota. Measured on the mixed
+# testbed (0.1-0.6 core, yolov2-16 at 416, batch 32 in 8, sums on lanes; bench/RESULTS.md,
+# 2026-12-05 09:09): a process took 0.10-0.21 CPU-s a step beyond its compute thread's (cpu_s
+# less compute_cpu_s in the run's metrics); less what its lanes' costs charge for the sum
+# (0.056-0.072) and, in a dp group of two, the BatchNorm exchanges' messages (0.034), 0.003-
+# 0.0087 cores in steps of 12.6-13.6 s, the most on the 0.1-core devices of a group. (With the
+# sums on the event loop it was 0.022 cores, in four 2-device dp groups of 0.2-core devices.)
+# A device planned on its CPU computes in what is left.
+RUNTIME_CORES = 0.009
 
 
 def with_runtime(costs, device: dict):
