@@ -766,12 +766,12 @@ def test_whole_micro_batches_set_the_mixed_swarms_floor_and_auto_plans_at_it():
     least step of any plan of whole-model replicas, computing only, lies above the summed
     rates' (where the batch divides perfectly, as with speeds in proportion to the cores, the
     two the same). With those speeds, the two 0.1-core devices split one micro-batch while
-    the 0.6-core device runs three. As the testbed measured them (a
-    micro-batch of 4 took the 0.1-core devices 28.3-29.1 s, the 0.2-core ones 11.3-11.6, the
-    0.4 and 0.6-core ones 5.0 and 3.4: bench/RESULTS.md, 2026-12-05), the 0.1-core devices
-    would take longer even split between the two than the 0.6-core device for four, and they
-    are left out. `auto` plans the floor's groups both times, its step over the floor by
-    what the sums add."""
+    the 0.6-core device runs three. Where the 0.1-core devices are 2.5x slower than a 0.2-core
+    one rather than 2x (as the planner took the mixed testbed's profiles while it charged the
+    runtime 0.022 cores: a micro-batch of 4 in 28.3-29.1 s against 11.3-11.6; bench/RESULTS.md,
+    2026-12-05 09:09), they would take longer even split between the two than the 0.6-core
+    device for four, and they are left out. `auto` plans the floor's groups both times, its
+    step over the floor by what the sums add."""
     from planner.bounds import replica_floor, sample_rate, samples_floor
     from planner.planners import make_plan
     cases = [({"dev0": 0.5, "dev1": 0.5, "dev2": 1, "dev3": 1, "dev4": 2, "dev5": 3},
@@ -797,7 +797,7 @@ def test_whole_micro_batches_set_the_mixed_swarms_floor_and_auto_plans_at_it():
         assert len(auto.stages) == 1 and sorted(auto.used_devices()) == auto_devices(groups)
         assert sorted(stage.replica_shares(8)) == sorted(k for _, k, _ in groups)
         assert floor.step <= auto.predicted["step_time_s"] <= 1.08 * floor.step
-    # the 0.1-core devices as measured, splitting one micro-batch: longer than the floor's step
+    # the slower 0.1-core devices, splitting one micro-batch: longer than the floor's step
     assert costs["dev0"].range_time(0, n, 2, True) > floor.step
 
 
