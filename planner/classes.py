@@ -55,8 +55,8 @@ def _computes_alike(a: Device, b: Device, tolerance: float) -> bool:
     return (all(_close(getattr(ca, k), getattr(cb, k), tolerance)
                 for k in ("fwd", "bwd", "update", "loss_fwd", "loss_bwd", "tiles_overhead"))
             and _close(a.memory, b.memory, tolerance)
-            and _close([a.comm_s_per_byte, a.msg_s, a.reduce_msg_s, a.map_s_per_byte, a.lane_s_per_byte, a.lane_msg_s],
-                       [b.comm_s_per_byte, b.msg_s, b.reduce_msg_s, b.map_s_per_byte, b.lane_s_per_byte, b.lane_msg_s],
+            and _close([a.comm_s_per_byte, a.msg_s, a.reduce_msg_s, a.map_s_per_byte, a.lane_s_per_byte, a.lane_msg_s, a.step_s],
+                       [b.comm_s_per_byte, b.msg_s, b.reduce_msg_s, b.map_s_per_byte, b.lane_s_per_byte, b.lane_msg_s, b.step_s],
                        tolerance))
 
 

@@ -76,6 +76,11 @@ class Device:
     # event loop's
     lane_s_per_byte: float = 0.0
     lane_msg_s: float = 0.0
+    # seconds of this device's time each step for its runtime's own work beyond what the
+    # costs above charge (the event loop's turns, heartbeats, the step's messages with the
+    # coordinator): swarm.profiling.survey.RUNTIME_STEP_CPU_S over its CPU quota. It comes out
+    # of the device's idle time in the step, else delays its computations.
+    step_s: float = 0.0
     accelerator: Accelerator | None = None  # None: the device computes on its CPU
     # the CPU's own figures when an accelerator is given (None: `costs` and `memory` are the CPU's)
     cpu_costs: CostTable | None = None

@@ -265,6 +265,7 @@ class _Run:
                     if mine else deque()
                 q.append(("U", p, None, d))
                 self.queues[d].append((p, q))
+                self.debt[d] = self.cluster.device(d).step_s  # the runtime's own CPU in the step
                 self.busy[d] = False
                 self.waiting[d] = None
             self.b_left[p] = self.M if w.gang else sum(len(sh) for sh in w.shares)

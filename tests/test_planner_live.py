@@ -2,6 +2,7 @@
 as a job, the links between them are measured, and the planner gets a Cluster."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import trio
 
@@ -132,19 +133,30 @@ async def test_an_advertised_accelerator_reaches_the_profile_and_the_plan(tmp_pa
     assert all(plan_device(trained.devices[n]).type == "cpu" for n in trained.used_devices() if n != "dev0")
 
 
-async def test_a_device_is_planned_in_what_its_runtime_leaves_of_its_cpu():
-    """The runtime's own CPU (RUNTIME_CORES) comes out of a device's quota, else its cores:
-    a fifth of a core loses a twentieth of its speed, four cores hardly any; a GPU's table stays."""
-    from swarm.profiling.profiler import profile_model
-    from swarm.profiling.survey import RUNTIME_CORES, with_runtime
+async def test_a_device_is_charged_its_runtimes_cpu_each_step():
+    """The runtime's own CPU in a step (RUNTIME_STEP_CPU_S) is spread over a device's quota: a
+    fifth of a core takes five times as long for it as a whole core or more; its costs stay
+    its profile's. The simulator charges it once a step, in the device's idle time if it has
+    some, else on top of its computations."""
+    from planner.cluster import Cluster, Device
+    from planner.costs import CostTable
+    from planner.inputs import PlanInputs
+    from planner.memory import MemoryModel
+    from planner.plan import Plan, Stage
+    from swarm.profiling.survey import RUNTIME_STEP_CPU_S, runtime_step_time
+    from swarm.zoo import describe_model
 
-    costs = profile_model("lenet5", None, batch_sizes=(1,), repeats=1, threads=1).costs
-    fifth = with_runtime(costs, {"cpu_quota": 0.2, "cores": 1})
-    four = with_runtime(costs, {"cpu_quota": None, "cores": 4})
-    assert fifth.fwd_range(0, 7, 1) == pytest.approx(costs.fwd_range(0, 7, 1) / (1 - RUNTIME_CORES / 0.2))
-    assert four.fwd_range(0, 7, 1) == pytest.approx(costs.fwd_range(0, 7, 1) / (1 - RUNTIME_CORES / 4))
-    assert 1.04 < fifth.fwd_range(0, 7, 1) / costs.fwd_range(0, 7, 1) < 1.06
-    assert with_runtime(costs, {"cpu_quota": 0.2, "cores": 1, "accelerator": {"kind": "cuda"}}) is costs
+    assert runtime_step_time({"cpu_quota": 0.2, "cores": 1}) == pytest.approx(5 * RUNTIME_STEP_CPU_S)
+    assert runtime_step_time({"cpu_quota": None, "cores": 4}) == pytest.approx(RUNTIME_STEP_CPU_S)
+    desc = describe_model("lenet5", None)
+    n = len(desc.layers)
+    table = CostTable((1,), np.full(n, 0.1), np.full(n, 0.2), np.zeros(n), [0.0], [0.0])
+    plan = Plan("lenet5", desc.img_size.width, 4, 4, [Stage(0, n, "single", ["a"])])
+    steps = []
+    for step_s in (0.0, 0.5):
+        cluster = Cluster([Device("a", table, 2**30, step_s=step_s)], np.full((1, 1), 1e9), 0.0)
+        steps.append(PlanInputs(desc, MemoryModel.estimated(desc), cluster, 4, 4).simulate(plan).step_time)
+    assert steps[1] == pytest.approx(steps[0] + 0.5)
 
 
 async def test_a_device_lost_while_profiling_is_profiled_again_not_planned_by_flops(monkeypatch):

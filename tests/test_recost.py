@@ -48,18 +48,16 @@ def test_a_device_under_a_quota_reports_its_compute_as_its_profile_counts_it(mon
     """Under a quota below a core a device's busy time also holds the stalls of its quota
     while the event loop sums gradients, twice its compute at one sample a step (measured on
     the testbed), which the cost model charges apart. Such a device reports the compute
-    thread's CPU over the share the planner gives it (its quota less the runtime's);
+    thread's CPU over the share the planner gives it (its quota: the runtime's own CPU is charged a step at a time);
     elsewhere, and on an accelerator, the busy time less its waits for BatchNorm sums and
     for the step before's updates."""
     from types import SimpleNamespace
 
     from swarm.execution import worker
     from swarm.local.compute_device import HOST
-    from swarm.profiling.survey import RUNTIME_CORES
-
     monkeypatch.setattr(worker, "cpu_quota", lambda: 0.2)
     share = worker.quota_share(HOST)
-    assert share == pytest.approx(0.2 - RUNTIME_CORES)
+    assert share == pytest.approx(0.2)
     assert worker.quota_share(torch.device("meta")) is None  # (an accelerator's compute is timed as it runs)
     monkeypatch.setattr(worker, "cpu_quota", lambda: None)
     assert worker.quota_share(HOST) is None

@@ -67,14 +67,13 @@ def _thread_sys_s() -> float:
 
 def quota_share(compute_on) -> float | None:
     """The cores a compute thread on this host gets under a cgroup CPU quota below one core,
-    as the planner plans it: the quota less the runtime's (swarm.profiling.survey.with_runtime).
-    None without such a quota, or computing on an accelerator."""
-    from swarm.profiling.survey import RUNTIME_CORES
-
+    as the planner plans it: the quota (the runtime's own CPU is charged apart, a step at a
+    time: swarm.profiling.survey.RUNTIME_STEP_CPU_S). None without such a quota, or computing
+    on an accelerator."""
     quota = cpu_quota()
     if compute_on != HOST or quota is None or quota >= 1:
         return None
-    return max(quota / 2, quota - RUNTIME_CORES)
+    return quota
 
 
 class DeviceWorker:

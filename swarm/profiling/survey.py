@@ -61,30 +61,27 @@ def _end_cost(node: str, links: dict, key: str) -> float:
     return 0.0
 
 
-# The CPU a device's own runtime spends during a run beyond what the measured per-message
-# and per-byte costs charge (msg_s, comm_s_per_byte; a gradient sum's on lanes: lane_s_per_byte,
-# lane_msg_s): the event loop's scheduling, timers, heartbeats and each step's bookkeeping, in
-# the same process as the computation and so out of the same CPU quota. Measured on the mixed
-# testbed (0.1-0.6 core, yolov2-16 at 416, batch 32 in 8, sums on lanes; bench/RESULTS.md,
-# 2026-12-05 09:09): a process took 0.10-0.21 CPU-s a step beyond its compute thread's (cpu_s
-# less compute_cpu_s in the run's metrics); less what its lanes' costs charge for the sum
-# (0.056-0.072) and, in a dp group of two, the BatchNorm exchanges' messages (0.034), 0.003-
-# 0.0087 cores in steps of 12.6-13.6 s, the most on the 0.1-core devices of a group. (With the
-# sums on the event loop it was 0.022 cores, in four 2-device dp groups of 0.2-core devices.)
-# A device planned on its CPU computes in what is left.
-RUNTIME_CORES = 0.009
+# The CPU a device's own runtime spends in a step beyond what the measured per-message and
+# per-byte costs charge (msg_s, comm_s_per_byte; a gradient sum's on lanes: lane_s_per_byte,
+# lane_msg_s): the event loop's turns, timers, heartbeats, the step's messages with the
+# coordinator and its bookkeeping, in the same process as the computation and so out of the
+# same CPU quota. It goes with the step, not with its length: on the testbed (yolov2-16 at 416,
+# sums on lanes; bench/RESULTS.md, 2026-12-05 09:09-10:09) a process took, beyond its compute
+# thread's CPU and what its lanes' costs charge for the sum, 0.038-0.055 CPU-s in steps of 3.3-3.6 s
+# (8 x 0.2 core, batch 8) and 0.040-0.073 in steps of 12.6-13.6 s (the mixed swarm, batch 32; up to
+# 0.10 on the device running four micro-batches and on the 0.1-core pair exchanging BatchNorm
+# sums). The planner charges each device this much a step, over its quota (Device.step_s).
+# (Charged instead as a share of the quota's cores, 0.022 then 0.009, it was a fifth of a
+# 0.1-core device and made plans with one look 24% slower than they ran.)
+RUNTIME_STEP_CPU_S = 0.06
 
 
-def with_runtime(costs, device: dict):
-    """`costs` (measured by the profile job, with the device otherwise idle) as the device
-    computes during a run: the runtime's RUNTIME_CORES come out of its usable cores (its CPU
-    quota, else its cores). A profile taken on an accelerator is left as it is: the GPU
-    computes beside the runtime's CPU."""
-    if device.get("accelerator"):
-        return costs
-    share = device.get("cpu_quota") or device.get("cores") or 1
-    share = min(float(share), float(device.get("cores") or share))
-    return costs.scaled(max(0.5, 1.0 - RUNTIME_CORES / share))
+def runtime_step_time(device: dict) -> float:
+    """A device's time each step for its runtime's own CPU (RUNTIME_STEP_CPU_S), spread over its
+    CPU quota where that is below a core; on an accelerator, over the core that drives it."""
+    quota = device.get("cpu_quota")
+    share = min(1.0, float(quota)) if quota else 1.0
+    return RUNTIME_STEP_CPU_S / share
 
 
 def reduce_msg_time(facts: dict) -> float:
@@ -141,7 +138,7 @@ def cluster_from_live(live: dict, desc):
         facts = {"cores": d["cores"], "address": d["address"], "spare": memory}
         if profile.device.get("allocator"):
             facts["allocator"] = profile.device["allocator"]  # the memory model's slack
-        device = Device(name, with_runtime(profile.costs, profile.device), budget, facts=facts,
+        device = Device(name, profile.costs, budget, facts=facts, step_s=runtime_step_time(profile.device),
                         comm_s_per_byte=_end_cost(d["node_id"], live["links"], "comm_s_per_byte"),
                         msg_s=_end_cost(d["node_id"], live["links"], "msg_s"),
                         reduce_msg_s=reduce_msg_time(profile.device), map_s_per_byte=map_time(profile.device),
