@@ -72,34 +72,35 @@ def _end_cost(node: str, links: dict, key: str) -> float:
 # 0.10 on the device running four micro-batches and on the 0.1-core pair exchanging BatchNorm
 # sums). The planner charges each device this much a step, over its quota (Device.step_s).
 # (Charged instead as a share of the quota's cores, 0.022 then 0.009, it was a fifth of a
-# 0.1-core device and made plans with one look 24% slower than they ran.)
+# 0.1-core device's quota, and a plan that used two of them was predicted 24% slower than it ran.)
 RUNTIME_STEP_CPU_S = 0.06
 
 
 def runtime_step_time(device: dict) -> float:
     """A device's time each step for its runtime's own CPU (RUNTIME_STEP_CPU_S), spread over its
     CPU quota where that is below a core; on an accelerator, over the core that drives it."""
-    quota = device.get("cpu_quota")
-    share = min(1.0, float(quota)) if quota else 1.0
-    return RUNTIME_STEP_CPU_S / share
+    return RUNTIME_STEP_CPU_S / _core_share(device)
+
+
+def _core_share(facts: dict) -> float:
+    """The share of a core a device's profile facts give it: its CPU quota where that is below
+    a core, else 1 (what it measured at full speed is spread over this)."""
+    quota = facts.get("cpu_quota")
+    return min(1.0, float(quota)) if quota else 1.0
 
 
 def reduce_msg_time(facts: dict) -> float:
     """A device's time per message of a gradient sum beyond the message's own handling: the
     sum's work its profile measured at full speed (swarm.profiling.reduction), spread over its
     CPU quota where that is below a core."""
-    quota = facts.get("cpu_quota")
-    share = min(1.0, float(quota)) if quota else 1.0
-    return float(facts.get("reduce_msg_cpu_s") or 0.0) / share
+    return float(facts.get("reduce_msg_cpu_s") or 0.0) / _core_share(facts)
 
 
 def map_time(facts: dict) -> float:
     """A device's time per byte of a block mapped afresh (planner.mapping): what its profile
     measured at full speed (swarm.host.malloc.map_cost), spread over its CPU quota where that
     is below a core; 0 where it cannot map."""
-    quota = facts.get("cpu_quota")
-    share = min(1.0, float(quota)) if quota else 1.0
-    return float(facts.get("map_cpu_s_per_byte") or 0.0) / share
+    return float(facts.get("map_cpu_s_per_byte") or 0.0) / _core_share(facts)
 
 
 def plan_memory(device: dict) -> int:
