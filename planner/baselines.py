@@ -25,6 +25,7 @@ from planner.classes import device_classes
 from planner.inputs import NoPlan, PlanInputs
 from planner.model_desc import ModelDesc
 from planner.plan import Plan, PlanError, Stage, most_replicas
+from planner.stage_work import group_microbatch_time
 from tiles.layout import tileable_prefix
 
 SIMPLE_STRATEGIES = ("local", "dp", "pp", "tiles", "hybrid")
@@ -310,7 +311,9 @@ def replica_groups(inputs: PlanInputs, group: list[str], fewest: int = 2) -> lis
     Groups are runs of consecutive devices in `group`'s order (fastest first: a group is
     paced by its slowest member), some devices possibly left out. For each number k of the
     fastest devices, the shortest makespan T over the k is found exactly for that family:
-    a group S finishes floor(T / t_S) micro-batches in T, where t_S is its time for one;
+    a group S finishes floor(T / t_S) micro-batches in T, where t_S is its time for one (a
+    group of several paced by its slowest member between BatchNorm layers, its exchanges
+    included: stage_work.group_microbatch_time);
     the runs that finish the most in T come from a DP over the devices, and T is the least
     of the candidate times k * t_S for which they finish all M. Beside it, for each k, the k
     cut into groups of one size (_even_runs). Stages of at least two groups; the simulator
@@ -336,8 +339,7 @@ def replica_groups(inputs: PlanInputs, group: list[str], fewest: int = 2) -> lis
                 if alloc is None or min(alloc.values()) == 0:  # cannot hold it, or a member would idle
                     costed[makeup] = None
                 else:
-                    costed[makeup] = (max(cl.device(d).costs.range_time(0, n, y, with_loss=True)
-                                          for d, y in alloc.items()), list(alloc.values()))
+                    costed[makeup] = (group_microbatch_time(inputs.desc, cl, alloc, 0, n, True), list(alloc.values()))
             if costed[makeup] is not None:
                 t, samples = costed[makeup]
                 runs[(i, j)] = (t, dict(zip(group[i:j], samples)))

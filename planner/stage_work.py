@@ -350,6 +350,22 @@ def _overlap(fwd: list[dict], bwd: list[dict], act: list[dict], trans: list[dict
             trans[j][d] = trans[j].get(d, 0.0) + act[i].get(d, 0.0)
 
 
+def group_microbatch_time(desc: ModelDesc, cluster: Cluster, allocation: dict[str, int], first: int, last: int,
+                          is_last: bool) -> float:
+    """One micro-batch's forward and backward through layers [first, last) on a group splitting
+    it by `allocation` (one device: its own time), as split_stage_work costs a lock-step group:
+    per stretch between BatchNorm layers its slowest member, and the BatchNorm exchanges."""
+    shares, lo = [], 0
+    for d, y in allocation.items():
+        shares.append(Share(d, lo, lo + y))
+        lo += y
+    if len(shares) == 1:
+        return cluster.device(shares[0].device).costs.range_time(first, last, lo, is_last)
+    bn_layers = [i for i in range(first, last) if desc.layers[i].batch_normalize]
+    sync = bn_sync_time(desc, first, last, list(allocation), cluster) if bn_layers else 0.0
+    return sum(_gang_time(shares, cluster, first, last, bn_layers, kind, is_last) + sync for kind in ("fwd", "bwd"))
+
+
 def _gang_time(shares: list[Share], cluster: Cluster, first: int, last: int, bn_layers: list[int],
                kind: str, is_last: bool) -> float:
     """A lock-step group's time: per segment between BN syncs, its slowest device."""

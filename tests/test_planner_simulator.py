@@ -801,6 +801,57 @@ def test_whole_micro_batches_set_the_mixed_swarms_floor_and_auto_plans_at_it():
     assert costs["dev0"].range_time(0, n, 2, True) > floor.step
 
 
+def test_groups_of_whole_micro_batches_are_chosen_with_their_exchanges_counted():
+    """The mixed testbed as its survey read it (2026-12-05 12:45 UTC): each device's time a
+    sample at 1, 2 and 4 samples, its messages' handling and its sums' CPU under its quota. The
+    0.1-core devices' profiles read a sample alone faster than each of two (dev0 5.11 against
+    5.41 s), so by compute alone the fastest groups put them with a 0.2-core device, a sample
+    each, taking two micro-batches: three members exchanging BatchNorm sums at every layer of
+    two micro-batches at the 0.1-core devices' pace, the plan then slower than pairs all round.
+    Counting a group's exchanges in its time for a micro-batch (as the simulator costs it), the
+    search finds the plan the testbed ran fastest (3.25x DDP, bench/RESULTS.md 2026-12-05
+    10:13): the two 0.1-core devices split one micro-batch, the others take whole ones."""
+    from dataclasses import replace
+
+    from planner.planners import make_plan
+    from planner.stage_work import group_microbatch_time
+    f, b, u = np.array(TESTBED_FWD), np.array(TESTBED_BWD), np.array(TESTBED_UPDATE)
+    one = sum(TESTBED_FWD) + sum(TESTBED_BWD) + 0.016  # a sample, with the loss head
+    per_sample = {"dev0": (5.109, 5.414, 5.567), "dev1": (5.201, 5.262, 5.292), "dev2": (2.535, 2.45, 2.407),
+                  "dev3": (2.542, 2.46, 2.419), "dev4": (1.262, 1.197, 1.164), "dev5": (0.814, 0.822, 0.826)}
+    msg = {"dev0": 5.5e-3, "dev1": 5.7e-3, "dev2": 2.1e-3, "dev3": 2.3e-3, "dev4": 8.1e-4, "dev5": 3.1e-4}
+    quota = {"dev0": 0.1, "dev1": 0.1, "dev2": 0.2, "dev3": 0.2, "dev4": 0.4, "dev5": 0.6}
+    inputs = swarm_like_testbed(dict.fromkeys(per_sample, 1.0))
+    devices = []
+    for d in inputs.cluster.devices:
+        k = np.array([n * t / one for n, t in zip((1, 2, 4), per_sample[d.name])])
+        table = CostTable((1, 2, 4), np.outer(f, k), np.outer(b, k), u * per_sample[d.name][0] / one,
+                          list(0.012 * k), list(0.004 * k))
+        q = quota[d.name]
+        devices.append(replace(d, costs=table, msg_s=msg[d.name], comm_s_per_byte=3.4e-9 / q, step_s=0.06 / q,
+                               lane_s_per_byte=1.2e-9 / q, lane_msg_s=1.5e-4 / q))
+    inputs = replace(inputs, cluster=replace(inputs.cluster, devices=devices))
+    cl, n = inputs.cluster, inputs.num_layers
+    trio, pair = {"dev3": 2, "dev1": 1, "dev0": 1}, {"dev1": 2, "dev0": 2}
+    # two micro-batches on the three-device group take less than one on the pair by compute ...
+    by_compute = [max(cl.device(d).costs.range_time(0, n, y, True) for d, y in g.items()) for g in (trio, pair)]
+    assert 2 * by_compute[0] < by_compute[1]
+    # ... and not with their exchanges
+    with_exchanges = [group_microbatch_time(inputs.desc, cl, g, 0, n, True) for g in (trio, pair)]
+    assert 2 * with_exchanges[0] > with_exchanges[1]
+    auto = make_plan("auto", inputs)
+    stage = auto.stages[0]
+    groups = [stage.replica_devices(r) for r in range(stage.replica_count())]
+    assert len(auto.stages) == 1 and sorted(map(sorted, groups)) == [["dev0", "dev1"], ["dev2"], ["dev3"], ["dev4"],
+                                                                     ["dev5"]]
+    assert sorted(stage.replica_shares(8)) == [1, 1, 1, 2, 3]
+    # pairs all round, the plan a search by compute alone ended with, is slower
+    pairs = inputs.plan([Stage(0, n, "dp", ["dev5", "dev4", "dev2", "dev3", "dev1", "dev0"],
+                               allocation=dict.fromkeys(["dev5", "dev4", "dev2", "dev3", "dev1", "dev0"], 2),
+                               replicas=3, groups=[2, 2, 2], shares=[5, 2, 1])], "dp")
+    assert auto.predicted["step_time_s"] < inputs.simulate(pairs).step_time
+
+
 def auto_devices(groups) -> list[str]:
     return sorted(d for g, _, _ in groups for d in g)
 
