@@ -802,7 +802,7 @@ def test_whole_micro_batches_set_the_mixed_swarms_floor_and_auto_plans_at_it():
 
 
 def test_groups_of_whole_micro_batches_are_chosen_with_their_exchanges_counted():
-    """The mixed testbed as its survey read it (2026-12-05 12:45 UTC): each device's time a
+    """The mixed testbed as its survey read it (2026-12-05 11:55 UTC): each device's time a
     sample at 1, 2 and 4 samples, its messages' handling and its sums' CPU under its quota. The
     0.1-core devices' profiles read a sample alone faster than each of two (dev0 5.11 against
     5.41 s), so by compute alone the fastest groups put them with a 0.2-core device, a sample
