@@ -66,3 +66,29 @@ async def test_an_idle_agent_is_asked_for_three_heartbeats_per_suspect_deadline_
             # testbed) an agent asked every 0.05 s sent 9 in the second, so the floor is loose
             assert 1.0 / expected / 3 <= len(heartbeats) <= 1.0 / expected + 1, (suspect_after, len(heartbeats))
             assert agents[0].node_id in [d.node_id for d in cluster.alive()]
+
+
+async def test_a_jobs_beats_both_ways_come_three_per_suspect_deadline_not_more():
+    """A training coordinator's members are suspect only after a long silence: the agent of its
+    job beats at three per that deadline, not at the coordinator's interval, and so do the
+    coordinator's beats to it (each costs a small device about a millisecond of CPU)."""
+    async def idle(ctx):
+        await trio.sleep_forever()
+
+    register_job_kind("paced-beats-test", idle)
+    async with swarm_of(1, heartbeat_interval=0.05, suspect_after=0.6) as (agents, cluster):
+        assert cluster.watch_interval == pytest.approx(0.2)
+        job = cluster.job("paced")
+        await job.assign(agents[0].node_id, "paced-beats-test", {})
+        beats = count_beats(agents[0])
+        heartbeats = []
+        on_message = cluster._on_message
+        cluster._on_message = lambda device, message: (
+            heartbeats.append(trio.current_time()) if type(message).__name__ == "Heartbeat" else None,
+            on_message(device, message))
+        await trio.sleep(1.0)
+        # at the coordinator's 0.05 s interval each would be 20; the floors are loose (a loaded machine)
+        assert 2 <= len(heartbeats) <= 1.0 / 0.2 + 1, len(heartbeats)
+        assert 2 <= len(beats) <= 1.0 / 0.2 + 1, len(beats)
+        assert agents[0].node_id in [d.node_id for d in cluster.alive()]
+        await job.release_all()

@@ -52,7 +52,10 @@ class Roster:
         # within the silence that makes it suspect (the default deadline's ratio). A training
         # coordinator (a 0.25 s interval, suspect after 2 s) hears each idle agent every 0.67 s,
         # not four times a second: at 64 agents its receiving them was 5% of a core at rest. The
-        # agents of a job beat at the job's own interval (CoordinatorJob) all the same.
+        # agents of a job beat at the same pace (CoordinatorJob), and its beats to them (_beat)
+        # too: a beat each way costs a device about a millisecond of CPU, and at four a second
+        # each way a 0.1-core device training spent 8-10% of its quota on them (yolov2-16 on the
+        # mixed testbed, bench/RESULTS.md 2026-12-05 12:29).
         self.watch_interval = max(heartbeat_interval, self.membership.suspect_after / 3)
         self._static_peers = list(peers)
         self._devices: dict[str, Member] = {}             # node id (or "host:port" before a handshake) -> Member
@@ -122,7 +125,7 @@ class Roster:
 
     def job(self, job_id: str, epoch: int = 0) -> CoordinatorJob:
         """A handle for driving job `job_id` at `epoch` (replaces an older epoch's handle)."""
-        handle = CoordinatorJob(self, job_id, epoch, self.heartbeat_interval)
+        handle = CoordinatorJob(self, job_id, epoch, self.watch_interval)
         self._jobs[job_id] = handle
         return handle
 
@@ -302,7 +305,7 @@ class Roster:
             self._touch()
 
     async def _beat(self, node_id: str, conn, scope: trio.CancelScope) -> None:
-        """A Ping whenever nothing else went to the agent for a heartbeat interval while a job of
+        """A Ping whenever nothing else went to the agent for a watch interval while a job of
         ours is assigned to it: the agents of a job see that its coordinator is alive
         (swarm/agent/failover.py). An agent of no job of ours is sent none: it watches no
         coordinator, and its own heartbeats say it is alive (a beat to each idle agent of a
@@ -315,10 +318,10 @@ class Roster:
                         await self._assigned.wait()
                         continue
                     quiet = trio.current_time() - conn.last_sent
-                    if quiet >= self.heartbeat_interval:
+                    if quiet >= self.watch_interval:
                         await conn.send(Ping(0))
                         quiet = 0.0
-                    await trio.sleep(self.heartbeat_interval - quiet)
+                    await trio.sleep(self.watch_interval - quiet)
             except ConnectionLost:
                 pass
 
