@@ -26,6 +26,16 @@ def count_beats(agent) -> list[float]:
     return beats
 
 
+def count_heartbeats(cluster) -> list[float]:
+    """The times `cluster` receives a heartbeat from now on."""
+    heartbeats = []
+    on_message = cluster._on_message
+    cluster._on_message = lambda device, message: (
+        heartbeats.append(trio.current_time()) if type(message).__name__ == "Heartbeat" else None,
+        on_message(device, message))
+    return heartbeats
+
+
 async def test_only_the_agent_of_a_job_is_beaten_and_only_while_it_holds_it():
     async def idle(ctx):
         await trio.sleep_forever()
@@ -56,11 +66,7 @@ async def test_an_idle_agent_is_asked_for_three_heartbeats_per_suspect_deadline_
     for suspect_after, expected in ((None, 0.05), (0.6, 0.2)):
         async with swarm_of(1, heartbeat_interval=0.05, suspect_after=suspect_after) as (agents, cluster):
             assert cluster.watch_interval == pytest.approx(expected)
-            heartbeats = []
-            on_message = cluster._on_message
-            cluster._on_message = lambda device, message: (
-                heartbeats.append(trio.current_time()) if type(message).__name__ == "Heartbeat" else None,
-                on_message(device, message))
+            heartbeats = count_heartbeats(cluster)
             await trio.sleep(1.0)
             # not more than asked; on a loaded machine (the suite's two workers beside the
             # testbed) an agent asked every 0.05 s sent 9 in the second, so the floor is loose
@@ -81,11 +87,7 @@ async def test_a_jobs_beats_both_ways_come_three_per_suspect_deadline_not_more()
         job = cluster.job("paced")
         await job.assign(agents[0].node_id, "paced-beats-test", {})
         beats = count_beats(agents[0])
-        heartbeats = []
-        on_message = cluster._on_message
-        cluster._on_message = lambda device, message: (
-            heartbeats.append(trio.current_time()) if type(message).__name__ == "Heartbeat" else None,
-            on_message(device, message))
+        heartbeats = count_heartbeats(cluster)
         await trio.sleep(1.0)
         # at the coordinator's 0.05 s interval each would be 20; the floors are loose (a loaded machine)
         assert 2 <= len(heartbeats) <= 1.0 / 0.2 + 1, len(heartbeats)
