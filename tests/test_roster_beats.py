@@ -77,7 +77,7 @@ async def test_an_idle_agent_is_asked_for_three_heartbeats_per_suspect_deadline_
 async def test_a_jobs_beats_both_ways_come_three_per_suspect_deadline_not_more():
     """A training coordinator's members are suspect only after a long silence: the agent of its
     job beats at three per that deadline, not at the coordinator's interval, and so do the
-    coordinator's beats to it (each costs a small device about a millisecond of CPU)."""
+    coordinator's beats to it (each costs a small device about half a millisecond of CPU)."""
     async def idle(ctx):
         await trio.sleep_forever()
 
