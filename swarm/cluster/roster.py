@@ -53,9 +53,9 @@ class Roster:
         # coordinator (a 0.25 s interval, suspect after 2 s) hears each idle agent every 0.67 s,
         # not four times a second: at 64 agents its receiving them was 5% of a core at rest. The
         # agents of a job beat at the same pace (CoordinatorJob), and its beats to them (_beat)
-        # too: a beat costs a device about half a millisecond of CPU to send or take, and at four a second
-        # each way a 0.1-core device training spent 8-10% of its quota on them (yolov2-16 on the
-        # mixed testbed, bench/RESULTS.md 2026-12-05 12:29).
+        # too: a beat costs a device about half a millisecond of CPU to send or take, so four a
+        # second each way took about 4% of a 0.1-core device's quota while it trained (its event
+        # loop 10% in all: yolov2-16 on the mixed testbed, bench/RESULTS.md 2026-12-05 12:16).
         self.watch_interval = max(heartbeat_interval, self.membership.suspect_after / 3)
         self._static_peers = list(peers)
         self._devices: dict[str, Member] = {}             # node id (or "host:port" before a handshake) -> Member
