@@ -34,6 +34,8 @@ memory is counted.
     jemalloc  jemalloc as swarm preloads it (where it is installed, or the library --jemalloc
               names: `apt-get download libjemalloc2 && dpkg -x libjemalloc2_*.deb DIR` gives one
               without installing it)
+    jemalloc-oneheap  the same, and blocks of 8 MiB or more from its one arena too
+              (oversize_threshold:0) rather than from the arena jemalloc keeps for them
     pinned:K  `heap`, and before torch is loaded 64 MiB of free K KiB holes at the heap's foot, each
               kept apart by a live 16-byte block: glibc serves a small request from the smallest
               free chunk that fits, so the small blocks of a pass go there rather than into the
@@ -157,11 +159,13 @@ def environment(setting: str, jemalloc: str | None, tbb: str | None = None) -> d
         env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES, **{malloc.PRELOADED: "glibc"})
     elif setting.startswith("mapped"):  # as it did until 2026-12, in huge pages
         env.update(GLIBC_TUNABLES=malloc.GLIBC_TUNABLES + ":glibc.malloc.hugetlb=1")
-    elif setting == "jemalloc":
+    elif setting in ("jemalloc", "jemalloc-oneheap"):
         library = jemalloc or malloc.jemalloc_library(fetch=True)
         if library is None:
             return None
         env.update(LD_PRELOAD=library, MALLOC_CONF=malloc.JEMALLOC_CONF)
+        if setting == "jemalloc-oneheap":  # blocks of 8 MiB and more from the one arena too, not an arena of their own
+            env["MALLOC_CONF"] += ",oversize_threshold:0"
     elif setting.split(":")[0] == "tbb":
         if tbb is None:
             return None
@@ -180,7 +184,7 @@ def model_peak(args, row: str, allocator: str) -> str:
     from swarm.zoo import describe_model
 
     setting = row.split("+")[0]
-    if allocator not in ("glibc", "jemalloc") or setting not in ("heap", "swarm", "mapped-small", "jemalloc"):
+    if allocator not in ("glibc", "jemalloc") or setting not in ("heap", "swarm", "mapped-small", "jemalloc", "jemalloc-oneheap"):
         return "-"  # (mapped-small:N maps from another size than the planner's MAPPED_FROM)
     desc = describe_model(args.model, args.img_size, 5)
     model, n = MemoryModel.for_devices(desc, allocator=allocator), len(desc.layers)
@@ -225,7 +229,7 @@ def main() -> int:
     settings = [s for s in args.settings.split(",") if s]
     unknown = {s for s in settings if not (s.split(":")[0] in ("mapped", "mapped-small", "tbb", "pinned") and s.count(":") == 1
                                            and s.split(":")[1].isdigit())} - {
-        "default", "mapped-small", "before", "heap", "swarm", "mapped", "mmap", "jemalloc", "tbb"}
+        "default", "mapped-small", "before", "heap", "swarm", "mapped", "mmap", "jemalloc", "jemalloc-oneheap", "tbb"}
     if unknown:
         parser.error(f"no setting {', '.join(sorted(unknown))}")
     modes = [m for m in args.recompute.split(",") if m]

@@ -165,6 +165,20 @@ class Stage:
         copies = self.replica_count()
         return [len(self.devices) // copies] * copies
 
+    def sum_weights(self, microbatches: int) -> dict[str, int] | None:
+        """How much of the stage's gradient sum each device owns (swarm.execution.collectives.
+        chunk_bounds): the samples it computes a step, so that a device that computes little sums
+        little. None where every device owns as much (and for tiles)."""
+        if self.mode == "tiles":
+            return None
+        shares = self.replica_shares(microbatches)
+        weights: dict[str, int] = {}
+        for r in range(self.replica_count()):
+            for d in self.replica_devices(r):
+                per_mb = (self.allocation or {}).get(d, 1) if self.mode == "dp" else 1
+                weights[d] = weights.get(d, 0) + per_mb * shares[r]
+        return weights if len(set(weights.values())) > 1 else None
+
     def replica_devices(self, r: int) -> list[str]:
         """The devices of replica r (of a one-stage replicated plan; the stage's devices otherwise)."""
         if self.replica_count() == 1:

@@ -73,7 +73,7 @@ def plan_replicated(inputs: PlanInputs, bound: float | None = None) -> Plan | No
         summed = 0.0
         if k > 1:  # the gradient sum over the replicas, as if nothing hid it
             summed = ring_allreduce_time(float(mem.param_bytes[first:last].sum()), names, cl,
-                                         gradient_buckets(mem, first, last))
+                                         gradient_buckets(mem, first, last), dict(zip(names, shares)))
         work = max(s * t for s, t in zip(shares, times)) + summed
         if bound is not None and work >= bound:  # a step that takes this device longer cannot win
             beaten.append((i, j, a, k))

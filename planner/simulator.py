@@ -203,8 +203,9 @@ def simulate(plan: Plan, desc: ModelDesc, mem: MemoryModel, cluster: Cluster, va
     summed = float(mem.param_bytes[stage.first:stage.last].sum())
     everyone = list(dict.fromkeys(stage.tile_devices if stage.mode == "tiles" else stage.devices))
     buckets = gradient_buckets(mem, stage.first, stage.last)
-    ring = ring_allreduce_time(summed, everyone, cluster, buckets)
-    own = allreduce_cpu(summed, everyone, cluster, buckets)
+    weights = stage.sum_weights(plan.microbatches)
+    ring = ring_allreduce_time(summed, everyone, cluster, buckets, weights)
+    own = allreduce_cpu(summed, everyone, cluster, buckets, weights)
     timelines = []
     for r in range(stage.replica_count()):
         alone = plan.replica_plan(r).in_blocks()

@@ -61,7 +61,8 @@ def allreduce_messages(g: int) -> int:
     return 2 * (g - 1)
 
 
-def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1) -> float:
+def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1,
+                        weights: dict[str, int] | None = None) -> float:
     """Asteroid eq. 5: 2(g-1)/g of the data over the slowest link, plus a message latency per
     round (allreduce_rounds). Each device sends and receives that much at once: the sum runs
     no faster than a device's CPU moves twice the bytes. The data goes in `buckets` sums
@@ -71,33 +72,53 @@ def ring_allreduce_time(nbytes: float, group: list[str], cluster: Cluster, bucke
     member computing on an accelerator copies its gradients to the host and the sums back:
     twice the bytes at the slowest member's copy rate. Groups that sum on lanes of their own
     (_lane_cost) move their bytes and shares at the lanes' measured costs instead, with no
-    reduce_msg_s: the event loop's per-message work is not on a lane."""
+    reduce_msg_s: the event loop's per-message work is not on a lane. Summing straight with
+    chunks owned by `weights` (Stage.sum_weights), each member's bytes (_moved) take it their
+    time at its own cost, and the slowest member sets the pace."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return 0.0
     lane = _lane_cost(group, cluster)
-    cpu, message = lane if lane else (cluster.comm_cpu(group), cluster.reduce_msg_cpu(group))
-    per_byte = max(1 / cluster.min_bw(group), 2 * cpu)
+    message = lane[1] if lane else cluster.reduce_msg_cpu(group)
+    link = 1 / cluster.min_bw(group)
     messages = max(1, buckets) * allreduce_messages(g) * 2 * message
     copies = 2 * nbytes * cluster.copy_per_byte(group)
-    return allreduce_rounds(g) * cluster.latency + messages + 2 * (g - 1) / g * nbytes * per_byte + copies
+    moved = _moved(nbytes, group, weights)  # out, and half of it in at once
+    cpu = {d: cluster.device(d).lane_s_per_byte if lane else cluster.device(d).comm_s_per_byte for d in group}
+    bytes_s = max(moved[d] / 2 * max(link, 2 * cpu[d]) for d in group)
+    return allreduce_rounds(g) * cluster.latency + messages + bytes_s + copies
 
 
-def allreduce_cpu(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1) -> dict[str, float]:
+def _moved(nbytes: float, group: list[str], weights: dict[str, int] | None) -> dict[str, float]:
+    """The bytes each member sends and receives in all in a sum of `nbytes`: 4(g-1)/g of them with
+    equal chunks; summing straight with chunks c_j by `weights` (swarm.execution.collectives.
+    chunk_bounds), 2(nbytes - c_j) + 2(g-1)c_j. Other ways (larger groups) move equal parts."""
+    g = len(group)
+    if not weights or g > DIRECT_REDUCE_MAX or not all(d in weights for d in group) \
+            or len({weights[d] for d in group}) == 1:
+        return {d: 2 * 2 * (g - 1) / g * nbytes for d in group}
+    total = sum(weights[d] for d in group)
+    return {d: 2 * nbytes + 2 * (g - 2) * nbytes * weights[d] / total for d in group}
+
+
+def allreduce_cpu(nbytes: float, group: list[str], cluster: Cluster, buckets: int = 1,
+                  weights: dict[str, int] | None = None) -> dict[str, float]:
     """Each member's own time on a sum of `nbytes` in `buckets` sums: the 2(g-1)/g of the
     bytes it sends and as many it receives, at its comm_s_per_byte, and its messages out and
     in (allreduce_messages, per bucket), at its msg_s + reduce_msg_s. ring_allreduce_time
     takes the slowest member's for the sum's wall time; this is what the sum takes from each
     member's CPU, where its computation also runs (under a CPU quota, the same quota); on
-    lanes (_lane_cost), at lane_s_per_byte and lane_msg_s."""
+    lanes (_lane_cost), at lane_s_per_byte and lane_msg_s. With `weights`, each member moves
+    what its chunk makes it (_moved)."""
     g = len(group)
     if g < 2 or nbytes <= 0:
         return {}
-    moved = 2 * 2 * (g - 1) / g * nbytes
+    moved = _moved(nbytes, group, weights)
     messages = max(1, buckets) * allreduce_messages(g) * 2
     if _lane_cost(group, cluster):
-        return {d: moved * cluster.device(d).lane_s_per_byte + messages * cluster.device(d).lane_msg_s for d in group}
-    return {d: moved * cluster.device(d).comm_s_per_byte
+        return {d: moved[d] * cluster.device(d).lane_s_per_byte + messages * cluster.device(d).lane_msg_s
+                for d in group}
+    return {d: moved[d] * cluster.device(d).comm_s_per_byte
             + messages * (cluster.device(d).msg_s + cluster.device(d).reduce_msg_s) for d in group}
 
 
@@ -313,8 +334,9 @@ def split_stage_work(p: int, stage: Stage, desc: ModelDesc, mem: MemoryModel, cl
     allreduce, own = 0.0, {}
     if len(group) > 1:  # (the buckets are worth finding only for a group: planners ask this often)
         buckets = gradient_buckets(mem, first, last)
-        allreduce = ring_allreduce_time(reduce_bytes, group, cluster, buckets)
-        own = allreduce_cpu(reduce_bytes, group, cluster, buckets)
+        weighed = stage.sum_weights(len(sizes))
+        allreduce = ring_allreduce_time(reduce_bytes, group, cluster, buckets, weighed)
+        own = allreduce_cpu(reduce_bytes, group, cluster, buckets, weighed)
     update = {d: cluster.device(d).costs.update_range(first, last) for d in group}
     return StageWork(p, stage, gang, shares, fwd, bwd, act, trans, weights, allreduce, update,
                      own, sync if gang else 0.0, sync if gang else 0.0)

@@ -1,4 +1,6 @@
 """Group operations over endpoints: every member ends with the same, complete answer."""
+import math
+
 import pytest
 import torch
 import trio
@@ -121,6 +123,50 @@ def test_allreduce_sum_messages_per_member(n, messages):
     trio.run(main)
     assert len(sent) == n * messages
     assert network.bytes_sent == n * 2 * (n - 1) * (size // n) * 4
+
+
+def test_summing_straight_each_member_owns_a_chunk_by_its_weight_and_moves_what_that_makes_it():
+    """With chunks by weight (a member computing 12 samples a step, two computing 2, one 4) every
+    member still ends with the equal chunks' bits, and member j sends S - c_j of its own gradient
+    plus its summed chunk to the g - 1 others: the light members send about their gradient alone."""
+    from swarm.execution.collectives import chunk_bounds
+
+    n, size, weights = 4, 2000, [12, 2, 2, 4]
+    assert chunk_bounds(size, n, weights) == [0, 1200, 1400, 1600, 2000]
+    assert chunk_bounds(size, n, [3, 3, 3, 3]) == chunk_bounds(size, n) == [0, 500, 1000, 1500, 2000]
+    torch.manual_seed(0)
+    values = [torch.randn(size, dtype=torch.float32) * 10 ** i for i in range(n)]
+    names = [f"d{i}" for i in range(n)]
+
+    def run(w):
+        network = LocalNetwork()
+        eps = [network.endpoint(name) for name in names]
+        sent = dict.fromkeys(names, 0)
+        for ep in eps:
+            original = ep.send
+
+            async def counting(dst, key, payload, original=original, name=ep.name):
+                sent[name] += sum(a.numel() for a in payload["arrays"])
+                await original(dst, key, payload)
+            ep.send = counting
+        flats = [v.clone() for v in values]
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                for ep, flat in zip(eps, flats):
+                    nursery.start_soon(allreduce_sum, ep, names, ("k",), flat, math.inf, w)
+        trio.run(main)
+        return flats, sent
+
+    equal, equal_sent = run(None)
+    weighed, weighed_sent = run(weights)
+    assert all(torch.equal(a, b) for a, b in zip(weighed, equal))
+    assert all(torch.equal(a, weighed[0]) for a in weighed)
+    chunks = [1200, 200, 200, 400]
+    assert [weighed_sent[d] for d in names] == [size - c + (n - 1) * c for c in chunks]
+    assert all(v == 2 * (n - 1) * size // n for v in equal_sent.values())
+    with pytest.raises(ValueError):
+        chunk_bounds(size, n, [1, 2])
 
 
 @pytest.mark.parametrize("way, n", [(way, n) for way in ("direct", "halving_doubling", "ring") for n in (2, 3, 5, 8)

@@ -14,7 +14,7 @@ import trio
 
 from swarm.agent import register_job_kind
 from swarm.cluster import JobError
-from swarm.execution.collectives import allreduce_sum
+from swarm.execution.collectives import allreduce_sum, chunk_bounds
 from swarm.execution.endpoint import LocalNetwork
 from swarm.execution.lane import LANE, SumLanes
 from tests.test_agent import swarm_of
@@ -42,7 +42,7 @@ async def lane_job(ctx) -> dict:
         reports.append([name, why])
 
     lanes = SumLanes(me, spec["devices"], ctx.job_id, ctx.epoch, ctx.open_lane, lambda: ctx.receive(LANE), report)
-    sums, finished = [], False
+    sums, finished, sent = [], False, [0]
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lanes.pump)
@@ -58,17 +58,30 @@ async def lane_job(ctx) -> dict:
                     await lanes._ready(0, group, 10)
                     for (_, far), lane in lanes.out.items():
                         lane.send = tampered(lane)
+                if spec.get("weights"):  # count the elements this member sends
+                    await lanes._ready(0, group, 10)
+                    for lane in lanes.out.values():
+                        lane.send = counted(lane.send, sent)
                 for step in range(spec["steps"]):
                     for bucket, size in enumerate(SIZES):
                         flat = torch.from_numpy(share(step, bucket, group.index(me), size, np.dtype(spec["dtype"])))
                         label = step + 1 if spec.get("mislabel") == me else step
-                        await lanes.allreduce(0, group, ("grads", label, 0, bucket), flat, spec.get("timeout", 30))
+                        await lanes.allreduce(0, group, ("grads", label, 0, bucket), flat, spec.get("timeout", 30),
+                                              spec.get("weights"))
                         sums.append(flat.numpy().tobytes())
                 finished = True
             nursery.cancel_scope.cancel()
     finally:
         await lanes.aclose()
-    return {"sums": sums, "reports": reports, "finished": finished}
+    counts = {"sent": sent[0]} if spec.get("weights") else {}  # (elements this member sent)
+    return {"sums": sums, "reports": reports, "finished": finished, **counts}
+
+
+def counted(send, sent: list[int]):
+    def counting(key, array, timeout) -> None:
+        sent[0] += array.size
+        send(key, array, timeout)
+    return counting
 
 
 def tampered(lane):
@@ -115,7 +128,7 @@ async def run_lane_job(kind: str, n: int, stagger: float = 0.0, **spec) -> list[
         return results
 
 
-async def direct_sums(n: int, steps: int, dtype) -> list[list[bytes]]:
+async def direct_sums(n: int, steps: int, dtype, weights: list[int] | None = None) -> list[list[bytes]]:
     """What collectives.allreduce_sum gives each member (over the in-process network)."""
     network = LocalNetwork()
     endpoints = [network.endpoint(f"a{i}") for i in range(n)]
@@ -126,7 +139,7 @@ async def direct_sums(n: int, steps: int, dtype) -> list[list[bytes]]:
             async with trio.open_nursery() as nursery:
                 for i, ep in enumerate(endpoints):
                     nursery.start_soon(allreduce_sum, ep, [e.name for e in endpoints], ("grads", step, 0, bucket),
-                                       flats[i], math.inf)
+                                       flats[i], math.inf, weights)
             for i in range(n):
                 out[i].append(flats[i].numpy().tobytes())
     return out
@@ -139,6 +152,19 @@ async def test_sums_on_lanes_are_the_direct_sums_bits(kind, n, dtype):
     expected = await direct_sums(n, 2, np.dtype(dtype))
     assert [r["sums"] for r in results] == expected
     assert len({tuple(r["sums"]) for r in results}) == 1  # every member holds the same bits
+
+
+async def test_sums_on_lanes_with_chunks_by_each_members_samples_are_the_equal_chunks_bits(kind):
+    """Members that own chunks of other sizes (Stage.sum_weights: 12, 2 and 4 samples a step) sum
+    the same bits on lanes as the event loop's direct sum with equal chunks."""
+    weights = [12, 2, 4]
+    results = await run_lane_job(kind, 3, weights=weights)
+    assert all(r["finished"] and r["reports"] == [] for r in results)
+    assert [r["sums"] for r in results] == await direct_sums(3, 2, np.dtype("float32"))
+    # member j sends S - c_j of its gradient and its summed chunk c_j to the 2 others
+    chunks = [[hi - lo for lo, hi in zip(b, b[1:])] for b in (chunk_bounds(size, 3, weights) for size in SIZES)]
+    assert [r["sent"] for r in results] == [2 * sum(size - c[j] + 2 * c[j] for size, c in zip(SIZES, chunks))
+                                            for j in range(3)]
 
 
 async def test_a_tampered_share_breaks_the_lane_and_names_its_sender(kind):

@@ -230,3 +230,44 @@ def test_sums_on_lanes_are_priced_at_the_lanes_costs_from_the_file(desc):
         ring_allreduce_time(nbytes, ["d0", "d1"], loop, buckets))
     with pytest.raises(ClusterError, match="lane_us"):
         cluster_from_dict({"devices": [device("d0", lane_us=-1)]}, desc, no_profiles)
+
+
+def test_a_sum_whose_chunks_follow_each_members_samples_is_priced_at_what_each_member_moves(desc):
+    """The one-pair plan of the mixed swarm (dev5 three micro-batches of 4, dev4 two, dev2 and dev3
+    one, dev0 and dev1 splitting one): each device owns a chunk of every sum in proportion to its
+    samples a step (Stage.sum_weights) and is charged the 2(S - c) + 2(g - 1)c bytes that makes it,
+    so the 0.1-core pair moves 2.5 S rather than the 3.3 S of equal chunks; the sum's time is set
+    by the member that moves the most."""
+    from planner.plan import Stage
+    from planner.stage_work import allreduce_cpu, allreduce_messages, ring_allreduce_time
+
+    stage = Stage(0, len(desc.layers), "dp", ["dev5", "dev4", "dev3", "dev2", "dev0", "dev1"],
+                  allocation={"dev5": 4, "dev4": 4, "dev3": 4, "dev2": 4, "dev0": 2, "dev1": 2},
+                  replicas=5, shares=[3, 2, 1, 1, 1], groups=[1, 1, 1, 1, 2])
+    weights = stage.sum_weights(8)
+    assert weights == {"dev5": 12, "dev4": 8, "dev3": 4, "dev2": 4, "dev0": 2, "dev1": 2}
+    assert Stage(0, 3, "dp", ["a", "b"], allocation={"a": 2, "b": 2}).sum_weights(8) is None  # equal: equal chunks
+    assert Stage(0, 3, "single", ["a", "b"], replicas=2, shares=[5, 3]).sum_weights(8) == {"a": 5, "b": 3}
+
+    names = list(weights)
+    cl = cluster_from_dict({"bandwidth_mbps": 1000, "devices": [
+        {"name": n, "memory": "1 GiB", "gflops": 1, "lane_ns_per_byte": 4, "lane_us": 150} for n in names]},
+        desc, no_profiles)
+    nbytes, g = 6e6, len(names)
+    messages = allreduce_messages(g) * 2 * 150e-6
+    weighed = allreduce_cpu(nbytes, names, cl, 1, weights)
+    for d in names:
+        assert weighed[d] == pytest.approx((2 * nbytes + 2 * (g - 2) * nbytes * weights[d] / 32) * 4e-9 + messages)
+    assert weighed["dev0"] == pytest.approx(2.5 * nbytes * 4e-9 + messages)
+    equal = allreduce_cpu(nbytes, names, cl, 1)
+    assert weighed["dev0"] < equal["dev0"] < weighed["dev5"]
+    assert ring_allreduce_time(nbytes, names, cl, 1, weights) == pytest.approx(
+        messages + 5 * nbytes / 2 * max(8 / 1e9, 2 * 4e-9))  # dev5 moves 5 S
+    # the pair's lanes cost six times dev5's a byte (a sixth of the CPU): the pair sets the pace
+    slow = cluster_from_dict({"bandwidth_mbps": 1000, "devices": [
+        {"name": n, "memory": "1 GiB", "gflops": 1, "lane_ns_per_byte": 24 if n in ("dev0", "dev1") else 4,
+         "lane_us": 150} for n in names]}, desc, no_profiles)
+    assert ring_allreduce_time(nbytes, names, slow, 1, weights) == pytest.approx(
+        messages + 2.5 * nbytes / 2 * 2 * 24e-9)
+    assert ring_allreduce_time(nbytes, names, slow, 1) == pytest.approx(
+        messages + 2 * (g - 1) / g * nbytes * 2 * 24e-9)

@@ -64,7 +64,7 @@ async def _direct_gather(ep: Endpoint, group: list[str], key: tuple, arrays: lis
 
 
 async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor,
-                        timeout: float = math.inf) -> torch.Tensor:
+                        timeout: float = math.inf, weights: list[int] | None = None) -> torch.Tensor:
     """Sum of `flat` (1-D) over the group. Each element is summed by one member, in an order
     fixed by the group alone, and copied to the others: every member ends with the same
     bits. The sum is made in `flat` itself, which is returned. Every way below moves the
@@ -79,12 +79,17 @@ async def allreduce_sum(ep: Endpoint, group: list[str], key: tuple, flat: torch.
     ring. Fewer messages cost less CPU, but every round waits for one partner's previous
     round, and on devices with a CPU quota some partner is often late: on 8 devices of 0.2
     core at 100 Mbit, dp trained 8% faster summing straight than halving and doubling
-    (bench/RESULTS.md, "Sums straight to each chunk's owner")."""
+    (bench/RESULTS.md, "Sums straight to each chunk's owner").
+
+    Summing straight, member j owns a chunk in proportion to weights[j] (chunk_bounds; equal
+    chunks without weights): a member that computes less sums less, and every member still
+    ends with the same bits, since each element is summed in group order whoever sums it.
+    Every member must pass the same weights."""
     n = len(group)
     if n == 1:
         return flat
     if n <= DIRECT_REDUCE_MAX:
-        return await _direct(ep, group, key, flat, timeout)
+        return await _direct(ep, group, key, flat, timeout, weights)
     if n & (n - 1) == 0:
         return await _halving_doubling(ep, group, key, flat, timeout)
     return await _ring(ep, group, key, flat, timeout)
@@ -131,13 +136,34 @@ async def _halving_doubling(ep: Endpoint, group: list[str], key: tuple, flat: to
     return flat
 
 
-async def _direct(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor, timeout: float) -> torch.Tensor:
+def chunk_bounds(numel: int, n: int, weights: list[int] | None = None) -> list[int]:
+    """Where each of n members' chunks of a sum of `numel` elements begins (and, last, where the
+    last ends): equal chunks, or chunks in proportion to `weights`.
+
+    A member's part of a sum straight to each chunk's owner is its own chunk c_j, summed from
+    every member's and sent back to each, and what it sends and receives of the other chunks:
+    2(S - c_j) + 2(g - 1)c_j elements moved of a sum of S over g members. With equal chunks every
+    member moves 4(g - 1)/g S; with chunks by the samples each computes, a device that computes
+    little moves little more than its gradient out and the sums in (2S)."""
+    if not weights or len(set(weights)) == 1:
+        return [round(i * numel / n) for i in range(n + 1)]
+    if len(weights) != n or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"chunk weights {weights} for {n} members")
+    total, ends, run = sum(weights), [0], 0
+    for w in weights:
+        run += w
+        ends.append(round(run * numel / total))
+    return ends
+
+
+async def _direct(ep: Endpoint, group: list[str], key: tuple, flat: torch.Tensor, timeout: float,
+                  weights: list[int] | None = None) -> torch.Tensor:
     """Reduce-scatter straight to each chunk's owner, then all-gather straight from it: each
     member sends chunk j to member j, sums its own chunk from every member's in group order,
     and sends the sum to every other. A member waits for no partner's earlier round."""
     n = len(group)
     me = group.index(ep.name)
-    bounds = [round(i * flat.numel() / n) for i in range(n + 1)]
+    bounds = chunk_bounds(flat.numel(), n, weights)
     chunks = [flat[bounds[i]:bounds[i + 1]] for i in range(n)]
     mine = chunks[me]
 

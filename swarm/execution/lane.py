@@ -56,15 +56,17 @@ class LaneOffer(NamedTuple):
 
 
 def direct_sum(me: int, outs: list[Lane | None], intos: list[Lane | None], key: list, flat: torch.Tensor,
-               sender: ThreadPoolExecutor, timeout: float | None) -> None:
+               sender: ThreadPoolExecutor, timeout: float | None, weights: list[int] | None = None) -> None:
     """collectives._direct on lanes, in the calling thread (receiving) and `sender`'s: the
-    sum of `flat` over the group, made in `flat`. outs[j] and intos[j]: the lanes to and from
-    member j (None for ourselves)."""
+    sum of `flat` over the group, made in `flat`, member j owning the chunk chunk_bounds gives
+    it for `weights`. outs[j] and intos[j]: the lanes to and from member j (None for ourselves)."""
     import torch  # (here: the bandwidth probe uses lanes without loading torch)
+
+    from swarm.execution.collectives import chunk_bounds
 
     n = len(outs)
     data = flat.numpy()
-    bounds = [round(i * flat.numel() / n) for i in range(n + 1)]
+    bounds = chunk_bounds(flat.numel(), n, weights)
     chunks = [flat[bounds[i]:bounds[i + 1]] for i in range(n)]
     arrays = [data[bounds[i]:bounds[i + 1]] for i in range(n)]
     mine = chunks[me]
@@ -157,10 +159,10 @@ class SumLanes:
         self.out[(stage, name)] = Lane(conn, name, self.job_id, self.epoch)
 
     async def allreduce(self, stage: int, group: list[str], key: tuple, flat: torch.Tensor,
-                        timeout: float = math.inf) -> torch.Tensor:
+                        timeout: float = math.inf, weights: list[int] | None = None) -> torch.Tensor:
         """The sum of `flat` (1-D, on the host) over `group`, made in `flat`; the same bits as
-        collectives.allreduce_sum's direct sum. Calls for one stage must come one at a time,
-        in the same order on every member."""
+        collectives.allreduce_sum's direct sum, with chunks owned by `weights` as there. Calls
+        for one stage must come one at a time, in the same order on every member."""
         if self.broken is None:
             try:
                 await self._ready(stage, group, timeout)
@@ -187,7 +189,7 @@ class SumLanes:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(shut_when_cancelled)
             try:
-                await trio.to_thread.run_sync(direct_sum, me, outs, intos, [*key], flat, sender, wait)
+                await trio.to_thread.run_sync(direct_sum, me, outs, intos, [*key], flat, sender, wait, weights)
             except (LaneBroken, TimeoutError) as exc:
                 failure = exc
             finished = True

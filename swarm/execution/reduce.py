@@ -7,7 +7,9 @@ counts too.
 Where the endpoint has gradient-sum lanes (a run over the network: swarm/execution/lane.py)
 and the group sums straight (up to DIRECT_REDUCE_MAX members), the sums go on the lanes, one
 bucket after another in the plan's order (Stage.sum_order: by default top layer first), and
-their bytes never pass through the event loop; the result is the same bits."""
+their bytes never pass through the event loop; the result is the same bits. Summing straight,
+each member owns a chunk of every bucket in proportion to the samples it computes a step
+(Stage.sum_weights): a slow device that computes little sums little."""
 from __future__ import annotations
 
 import math
@@ -24,9 +26,11 @@ from swarm.local.compute_device import to_host
 class GradReducer:
     def __init__(self, endpoint, group: list[str], key: tuple, net: torch.nn.Module, first: int, last: int,
                  nursery: trio.Nursery, timeout: float = math.inf, token=None, parts: int = 1, lanes=None,
-                 stage: int = 0, sum_order: list[int] | None = None):
+                 stage: int = 0, sum_order: list[int] | None = None, weights: dict[str, int] | None = None):
         self.ep = endpoint
         self.group = group
+        # the chunks each member owns, by the samples it computes (Stage.sum_weights; the same on every member)
+        self.weights = [weights[d] for d in group] if weights and all(d in weights for d in group) else None
         self.key = key  # ("grads", step, stage)
         self.nursery = nursery
         self.timeout = timeout
@@ -103,12 +107,14 @@ class GradReducer:
         t0 = trio.current_time()
         flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params])
         if self.lanes is None:
-            total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), to_host(flat), self.timeout)
+            total = await allreduce_sum(self.ep, self.group, (*self.key, bucket), to_host(flat), self.timeout,
+                                        self.weights)
         else:
             turn = self.order.index(bucket)
             if turn:
                 await self.lane_done[self.order[turn - 1]].wait()
-            total = await self.lanes.allreduce(self.stage, self.group, (*self.key, bucket), to_host(flat), self.timeout)
+            total = await self.lanes.allreduce(self.stage, self.group, (*self.key, bucket), to_host(flat), self.timeout,
+                                               self.weights)
             self.lane_done[bucket].set()
         offset = 0
         for q in params:  # the sum's own storage, a slice per parameter (the step sets grads to None)

@@ -364,7 +364,8 @@ class DeviceWorker:
         parts = len([part for part in self.parts if part.stage == p])
         return GradReducer(self.ep, self.group_of(p), channels.grads(step, p), copy.net, copy.stage.first,
                            copy.stage.last, self.nursery, self.job.timeout_s, self.token, parts,
-                           getattr(self.ep, "lanes", None), p, copy.stage.sum_order)
+                           getattr(self.ep, "lanes", None), p, copy.stage.sum_order,
+                           self.plan.stages[p].sum_weights(self.plan.microbatches))
 
     async def run_stage(self, step: int, p: int, losses: list[float]) -> None:
         """The 1F1B schedule of this device's parts of stage p for one step. During the last
